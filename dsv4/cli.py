@@ -1,0 +1,109 @@
+"""The ``dsv4`` command line: generate, serve, make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``generate`` and ``serve``."""
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: the embedded tiny checkpoint)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default per device)")
+    p.add_argument("--numerics", default="bf16", choices=["bf16", "official"],
+                   help="official: DeepSeek's run-time fake quantization")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options of ``args`` that were set."""
+    names = ("device", "dtype", "numerics", "kv_cache_dtype", "max_num_seqs",
+             "max_num_batched_tokens", "max_model_len", "seed")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dsv4 import LLM, SamplingParams
+
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    prompts = args.prompt or ["The quick brown fox"]
+    if args.chat:
+        outs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0]
+                for p in prompts]
+    else:
+        outs = llm.generate(prompts, params)
+    for out in outs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+                              "token_ids": out.outputs[0].token_ids,
+                              "finish_reason": out.outputs[0].finish_reason}))
+        else:
+            print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from dsv4.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(args.out, variant=args.variant, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dsv4.server.cli import run_serve
+
+    return run_serve(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(g)
+    g.add_argument("prompt", nargs="*", help="prompts (default: one example prompt)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    g.add_argument("--json", action="store_true", help="one JSON object per output")
+    g.set_defaults(func=_generate)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the official format")
+    t.add_argument("out")
+    t.add_argument("--variant", default="v4", choices=["v4", "v4-base", "v4-bf16", "v41"])
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_make_tiny)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from dsv4.server.cli import add_serve_args
+
+        add_serve_args(s)
+    except ImportError:  # server extras missing: fail only when `serve` is used
+        add_engine_args(s)
+    s.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dsv4: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
