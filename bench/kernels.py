@@ -1,0 +1,299 @@
+"""Time the Triton kernels at V4-Flash shapes against the H200 roofline.
+
+    PYTHONPATH=. python bench/kernels.py [--sweep] [--out results.json]
+
+Per op and shape: the kernel's device time (CUDA-graph replay, inputs rotated over enough
+copies to defeat the 60 MB L2), the eager time (``triton.testing.do_bench`` median: includes the
+Python launch), a torch baseline (eager), the bytes and FLOPs it must move/do, the floor
+``max(bytes / 4.29 TB/s, FLOPs / peak)`` (peak: 1459 TFLOP/s fp8, 792 bf16, per shared/GPU.md)
+and time / floor.  ``--sweep`` also times tile-plan candidates and prints the best per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+import triton
+
+from dsv4 import formats
+from dsv4.ops import torch_attn, torch_dense
+from dsv4.ops import triton_attn as ta
+from dsv4.ops import triton_dense as td
+
+BW = 4.29e12
+PEAK = {"fp8": 1459e12, "bf16": 792e12, "fp32": 792e12}
+L2_BYTES = 60 << 20
+DEV = "cuda"
+
+
+def copies_for(nbytes: int) -> int:
+    """How many input sets to rotate so one pass over them overflows L2 (capped)."""
+    return max(1, min(16, -(-4 * L2_BYTES // max(1, nbytes))))
+
+
+def time_graph(calls: list[Callable[[], object]], target_ms: float = 3.0) -> float:
+    """Median device time (µs) of one call, from CUDA-graph replays cycling through ``calls``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls * 2:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    # Estimate one call to size the graph.
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for f in calls:
+        f()
+    t1.record()
+    torch.cuda.synchronize()
+    per = max(t0.elapsed_time(t1) / len(calls), 1e-3)
+    n = max(len(calls), min(2000, int(target_ms / per)))
+    n = -(-n // len(calls)) * len(calls)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            calls[i % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        t0.record()
+        g.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / n)
+    return statistics.median(times)
+
+
+def time_eager(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def row(op: str, shape: str, t_us: float, eager_us: float | None, base_us: float | None,
+        nbytes: float, flops: float, kind: str, note: str = "") -> dict:
+    floor = max(nbytes / BW, flops / PEAK[kind]) * 1e6
+    return dict(op=op, shape=shape, us=t_us, eager_us=eager_us, torch_us=base_us,
+                bytes=nbytes, flops=flops, floor_us=floor, ratio=t_us / floor, note=note)
+
+
+# ----------------------------------------------------------------------------- fp8_linear
+FP8_DECODE = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096),
+              ("wo_b", 4096, 8192), ("shared_w1", 2048, 4096), ("idx_wq_b", 8192, 1024)]
+FP8_PREFILL = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192)]
+
+
+def _fp8_inputs(M: int, N: int, K: int, ncopy: int):
+    sets = []
+    for _ in range(ncopy):
+        w8 = (torch.randn(N, K, device=DEV) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        ws = torch.randint(115, 121, (N // 128, K // 128), device=DEV, dtype=torch.uint8)
+        x = torch.randn(M, K, device=DEV).bfloat16()
+        sets.append((x, w8, ws.view(torch.float8_e8m0fnu)))
+    return sets
+
+
+def bench_fp8(M: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict, list]:
+    wbytes = N * K + (N // 128) * (K // 128)
+    sets = _fp8_inputs(M, N, K, copies_for(wbytes + M * K * 2))
+    calls = [lambda s=s: td.fp8_linear(s[0], s[1], s[2], 128, torch.bfloat16) for s in sets]
+    t = time_graph(calls)
+    x, w8, ws = sets[0]
+    eager = time_eager(lambda: td.fp8_linear(x, w8, ws, 128, torch.bfloat16))
+    wbf = formats.dequant_fp8_block(w8, ws, 128).to(torch.bfloat16)
+    base = time_eager(lambda: torch.nn.functional.linear(x, wbf))
+    nbytes = wbytes + M * K * 2 + M * N * 2
+    r = row("fp8_linear", f"{name} M={M} N={N} K={K}", t, eager, base, nbytes, 2 * M * N * K,
+            "fp8", f"plan {asdict(td.pick_fp8_config(M, N, K, 128, x.device))}; torch = bf16 "
+            "F.linear on a pre-dequantized weight")
+    tried = []
+    if sweep:
+        if M <= 64:
+            cands = [td.Fp8GemmConfig(BM=max(16, triton.next_power_of_2(M)), BN=bn, split_k=sp,
+                                      num_warps=nw, num_stages=st)
+                     for bn in (32, 64, 128) for sp in (1, 2, 4, 8) for nw in (4,)
+                     for st in (3, 5)]
+        else:
+            cands = [td.Fp8GemmConfig(BM=bm, BN=bn, num_warps=nw, num_stages=st, fuse_quant=False)
+                     for bm, bn, nw, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+                                            (64, 128, 4, 4), (128, 128, 4, 4), (256, 128, 8, 3))]
+        for cfg in cands:
+            try:
+                cc = [lambda s=s, c=cfg: td.fp8_linear_with_config(s[0], s[1], s[2], 128,
+                                                                   torch.bfloat16, c)
+                      for s in sets]
+                tried.append((time_graph(cc, 1.5), asdict(cfg)))
+            except Exception as e:  # a plan that does not compile/fit: report and go on
+                tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+    return r, tried
+
+
+# ----------------------------------------------------------------------------- sparse_attn
+def bench_attn(T: int, Ka: int, Kb: int, sweep: bool) -> tuple[dict, list]:
+    H, d = 64, 512
+    per_set = T * (Ka + Kb) * d * 2
+    sets = []
+    for _ in range(copies_for(per_set)):
+        q = torch.randn(T, H, d, device=DEV).bfloat16()
+        kv_a = torch.randn(max(4096, T * 8), d, device=DEV).bfloat16()
+        kv_b = torch.randn(max(65536, T * 64), d, device=DEV).bfloat16()
+        idx_a = torch.randint(0, kv_a.shape[0], (T, Ka), device=DEV, dtype=torch.int32)
+        idx_b = torch.randint(0, kv_b.shape[0], (T, Kb), device=DEV, dtype=torch.int32)
+        sets.append((q, kv_a, idx_a, kv_b, idx_b))
+    sink = torch.randn(H, device=DEV)
+    sc = d ** -0.5
+    calls = [lambda s=s: ta.sparse_attn(s[0], s[1], s[2], s[3], s[4], sink, sc) for s in sets]
+    t = time_graph(calls)
+    s0 = sets[0]
+    eager = time_eager(lambda: ta.sparse_attn(*s0[:5], sink, sc))
+    base = time_eager(lambda: torch_attn.sparse_attn(*s0[:5], sink, sc)) if T <= 256 else None
+    nbytes = per_set + 2 * T * H * d * 2 + T * (Ka + Kb) * 4
+    flops = 4 * T * H * (Ka + Kb) * d
+    r = row("sparse_attn", f"T={T} H={H} d={d} Ka={Ka} Kb={Kb}", t, eager, base, nbytes, flops,
+            "bf16", f"plan {asdict(ta.pick_attn_config(H, d, q.device))}; torch = twin (fp32)")
+    tried = []
+    if sweep:
+        for bh, bn, nw, st in ((16, 64, 8, 1), (16, 64, 8, 2), (16, 32, 4, 1), (16, 32, 4, 2),
+                               (16, 64, 4, 2), (32, 64, 8, 1), (32, 32, 8, 2), (64, 32, 8, 1),
+                               (16, 128, 8, 1)):
+            cfg = ta.AttnConfig(BH=bh, BN=bn, num_warps=nw, num_stages=st)
+            try:
+                cc = [lambda s=s, c=cfg: ta.sparse_attn_with_config(s[0], s[1], s[2], s[3], s[4],
+                                                                    sink, sc, None, c)
+                      for s in sets]
+                tried.append((time_graph(cc, 1.5), asdict(cfg)))
+            except Exception as e:
+                tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+    return r, tried
+
+
+# ----------------------------------------------------------------------------- indexer
+def bench_indexer(T: int, L: int) -> dict:
+    h, dI = 64, 128
+    per_set = T * L * dI * 2
+    sets = []
+    for _ in range(copies_for(per_set)):
+        keys = torch.randn(max(L * 2, 65536), dI, device=DEV).bfloat16()
+        q = torch.randn(T, h, dI, device=DEV).bfloat16()
+        w = torch.randn(T, h, device=DEV)
+        rows = torch.randint(0, keys.shape[0], (T, L), device=DEV)
+        n_vis = torch.full((T,), L, device=DEV, dtype=torch.int64)
+        sets.append((q, w, keys, rows, n_vis))
+    calls = [lambda s=s: ta.indexer_scores(*s) for s in sets]
+    t = time_graph(calls)
+    eager = time_eager(lambda: ta.indexer_scores(*sets[0]))
+    base = time_eager(lambda: torch_attn.indexer_scores(*sets[0])) if T * L <= 1 << 22 else None
+    nbytes = per_set + T * h * dI * 2 + T * L * (4 + 8)
+    return row("indexer_scores", f"T={T} h={h} dI={dI} L={L}", t, eager, base, nbytes,
+               2 * T * h * L * dI, "bf16", "torch = twin (fp32)")
+
+
+# ----------------------------------------------------------------------------- mHC
+def bench_hc(T: int) -> list[dict]:
+    n, D = 4, 4096
+    per_set = T * n * D * 2
+    sets = []
+    for _ in range(copies_for(per_set)):
+        x = torch.randn(T, n, D, device=DEV).bfloat16()
+        out = torch.randn(T, D, device=DEV).bfloat16()
+        sets.append((x, out))
+    fn = torch.randn(24, n * D, device=DEV) * 0.02
+    scale = torch.rand(3, device=DEV) + 0.5
+    base = torch.randn(24, device=DEV)
+    post = torch.rand(T, n, device=DEV)
+    comb = torch.rand(T, n, n, device=DEV)
+    fh, sh, bh = torch.randn(n, n * D, device=DEV) * 0.02, torch.ones(1, device=DEV), torch.zeros(
+        n, device=DEV)
+    x0, out0 = sets[0]
+    rows = []
+    t = time_graph([lambda s=s: td.hc_pre(s[0], fn, scale, base, 1e-6, 1e-6, 20) for s in sets])
+    rows.append(row("hc_pre", f"T={T} n={n} D={D}", t,
+                    time_eager(lambda: td.hc_pre(x0, fn, scale, base, 1e-6, 1e-6, 20)),
+                    time_eager(lambda: torch_dense.hc_pre(x0, fn, scale, base, 1e-6, 1e-6, 20)),
+                    per_set + fn.numel() * 4 + T * D * 2, 2 * T * 24 * n * D, "fp32",
+                    "x is read twice (mix pass + collapse pass)"))
+    t = time_graph([lambda s=s: td.hc_post(s[1], s[0], post, comb) for s in sets])
+    rows.append(row("hc_post", f"T={T} n={n} D={D}", t,
+                    time_eager(lambda: td.hc_post(out0, x0, post, comb)),
+                    time_eager(lambda: torch_dense.hc_post(out0, x0, post, comb)),
+                    2 * per_set + T * D * 2, 2 * T * n * (n + 1) * D, "fp32"))
+    t = time_graph([lambda s=s: td.hc_head(s[0], fh, sh, bh, 1e-6, 1e-6) for s in sets])
+    rows.append(row("hc_head", f"T={T} n={n} D={D}", t,
+                    time_eager(lambda: td.hc_head(x0, fh, sh, bh, 1e-6, 1e-6)),
+                    time_eager(lambda: torch_dense.hc_head(x0, fh, sh, bh, 1e-6, 1e-6)),
+                    per_set + fh.numel() * 4 + T * D * 2, 2 * T * n * n * D, "fp32"))
+    return rows
+
+
+def fmt(r: dict) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:9.1f}"
+    return (f"{r['op']:<15} {r['shape']:<42} {f(r['us'])} {f(r['eager_us'])} {f(r['torch_us'])} "
+            f"{r['bytes'] / 1e6:10.2f} {r['flops'] / 1e9:10.2f} {r['floor_us']:9.2f} "
+            f"{r['ratio']:6.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also time tile-plan candidates")
+    ap.add_argument("--out", default=None, help="write all rows (and sweeps) as JSON here")
+    ap.add_argument("--only", default="", help="comma list of ops to run (default: all)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    only = set(filter(None, args.only.split(",")))
+    torch.manual_seed(0)
+    rows, sweeps = [], []
+
+    def want(op: str) -> bool:
+        return not only or op in only
+
+    def add(r: dict, tried: list | None = None) -> None:
+        rows.append(r)
+        print(fmt(r), flush=True)
+        if tried:
+            tried.sort(key=lambda x: x[0])
+            sweeps.append(dict(op=r["op"], shape=r["shape"], tried=tried))
+            for t, c in tried[:3]:
+                print(f"    sweep {t:9.1f} us  {c}", flush=True)
+
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    hdr = (f"{'op':<15} {'shape':<42} {'us':>9} {'eager_us':>9} {'torch_us':>9} {'MB':>10} "
+           f"{'GFLOP':>10} {'floor_us':>9} {'ratio':>6}")
+    print(hdr, flush=True)
+    if want("fp8_linear"):
+        for M in (1, 16, 64):
+            for name, N, K in FP8_DECODE:
+                add(*bench_fp8(M, name, N, K, args.sweep and M in (1, 64)))
+        for name, N, K in FP8_PREFILL:
+            add(*bench_fp8(4096, name, N, K, args.sweep))
+    if want("sparse_attn"):
+        for T in (1, 16, 64, 1024, 4096):
+            add(*bench_attn(T, 128, 512, args.sweep and T in (1, 64, 4096)))
+    if want("indexer_scores"):
+        for T, L in ((1, 8192), (1, 65536), (64, 8192), (4096, 1024)):
+            add(bench_indexer(T, L))
+    if want("hc"):
+        for T in (1, 64, 4096):
+            for r in bench_hc(T):
+                add(r)
+    print("\n" + hdr)
+    for r in rows:
+        print(fmt(r))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, rows=rows, sweeps=sweeps), f, indent=1,
+                      default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

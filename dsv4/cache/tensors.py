@@ -1,0 +1,264 @@
+"""HybridCache: the device tensors of every cache kind (docs/ARCHITECTURE.md, spec Appendix A).
+
+One logical page = ``page_size`` tokens; page id p addresses every paged pool at once:
+
+* compressed KV of a layer with its own compressor (ratio r): ``[num_pages, page_size // r, hd]``;
+  entry j of a request lives at page ``block_table[j // (page_size // r)]``, row
+  ``j % (page_size // r)``;
+* indexer keys (V4 CSA layers; V4.1 KV-source layers): ``[num_pages, page_size // r, dI]``.
+
+Fixed-size per-request state, indexed by slot:
+
+* window ring, every layer: ``[num_slots, window_size, hd]``, row = position % window;
+* compressor carry-over per compressor (fp32): ``kv``/``score`` ``[num_slots, coff·r, coff·d]``;
+  rows ``[0:r]`` hold the previous complete group (overlapping ratio-4 compressor only), rows
+  ``[off : off + r]`` (off = r with overlap, else 0) the current partial group; the score rows
+  include the position bias ``ape`` and start at −inf.
+
+Layers that read another layer's pools (V4.1 reuse/reindex roles) look them up by the source
+layer: ``compressed_pool(layer)`` / ``index_key_pool(layer)`` resolve the source through the
+config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from dsv4.config import ModelConfig
+
+__all__ = ["HybridCache", "CompressorSpec", "CompressorState", "compressor_specs"]
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """Shape facts of one compressor: ``name`` is "attn" (the layer's KV compressor) or
+    "index" (the V4 indexer's own compressor)."""
+
+    name: str
+    ratio: int
+    dim: int
+    overlap: bool
+
+    @property
+    def coff(self) -> int:
+        return 2 if self.overlap else 1
+
+    @property
+    def state_rows(self) -> int:
+        return self.coff * self.ratio
+
+    @property
+    def state_width(self) -> int:
+        return self.coff * self.dim
+
+    @property
+    def partial_offset(self) -> int:
+        """First state row of the current partial group."""
+        return self.ratio if self.overlap else 0
+
+
+def compressor_specs(cfg: ModelConfig, layer: int) -> list[CompressorSpec]:
+    """The compressors that layer ``layer`` owns (and so the carry-over states it needs)."""
+    r = cfg.compressor_ratio(layer)
+    if r <= 0:
+        return []
+    if cfg.is_v41:
+        # V4.1 compressor v2: no overlap; ratio 1 keeps no state (every token is an entry).
+        return [CompressorSpec("attn", r, cfg.head_dim, False)] if r > 1 else []
+    specs = [CompressorSpec("attn", r, cfg.head_dim, r == 4)]
+    if cfg.has_indexer(layer):
+        specs.append(CompressorSpec("index", r, cfg.index_head_dim, True))
+    return specs
+
+
+def _owns_index_keys(cfg: ModelConfig, layer: int) -> bool:
+    if cfg.is_v41:
+        return layer in cfg.kv_source_layers
+    return cfg.has_indexer(layer)
+
+
+@dataclass
+class CompressorState:
+    """Carry-over rows of one compressor for every slot (fp32)."""
+
+    spec: CompressorSpec
+    kv: Tensor      # [num_slots, coff·r, coff·d]
+    score: Tensor   # [num_slots, coff·r, coff·d], −inf where empty
+
+    def reset(self, slots: Tensor) -> None:
+        self.kv.index_fill_(0, slots, 0.0)
+        self.score.index_fill_(0, slots, float("-inf"))
+
+
+class HybridCache:
+    """All cache tensors of a model: paged pools, window rings and compressor states.
+
+    Build with :meth:`allocate`.  ``layers`` are the layer ids that get caches (by default the
+    backbone layers ``0 .. n_layers−1``; MTP/DSpark stage ids may be added).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, num_slots: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device | str,
+                 layers: Iterable[int] | None = None) -> None:
+        if num_pages < 0 or num_slots <= 0:
+            raise ValueError(f"HybridCache: need num_pages >= 0 and num_slots > 0; got "
+                             f"num_pages={num_pages}, num_slots={num_slots}")
+        _check_page_size(cfg, page_size)
+        self.cfg = cfg
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.layers = tuple(range(cfg.n_layers) if layers is None else layers)
+        n_total = len(cfg.compress_ratios)
+        for layer in self.layers:
+            if not 0 <= layer < n_total:
+                raise ValueError(f"HybridCache: layer id {layer} out of range 0..{n_total - 1}")
+        W, hd = cfg.window_size, cfg.head_dim
+        kw = dict(dtype=dtype, device=self.device)
+        self.window: dict[int, Tensor] = {}
+        self.compressed: dict[int, Tensor] = {}
+        self.index_keys: dict[int, Tensor] = {}
+        self.states: dict[tuple[int, str], CompressorState] = {}
+        for layer in self.layers:
+            self.window[layer] = torch.zeros(num_slots, W, hd, **kw)
+            r = cfg.compressor_ratio(layer)
+            if r > 0:
+                self.compressed[layer] = torch.zeros(num_pages, page_size // r, hd, **kw)
+                if _owns_index_keys(cfg, layer):
+                    self.index_keys[layer] = torch.zeros(num_pages, page_size // r,
+                                                         cfg.index_head_dim, **kw)
+            for spec in compressor_specs(cfg, layer):
+                shape = (num_slots, spec.state_rows, spec.state_width)
+                self.states[(layer, spec.name)] = CompressorState(
+                    spec,
+                    torch.zeros(shape, dtype=torch.float32, device=self.device),
+                    torch.full(shape, float("-inf"), dtype=torch.float32, device=self.device))
+
+    # ------------------------------------------------------------------ construction / sizing
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_pages: int, num_slots: int, page_size: int = 256,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 layers: Iterable[int] | None = None) -> "HybridCache":
+        """Allocate every pool and state tensor (zeros; compressor scores −inf)."""
+        return cls(cfg, num_pages, num_slots, page_size, dtype, device, layers)
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int = 256,
+                       dtype: torch.dtype = torch.bfloat16,
+                       layers: Iterable[int] | None = None) -> int:
+        """Bytes of one logical page summed over every paged pool."""
+        _check_page_size(cfg, page_size)
+        item = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in (range(cfg.n_layers) if layers is None else layers):
+            r = cfg.compressor_ratio(layer)
+            if r > 0:
+                total += (page_size // r) * cfg.head_dim * item
+                if _owns_index_keys(cfg, layer):
+                    total += (page_size // r) * cfg.index_head_dim * item
+        return total
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                       layers: Iterable[int] | None = None) -> int:
+        """Bytes of one request's fixed-size state (window rings + fp32 compressor rows)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for layer in (range(cfg.n_layers) if layers is None else layers):
+            total += cfg.window_size * cfg.head_dim * item
+            for spec in compressor_specs(cfg, layer):
+                total += 2 * spec.state_rows * spec.state_width * 4
+        return total
+
+    # ------------------------------------------------------------------ access
+    def window_ring(self, layer: int) -> Tensor:
+        """[num_slots, window, hd] ring of layer ``layer``."""
+        try:
+            return self.window[layer]
+        except KeyError:
+            raise ValueError(f"HybridCache: no window ring for layer {layer}; cached layers: "
+                             f"{list(self.layers)}") from None
+
+    def _source(self, layer: int) -> int:
+        cfg = self.cfg
+        if cfg.is_v41 and cfg.ratio(layer) > 0:
+            return cfg.kv_source_of(layer)
+        return layer
+
+    def compressed_pool(self, layer: int) -> Tensor:
+        """[num_pages, page_size // r, hd] compressed entries that layer ``layer`` reads
+        (its own, or its KV source's for V4.1 reuse/reindex layers)."""
+        src = self._source(layer)
+        if src not in self.compressed:
+            raise ValueError(f"HybridCache: layer {layer} reads the compressed pool of layer "
+                             f"{src}, which has none (layers with pools: "
+                             f"{sorted(self.compressed)})")
+        return self.compressed[src]
+
+    def index_key_pool(self, layer: int) -> Tensor:
+        """[num_pages, page_size // r, dI] indexer keys that layer ``layer`` scores against."""
+        src = self._source(layer)
+        if src not in self.index_keys:
+            raise ValueError(f"HybridCache: layer {layer} reads the index keys of layer {src}, "
+                             f"which has none (layers with keys: {sorted(self.index_keys)})")
+        return self.index_keys[src]
+
+    def compressor_state(self, layer: int, name: str = "attn") -> CompressorState:
+        """Carry-over state of compressor ``name`` ("attn" or "index") of layer ``layer``."""
+        try:
+            return self.states[(layer, name)]
+        except KeyError:
+            raise ValueError(f"HybridCache: layer {layer} has no {name!r} compressor state") \
+                from None
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset_slots(self, slots: Iterable[int] | Tensor) -> None:
+        """Clear the carry-over state (and window rows) of slots being (re)used."""
+        idx = torch.as_tensor(list(slots) if not isinstance(slots, Tensor) else slots,
+                              dtype=torch.int64, device=self.device)
+        if idx.numel() == 0:
+            return
+        if int(idx.min()) < 0 or int(idx.max()) >= self.num_slots:
+            raise ValueError(f"HybridCache.reset_slots: slot ids must be in 0..{self.num_slots - 1}"
+                             f"; got {idx.tolist()}")
+        for ring in self.window.values():
+            ring.index_fill_(0, idx, 0.0)
+        for state in self.states.values():
+            state.reset(idx)
+
+    def check_step(self, seqlens: list[int], start_pos: list[int], slots: list[int],
+                   block_tables: list[list[int]]) -> None:
+        """Raise a ValueError unless every request's slot and pages cover its tokens."""
+        for i, (n, s, slot, bt) in enumerate(zip(seqlens, start_pos, slots, block_tables)):
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"request {i}: slot {slot} not in 0..{self.num_slots - 1}")
+            if not self.compressed and not self.index_keys:
+                continue
+            need = (s + n + self.page_size - 1) // self.page_size
+            pages = bt[:need]
+            if len(pages) < need or any(not 0 <= p < self.num_pages for p in pages):
+                raise ValueError(f"request {i}: block table {bt[:need + 1]} does not cover "
+                                 f"{s + n} tokens with {need} valid pages of {self.page_size} "
+                                 f"(num_pages={self.num_pages})")
+
+    def memory_bytes(self) -> int:
+        """Bytes held by every tensor of this cache."""
+        ts = list(self.window.values()) + list(self.compressed.values())
+        ts += list(self.index_keys.values())
+        ts += [t for s in self.states.values() for t in (s.kv, s.score)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _check_page_size(cfg: ModelConfig, page_size: int) -> None:
+    if page_size <= 0:
+        raise ValueError(f"HybridCache: page_size must be positive; got {page_size}")
+    for r in cfg.all_ratios:
+        if page_size % r:
+            raise ValueError(f"HybridCache: page_size={page_size} must be a multiple of every "
+                             f"compression ratio {cfg.all_ratios}")

@@ -1,0 +1,392 @@
+"""LLMEngine: requests in, RequestOutputs out, one step at a time (the API the server drives).
+
+Each ``step()`` schedules a batch (decodes first, then chunked prefill), runs it through the
+model runner, appends the sampled tokens, detokenizes incrementally, applies stop conditions and
+returns the cumulative state of every request that produced a token or finished.
+
+Length policy (as vLLM's offline engine): a prompt longer than ``max_model_len`` is rejected;
+``max_tokens`` is not checked against the room left: generation simply ends with finish_reason
+"length" when prompt + output reaches ``max_model_len`` (``max_tokens=None`` means exactly that).
+An aborted request is freed at once and produces no further output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dsv4.cache.manager import CacheManager
+from dsv4.config import ModelConfig
+from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from dsv4.engine.runner import ModelRunner, StepResult, resolve_cache_dtype, size_cache
+from dsv4.engine.sampler import RowLogprobs
+from dsv4.engine.sampling_params import (CompletionOutput, Logprob, PositionLogprobs,
+                                         RequestMetrics, RequestOutput, SamplingParams)
+from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.sequence import Sequence
+
+log = logging.getLogger("dsv4")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineOptions:
+    """Engine options (keyword arguments of ``LLMEngine``), validated on construction.
+
+    ``dtype`` None means float32 on CPU and bfloat16 on CUDA; ``backend`` None means "torch" on
+    CPU and "triton" on CUDA; ``max_model_len`` None means min(config max, 8192).  Cache size:
+    ``num_pages``, or ``kv_cache_memory`` bytes, or (CUDA) ``gpu_memory_utilization``.
+    ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks).
+    """
+
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None
+    kv_cache_dtype: str = "auto"
+    numerics: str = "bf16"
+    backend: str | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    page_size: int = 256
+    num_pages: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    max_logprobs: int = 20
+    model: Any = field(default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "page_size", "max_logprobs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"engine option {name}={v!r} is invalid; allowed: an integer > 0")
+        for name in ("max_model_len", "num_pages", "kv_cache_memory"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"engine option {name}={v!r} is invalid; allowed: an integer > 0 "
+                                 "or None")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"engine option gpu_memory_utilization={self.gpu_memory_utilization!r}"
+                             " is invalid; allowed: a number in (0, 1]")
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"engine option kv_cache_dtype={self.kv_cache_dtype!r} is invalid; "
+                             "allowed: 'auto', 'bf16', 'fp8'")
+        if self.numerics not in ("bf16", "official"):
+            raise ValueError(f"engine option numerics={self.numerics!r} is invalid; allowed: "
+                             "'bf16', 'official'")
+        if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
+            raise ValueError(f"engine option dtype={self.dtype!r} is invalid; allowed: "
+                             f"{sorted(_DTYPES)}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineOptions":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
+
+
+class _Request:
+    """Engine-side state of one request: its sequences and what has been reported."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams, seqs: list[Sequence], detoks: list[IncrementalDetokenizer],
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs = seqs
+        self.detoks = detoks
+        self.logprobs: list[list[PositionLogprobs] | None] = [
+            [] if params.logprobs is not None else None for _ in seqs]
+        self.cumulative: list[float | None] = [
+            0.0 if params.logprobs is not None else None for _ in seqs]
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outs = []
+        for seq, det, lps, cum in zip(self.seqs, self.detoks, self.logprobs, self.cumulative):
+            outs.append(CompletionOutput(
+                index=seq.index, text=det.visible_text(seq.is_finished),
+                token_ids=seq.output_token_ids, cumulative_logprob=cum,
+                logprobs=list(lps) if lps is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            outputs=outs, finished=self.finished, metrics=dataclasses.replace(self.metrics))
+
+
+def _locked(method: Callable) -> Callable:
+    """Run an engine method under the engine's lock."""
+    @functools.wraps(method)
+    def wrapper(self: "LLMEngine", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+class LLMEngine:
+    """The serving core: scheduler + cache manager + model runner + detokenization.
+
+    Args:
+        model_path: checkpoint directory (config.json, safetensors, tokenizer).
+        **engine_options: see :class:`EngineOptions`.
+    """
+
+    def __init__(self, model_path: str, **engine_options: Any) -> None:
+        opts = EngineOptions.from_kwargs(**engine_options)
+        self.options = opts
+        self.model_path = model_path
+        device = torch.device(opts.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("engine option device='cuda' but CUDA is not available")
+        dtype = opts.torch_dtype(device)
+        cache_dtype = resolve_cache_dtype(opts.kv_cache_dtype, dtype, device)
+        self.device = device
+        self.config: ModelConfig = ModelConfig.from_file(model_path)
+        cfg = self.config
+        max_model_len = opts.max_model_len or min(cfg.max_position_embeddings, 8192)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        self.max_model_len = max_model_len
+
+        if opts.tokenizer is not None:
+            self.tokenizer = opts.tokenizer
+        else:
+            from dsv4.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(model_path)
+        if opts.model is not None:
+            self.model = opts.model
+        else:
+            from dsv4.model.transformer import load_model
+            backend = opts.backend or ("torch" if device.type == "cpu" else "triton")
+            self.model = load_model(model_path, device=device, dtype=dtype,
+                                    numerics=opts.numerics, backend=backend)
+
+        num_pages = size_cache(
+            cfg, device=device, cache_dtype=cache_dtype, page_size=opts.page_size,
+            num_slots=opts.max_num_seqs, max_model_len=max_model_len,
+            max_num_seqs=opts.max_num_seqs, num_pages=opts.num_pages,
+            kv_cache_memory=opts.kv_cache_memory,
+            gpu_memory_utilization=opts.gpu_memory_utilization)
+        self.manager = CacheManager(num_pages, opts.page_size, opts.max_num_seqs)
+        self.scheduler = Scheduler(self.manager, opts.max_num_batched_tokens, opts.max_num_seqs,
+                                   max_model_len)
+        self.runner = ModelRunner(self.model, cfg, device=device, cache_dtype=cache_dtype,
+                                  num_pages=num_pages, num_slots=opts.max_num_seqs,
+                                  page_size=opts.page_size, seed=opts.seed)
+        self.eos_token_id = cfg.eos_token_id
+        self._token_text = TokenTextCache(self.tokenizer)
+        self._requests: dict[str, _Request] = {}
+        # add/abort may come from other threads than the one calling step(); they wait for the
+        # step to end instead of changing queues under it.
+        self._lock = threading.RLock()
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
+                        "requests_aborted": 0, "steps": 0}
+        log.info("dsv4 engine: %d pages x %d tokens, %d slots, max_model_len %d, cache %s",
+                 num_pages, opts.page_size, opts.max_num_seqs, max_model_len, cache_dtype)
+
+    # ------------------------------------------------------------------ requests
+    @_locked
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, token_types: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request.  ``prompt`` is text (tokenized here) or token ids.
+
+        Raises ValueError for a duplicate id, an empty prompt, token ids outside the vocabulary,
+        a prompt longer than max_model_len, too many logprobs, or bad token_types.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text: str | None = None
+        if isinstance(prompt, str):
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
+                             f"vocabulary 0..{vocab - 1}")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: the prompt has {len(ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.options.max_logprobs:
+                raise ValueError(f"request {request_id!r}: {name}={k} exceeds the engine's "
+                                 f"max_logprobs={self.options.max_logprobs}")
+        if token_types is not None:
+            if not self.config.is_v41:
+                raise ValueError("token_types (image marks) are a V4.1 input; this model is "
+                                 f"{self.config.variant}")
+            if len(token_types) != len(ids):
+                raise ValueError(f"request {request_id!r}: token_types has {len(token_types)} "
+                                 f"entries for {len(ids)} prompt tokens")
+        arrival = self.scheduler.next_arrival()
+        seqs = [Sequence(request_id, i, ids, params, arrival,
+                         token_types=list(token_types) if token_types is not None else None)
+                for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs]
+        req = _Request(request_id, text, ids, params, seqs, detoks,
+                       time.monotonic() if arrival_time is None else arrival_time)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._requests[request_id] = req
+        self._totals["prompt_tokens"] += len(ids)
+
+    @_locked
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their cache is freed now."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.abort(rid)
+            for seq in req.seqs:
+                self.runner.release(seq.key)
+            self._totals["requests_aborted"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ one step
+    @_locked
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that produced a token or finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            req = self._requests[s.seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        for seq in out.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
+        result = self.runner.execute(out)
+        self.scheduler.update(out, result.sampled, self.eos_token_id)
+        self._totals["steps"] += 1
+        return self._process(out, result)
+
+    def _process(self, out: Any, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for s in out.scheduled:
+            seq = s.seq
+            req = self._requests[seq.request_id]
+            for pos, info in result.prompt_logprobs.get(seq.key, ()):
+                if pos == len(req.prompt_logprobs):  # a recompute does not add them twice
+                    req.prompt_logprobs.append(self._logprob_dict(info))
+                    seq.prompt_logprobs_next = pos + 1
+            if seq.key not in result.sampled:
+                continue
+            token = result.sampled[seq.key]
+            self._totals["generation_tokens"] += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            lp = result.logprobs.get(seq.key)
+            if lp is not None:
+                req.logprobs[seq.index].append(self._logprob_dict(lp))
+                req.cumulative[seq.index] += lp.token[1]
+            # An eos / stop token that ended the sequence adds no text (vLLM semantics).
+            ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            det = req.detoks[seq.index]
+            hit = det.add_token(token, suppress_text=ended_by_token
+                                and not seq.params.include_stop_str_in_output)
+            if hit is not None:
+                if seq.is_finished:  # finished by length on the same token: the stop wins
+                    seq.finish_reason, seq.stop_reason = "stop", hit
+                else:
+                    self.scheduler.finish(seq, "stop", hit)
+            touched[req.request_id] = req
+
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                self._requests.pop(req.request_id, None)
+                for seq in req.seqs:
+                    self.runner.release(seq.key)
+                self._totals["requests_finished"] += 1
+            outputs.append(req.output())
+        return outputs
+
+    def _logprob_dict(self, info: RowLogprobs) -> PositionLogprobs:
+        out: PositionLogprobs = {}
+        for tok, lp, rank in info.top:
+            out[tok] = Logprob(lp, rank, self._token_text(tok))
+        tok, lp, rank = info.token
+        if tok not in out:
+            out[tok] = Logprob(lp, rank, self._token_text(tok))
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    @_locked
+    def get_stats(self) -> dict[str, Any]:
+        """Queue lengths, cache usage and token totals."""
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_unfinished_requests": len(self._requests),
+            "cache_usage": self.manager.usage,
+            "num_pages": self.manager.num_pages,
+            "num_free_pages": self.manager.num_free_pages,
+            "page_size": self.manager.page_size,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self._totals["prompt_tokens"],
+            "generation_tokens_total": self._totals["generation_tokens"],
+            "requests_finished_total": self._totals["requests_finished"],
+            "requests_aborted_total": self._totals["requests_aborted"],
+            "steps_total": self._totals["steps"],
+        }
+
+    @_locked
+    def check_idle(self) -> None:
+        """Raise RuntimeError unless no request is left and every page and slot is free."""
+        if self._requests or self.scheduler.has_unfinished():
+            raise RuntimeError(f"engine not idle: {len(self._requests)} unfinished request(s) "
+                               f"({list(self._requests)[:5]}), {self.scheduler.num_running} "
+                               f"running, {self.scheduler.num_waiting} waiting")
+        self.manager.check_idle()

@@ -1,0 +1,201 @@
+"""V4 attention on the paged hybrid cache (spec §3.6; CSA §3.7–3.8, HCA §3.7).
+
+Per token: a low-rank query with per-head RMS renorm and RoPE on the tail; one shared KV head
+(K = V) from ``kv_norm(wkv(x))``.  The token attends to two sources in one softmax with a
+per-head sink: the raw KV of the last ``window_size`` positions of its request (this step's
+rows + the slot's window ring) and, on compressed layers, compressed entries from the paged
+pool (all visible entries for HCA, the indexer's top-k for CSA).  The output tail is rotated
+back by the query position, then goes through the grouped low-rank output projection.
+
+V4.1 roles (``cfg.attn_mode``: full / reindex / reuse) are not implemented here yet; the cache
+already resolves shared pools by source layer.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor, nn
+
+from dsv4.cache.tensors import HybridCache, compressor_specs
+from dsv4.config import ModelConfig
+from dsv4.model.compressor import Compressor, entry_pool_rows
+from dsv4.model.context import StepContext
+from dsv4.model.indexer import Indexer, visible_entries
+from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_inv_freq
+
+__all__ = ["Attention", "window_plan"]
+
+
+def window_plan(ctx: StepContext, window: int, decode_in_ring: bool) -> dict[str, Tensor]:
+    """Indices of the window source of one step, shared by every layer (memoized).
+
+    Workspace mode (``decode_in_ring`` False): the source is ``cat(ring rows of each request's
+    slot [R·W], this step's rows [T])`` and ``idx`` [T, Ka] points into it.  Ring mode (a
+    decode-only step): this step's rows are written into the ring first and ``idx`` points
+    straight into the flat ring [num_slots·W].  Either way token t at position p sees positions
+    ``max(0, p−W+1) .. p`` in ascending order, −1 after them.
+    Also returns ``ring_rows`` / ``ring_tokens``: where to store the newest W rows per request.
+    """
+    key = ("window", window, decode_in_ring)
+    if key in ctx.memo:
+        return ctx.memo[key]
+    W, dev = window, ctx.device
+    req = ctx.request_of_token
+    pos = ctx.positions
+    p0 = ctx.start_pos[req]
+    slot = ctx.slots[req]
+    Ka = min(W, max(ctx.end_pos_host))
+    count = torch.clamp(pos + 1, max=W)                                   # visible window rows
+    k = torch.arange(Ka, device=dev)
+    wpos = pos[:, None] - count[:, None] + 1 + k[None, :]                 # [T, Ka] ascending
+    valid = k[None, :] < count[:, None]
+    ring_row = slot[:, None] * W + wpos % W
+    if decode_in_ring:
+        idx = ring_row
+    else:
+        R = ctx.num_requests
+        step_row = R * W + ctx.cu_seqlens[req][:, None] + (wpos - p0[:, None])
+        idx = torch.where(wpos >= p0[:, None], step_row, req[:, None] * W + wpos % W)
+    idx = torch.where(valid, idx, -1).to(torch.int32)
+    end = (ctx.start_pos + ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1])[req]
+    keep = pos >= end - W                                                 # newest W per request
+    plan = {"idx": idx, "ring_tokens": torch.nonzero(keep).squeeze(1),
+            "ring_rows": (slot * W + pos % W)[keep]}
+    ctx.memo[key] = plan
+    return plan
+
+
+class Attention(nn.Module):
+    """One attention layer; parameter paths equal the official names under ``attn.``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str = "bf16",
+                 ops: SimpleNamespace | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if ops is None:
+            from dsv4.ops import get_ops
+            ops = get_ops("torch")
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.numerics = check_numerics(numerics)
+        self.ops = ops
+        self.dtype = dtype
+        self.mode = cfg.attn_mode(layer_id)
+        if self.mode not in ("swa", "csa", "hca"):
+            raise NotImplementedError(f"Attention(layer {layer_id}): V4.1 mode {self.mode!r} is "
+                                      f"not implemented yet")
+        self.ratio = cfg.ratio(layer_id)
+        self.n_heads = H = cfg.n_heads
+        self.head_dim = hd = cfg.head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.window = cfg.window_size
+        self.n_groups = cfg.o_groups
+        self.o_lora = cfg.o_lora_rank
+        self.scale = hd ** -0.5
+        qfmt = "fp8" if cfg.quantized else "bf16"
+        lin = dict(block=cfg.weight_block_size, numerics=numerics, dtype=dtype)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, fmt=qfmt, **lin)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops)
+        self.wq_b = Linear(cfg.q_lora_rank, H * hd, fmt=qfmt, **lin)
+        self.wkv = Linear(cfg.dim, hd, fmt=qfmt, **lin)
+        self.kv_norm = RMSNorm(hd, cfg.norm_eps, ops)
+        # wo_a is dequantized by the loader (spec §2.4 item 1): a dense GEMM, no act quant.
+        self.wo_a = Linear(H * hd // self.n_groups, self.n_groups * self.o_lora, fmt="bf16",
+                           **lin)
+        self.wo_b = Linear(self.n_groups * self.o_lora, cfg.dim, fmt=qfmt, **lin)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        for spec in compressor_specs(cfg, layer_id):
+            if spec.name == "attn":
+                self.compressor = Compressor(cfg, layer_id, spec, numerics, ops, dtype)
+        if cfg.has_indexer(layer_id):
+            self.indexer = Indexer(cfg, layer_id, numerics, ops, dtype)
+
+    # ------------------------------------------------------------------ helpers
+    def _rope(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
+        """cos/sin of this layer's table at the step's positions (shared by same-table layers)."""
+        freq = rope_inv_freq(self.cfg, self.layer_id, ctx.device)
+        key = ("rope", id(freq))
+        if key not in ctx.memo:
+            ctx.memo[key] = rope_cos_sin(self.cfg, self.layer_id, ctx.positions)
+        return ctx.memo[key]
+
+    def _window_source(self, kv: Tensor, ctx: StepContext, cache: HybridCache
+                       ) -> tuple[Tensor, Tensor]:
+        """(kv_a, idx_a) of the window branch; stores the newest W rows into the ring."""
+        ring = cache.window_ring(self.layer_id)
+        flat = ring.view(-1, self.head_dim)
+        decode = ctx.is_decode
+        plan = window_plan(ctx, self.window, decode)
+        if decode:
+            # One token per request: write first, then attend straight to the ring.
+            flat.index_copy_(0, plan["ring_rows"], kv.to(ring.dtype)[plan["ring_tokens"]])
+            return flat, plan["idx"]
+        source = torch.cat((ring[ctx.slots].view(-1, self.head_dim), kv.to(ring.dtype)), dim=0)
+        flat.index_copy_(0, plan["ring_rows"], kv.to(ring.dtype)[plan["ring_tokens"]])
+        return source, plan["idx"]
+
+    def _compressed_source(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
+                           cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """(kv_b, idx_b): the flat compressed pool and the rows each token attends to."""
+        pool = cache.compressed_pool(self.layer_id)
+        if self.compressor is not None:
+            self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool)
+        rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]  # [T, L]
+        if self.indexer is not None:
+            ids = self.indexer(x, qr, ctx, cache, cos, sin)                    # [T, k]
+            picked = rows.gather(1, ids.clamp_min(0)) if rows.shape[1] else ids
+            idx_b = torch.where(ids >= 0, picked, -1)
+        else:
+            n_visible = visible_entries(ctx, self.ratio)
+            j = torch.arange(rows.shape[1], device=x.device)
+            idx_b = torch.where(j[None, :] < n_visible[:, None], rows, -1)
+        return pool.view(-1, self.head_dim), idx_b.to(torch.int32)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> Tensor:
+        """x [T, D] (the normalized block input) -> [T, D]."""
+        T = x.shape[0]
+        if T != ctx.num_tokens:
+            raise ValueError(f"Attention(layer {self.layer_id}): x has {T} rows; the step has "
+                             f"{ctx.num_tokens} tokens")
+        if "checked" not in ctx.memo:
+            cache.check_step(ctx.seqlens_host, ctx.start_pos_host, ctx.slots_host,
+                             ctx.block_tables_host)
+            ctx.memo["checked"] = True
+        H, hd, rd = self.n_heads, self.head_dim, self.rope_dim
+        cos, sin = self._rope(ctx)
+
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(T, H, hd)
+        if not self.cfg.is_v41:
+            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
+        q = self.ops.apply_rope(q, cos, sin)
+
+        kv = self.ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.numerics == "official":
+            from dsv4.formats import fake_quant_fp8
+            if self.cfg.is_v41:
+                kv = fake_quant_fp8(kv, 32)
+            else:
+                kv = torch.cat((fake_quant_fp8(kv[:, :-rd], 64), kv[:, -rd:]), dim=-1)
+
+        kv_a, idx_a = self._window_source(kv, ctx, cache)
+        kv_b = idx_b = None
+        if self.ratio > 0:
+            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin)
+        if self.numerics == "official":
+            # bf16 P before P·V, as the reference kernel (spec §3.6.5)
+            o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
+                                     p_dtype=kv.dtype)
+        else:
+            o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale)
+        o = self.ops.apply_rope(o, cos, sin, inverse=True)
+
+        # Grouped low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major.
+        G = self.n_groups
+        wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
+        u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
+        return self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype))

@@ -1,0 +1,200 @@
+"""StepContext: what one forward step of the model processes (docs/ARCHITECTURE.md).
+
+A step holds the new tokens of R requests flattened into T tokens, in request order.  Request i
+owns rows ``cu_seqlens[i] : cu_seqlens[i+1]`` of the flat batch; its tokens sit at the contiguous
+positions ``start_pos[i] .. start_pos[i] + n_i - 1`` of its sequence.  Device tensors are what
+kernels read; the ``*_host`` lists are copies for the torch path so it never has to synchronise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepContext", "pages_needed"]
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Number of pages of ``page_size`` tokens that hold ``num_tokens`` tokens."""
+    return (num_tokens + page_size - 1) // page_size
+
+
+def _as_long(t: Tensor | Sequence[int], device: torch.device | str | None) -> Tensor:
+    if isinstance(t, Tensor):
+        return t.to(device=device, dtype=torch.int64) if device is not None else t.long()
+    return torch.tensor(list(t), dtype=torch.int64, device=device)
+
+
+@dataclass
+class StepContext:
+    """The tokens of one forward step and where their requests live in the cache.
+
+    Fields (torch tensors on the model's device unless noted):
+
+    * ``input_ids`` [T] int64, ``positions`` [T] int64 (absolute position in its sequence);
+    * ``cu_seqlens`` [R+1] int64, ``start_pos`` [R] int64 (tokens cached before this step);
+    * ``slots`` [R] int64 (state slot of each request in HybridCache);
+    * ``block_tables`` [R, max_pages] int64 (page ids, −1 where unused);
+    * ``logits_indices`` [N] int64 (rows whose logits are wanted);
+    * ``seqlens_host``, ``start_pos_host`` (list[int]): host copies;
+    * ``token_types`` [T] int64 or None (V4.1 image marks: −1 text, ≥ 0 image span).
+
+    Extra host copies (``slots_host``, ``block_tables_host``) are filled on construction when
+    not given; ``memo`` is a per-step scratch dict where layers share derived tensors (RoPE
+    tables, window indices) so that 40+ layers compute them once per step.
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    cu_seqlens: Tensor
+    start_pos: Tensor
+    slots: Tensor
+    block_tables: Tensor
+    logits_indices: Tensor
+    seqlens_host: list[int]
+    start_pos_host: list[int]
+    token_types: Tensor | None = None
+    slots_host: list[int] | None = None
+    block_tables_host: list[list[int]] | None = None
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        R = len(self.seqlens_host)
+        T = int(self.input_ids.shape[0])
+        if len(self.start_pos_host) != R:
+            raise ValueError(f"StepContext: start_pos_host has {len(self.start_pos_host)} entries; "
+                             f"expected one per request ({R})")
+        if sum(self.seqlens_host) != T:
+            raise ValueError(f"StepContext: seqlens_host sums to {sum(self.seqlens_host)}; expected "
+                             f"the number of tokens T={T}")
+        if any(n <= 0 for n in self.seqlens_host):
+            raise ValueError(f"StepContext: every request needs >= 1 token; seqlens_host="
+                             f"{self.seqlens_host}")
+        for name, t, shape in (("positions", self.positions, (T,)),
+                               ("cu_seqlens", self.cu_seqlens, (R + 1,)),
+                               ("start_pos", self.start_pos, (R,)),
+                               ("slots", self.slots, (R,))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"StepContext: {name} has shape {tuple(t.shape)}; expected {shape}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != R:
+            raise ValueError(f"StepContext: block_tables has shape {tuple(self.block_tables.shape)};"
+                             f" expected [R={R}, max_pages]")
+        if self.token_types is not None and tuple(self.token_types.shape) != (T,):
+            raise ValueError(f"StepContext: token_types has shape {tuple(self.token_types.shape)};"
+                             f" expected ({T},)")
+        if self.slots_host is None:
+            self.slots_host = [int(s) for s in self.slots.tolist()]
+        if self.block_tables_host is None:
+            self.block_tables_host = [[int(p) for p in row] for row in self.block_tables.tolist()]
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def build(cls, input_ids: Tensor | Sequence[int], seqlens: Sequence[int],
+              start_pos: Sequence[int], slots: Sequence[int],
+              block_tables: Sequence[Sequence[int]], *, logits_indices: Sequence[int] | None = None,
+              token_types: Tensor | Sequence[int] | None = None,
+              device: torch.device | str | None = None) -> "StepContext":
+        """Build a context from host lists (positions and offsets are derived).
+
+        ``block_tables`` rows may have different lengths; they are padded with −1.
+        ``logits_indices`` defaults to the last token of every request.
+        """
+        seqlens = [int(n) for n in seqlens]
+        start_pos = [int(s) for s in start_pos]
+        R = len(seqlens)
+        if not (len(start_pos) == len(slots) == len(block_tables) == R):
+            raise ValueError(f"StepContext.build: seqlens, start_pos, slots and block_tables must "
+                             f"have one entry per request; got {R}, {len(start_pos)}, {len(slots)},"
+                             f" {len(block_tables)}")
+        ids = _as_long(input_ids, device)
+        if device is None:
+            device = ids.device
+        cu = [0]
+        for n in seqlens:
+            cu.append(cu[-1] + n)
+        positions = [s + k for s, n in zip(start_pos, seqlens) for k in range(n)]
+        width = max([len(b) for b in block_tables] + [1])
+        bt = [[int(p) for p in b] + [-1] * (width - len(b)) for b in block_tables]
+        if logits_indices is None:
+            logits_indices = [c - 1 for c in cu[1:]]
+        tt = None if token_types is None else _as_long(token_types, device)
+        return cls(
+            input_ids=ids,
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
+            start_pos=torch.tensor(start_pos, dtype=torch.int64, device=device),
+            slots=torch.tensor([int(s) for s in slots], dtype=torch.int64, device=device),
+            block_tables=torch.tensor(bt, dtype=torch.int64, device=device),
+            logits_indices=torch.tensor(list(logits_indices), dtype=torch.int64, device=device),
+            seqlens_host=seqlens, start_pos_host=start_pos, token_types=tt,
+            slots_host=[int(s) for s in slots], block_tables_host=bt)
+
+    @classmethod
+    def single(cls, input_ids: Tensor | Sequence[int], start_pos: int = 0, page_size: int = 256,
+               token_types: Tensor | Sequence[int] | None = None,
+               all_logits: bool = True) -> "StepContext":
+        """The context of one request: slot 0, pages 0..k covering ``start_pos + n`` tokens.
+
+        ``all_logits`` asks for the logits of every token (else only the last one).
+        """
+        ids = input_ids if isinstance(input_ids, Tensor) else torch.tensor(list(input_ids),
+                                                                           dtype=torch.int64)
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"StepContext.single: input_ids must be a non-empty 1-D sequence; got "
+                             f"shape {tuple(ids.shape)}")
+        if start_pos < 0:
+            raise ValueError(f"StepContext.single: start_pos must be >= 0; got {start_pos}")
+        n = int(ids.numel())
+        pages = list(range(pages_needed(start_pos + n, page_size)))
+        rows = list(range(n)) if all_logits else [n - 1]
+        return cls.build(ids, [n], [start_pos], [0], [pages], logits_indices=rows,
+                         token_types=token_types, device=ids.device)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seqlens_host)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def cu_seqlens_host(self) -> list[int]:
+        """Host copy of ``cu_seqlens``."""
+        out = [0]
+        for n in self.seqlens_host:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def end_pos_host(self) -> list[int]:
+        """Per request: tokens in the cache after this step (``start_pos + n``)."""
+        return [s + n for s, n in zip(self.start_pos_host, self.seqlens_host)]
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request brings exactly one token."""
+        return all(n == 1 for n in self.seqlens_host)
+
+    @property
+    def request_of_token(self) -> Tensor:
+        """[T] int64: the request index (0..R−1) of every token of the flat batch."""
+        key = "request_of_token"
+        if key not in self.memo:
+            counts = torch.tensor(self.seqlens_host, dtype=torch.int64, device=self.device)
+            self.memo[key] = torch.repeat_interleave(
+                torch.arange(self.num_requests, device=self.device), counts)
+        return self.memo[key]
+
+    def token_range(self, request: int) -> tuple[int, int]:
+        """(first, last + 1) rows of request ``request`` in the flat batch."""
+        cu = self.cu_seqlens_host
+        return cu[request], cu[request + 1]

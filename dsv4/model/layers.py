@@ -1,0 +1,189 @@
+"""Basic layers: ``Linear`` (quantized storage or not), ``RMSNorm`` and the per-layer RoPE tables.
+
+Spec: MODEL.md §2.4–2.5 (formats, run-time activation quantization), §3.1 (RMSNorm, RoPE
+convention), §3.2 (per-layer RoPE base and YaRN).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv4.config import ModelConfig
+
+__all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correction_range",
+           "WEIGHT_FORMATS", "NUMERICS"]
+
+WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
+NUMERICS = ("bf16", "official")
+_CPU_MIN_GEMM_ROWS = 4
+
+
+def check_numerics(numerics: str) -> str:
+    """Return ``numerics`` or raise a ValueError naming the allowed values."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics={numerics!r} is not supported; allowed: {NUMERICS}")
+    return numerics
+
+
+def _default_ops() -> SimpleNamespace:
+    from dsv4.ops import get_ops
+    return get_ops("torch")
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer ``y = x W^T`` whose checkpoint weight may be quantized.
+
+    ``fmt`` is the checkpoint storage: "fp8" (block-scaled e4m3), "fp4" (MXFP4), "bf16" or "f32".
+    The torch path always holds a dense ``weight`` [out, in] in ``dtype``; a loaded
+    ``dsv4.formats.QuantWeight`` is also kept in ``self.qweight`` for GPU kernels.
+    ``block`` is the FP8 block size of the run-time activation quantization (and of fp8 weights).
+
+    With ``numerics="official"`` and a quantized ``fmt``, the input activation is fake-quantized
+    to FP8 (power-of-two scales per ``block`` inputs, spec §2.5) before the GEMM, as the
+    reference's fp8/fp4 GEMMs do.
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str = "bf16", block: int = 128,
+                 numerics: str = "bf16", dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"Linear: fmt={fmt!r} is not supported; allowed: {WEIGHT_FORMATS}")
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Linear: features must be positive; got in={in_features}, "
+                             f"out={out_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.block = block
+        self.numerics = check_numerics(numerics)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.qweight: Any = None
+
+    @property
+    def quantizes_input(self) -> bool:
+        return self.numerics == "official" and self.fmt in ("fp8", "fp4")
+
+    def load_weight(self, t: Any) -> None:
+        """Set the weight from a dense tensor or a ``QuantWeight`` (dequantized here)."""
+        shape = (self.out_features, self.in_features)
+        if isinstance(t, Tensor):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"Linear.load_weight: weight has shape {tuple(t.shape)}; "
+                                 f"expected {shape}")
+            dense = t
+            self.qweight = None
+        elif hasattr(t, "dequantize"):
+            tshape = tuple(getattr(t, "shape", shape))
+            if tshape != shape:
+                raise ValueError(f"Linear.load_weight: quantized weight has logical shape {tshape};"
+                                 f" expected {shape}")
+            dense = t.dequantize(self.weight.dtype)
+            self.qweight = t
+        else:
+            raise ValueError(f"Linear.load_weight: expected a Tensor or QuantWeight; got "
+                             f"{type(t).__name__}")
+        with torch.no_grad():
+            self.weight.data = dense.to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[..., in] -> [..., out] in x.dtype (GEMM in the weight's dtype, fp32 accumulation)."""
+        if self.quantizes_input:
+            from dsv4.formats import fake_quant_fp8
+            x = fake_quant_fp8(x, self.block)
+        xw = x.to(self.weight.dtype)
+        rows = xw.numel() // max(1, xw.shape[-1])
+        if xw.device.type == "cpu" and 0 < rows < _CPU_MIN_GEMM_ROWS:
+            # MKL takes another (GEMV-like) path below 4 rows, so a row's result would depend
+            # on the batch size; padding keeps decode bit-identical to prefill (with MKL_CBWR).
+            flat = xw.reshape(rows, xw.shape[-1])
+            pad = flat.new_zeros(_CPU_MIN_GEMM_ROWS - rows, flat.shape[1])
+            y = F.linear(torch.cat((flat, pad)), self.weight)[:rows]
+            return y.reshape(*xw.shape[:-1], self.out_features).to(x.dtype)
+        return F.linear(xw, self.weight).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, "
+                f"numerics={self.numerics}")
+
+
+class RMSNorm(nn.Module):
+    """``y = w · x · rsqrt(mean(x²) + eps)`` with fp32 math and weight, output in x.dtype."""
+
+    def __init__(self, dim: int, eps: float, ops: SimpleNamespace | None = None) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.ops = ops if ops is not None else _default_ops()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RMSNorm: input has last dim {x.shape[-1]}; expected {self.dim}")
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+# ---------------------------------------------------------------------------------- RoPE
+def yarn_correction_range(rd: int, base: float, original_seq_len: int, beta_fast: float,
+                          beta_slow: float) -> tuple[int, int]:
+    """YaRN's (low, high) channel-pair bounds of spec §3.2 (15, 25 for the V4-Flash values)."""
+    def dim_of(rotations: float) -> float:
+        return rd * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low = max(math.floor(dim_of(beta_fast)), 0)
+    high = min(math.ceil(dim_of(beta_slow)), rd - 1)
+    return low, high
+
+
+def _rope_params(cfg: ModelConfig, layer_id: int) -> tuple[float, bool]:
+    """(base, use_yarn) of a layer: compressed layers use compress θ + YaRN (spec §3.2)."""
+    if cfg.ratio(layer_id) > 0:
+        return cfg.compress_rope_theta, cfg.original_seq_len > 0
+    return cfg.rope_theta, False
+
+
+_inv_freq_cache: dict[tuple, Tensor] = {}
+
+
+def rope_inv_freq(cfg: ModelConfig, layer_id: int, device: torch.device | str = "cpu") -> Tensor:
+    """[rd/2] fp32 rotation frequencies of layer ``layer_id`` (cached per device)."""
+    base, yarn = _rope_params(cfg, layer_id)
+    rd = cfg.rope_head_dim
+    key = (rd, base, yarn, cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow,
+           str(torch.device(device)))
+    freq = _inv_freq_cache.get(key)
+    if freq is None:
+        freq = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+        if yarn:
+            low, high = yarn_correction_range(rd, base, cfg.original_seq_len, cfg.beta_fast,
+                                              cfg.beta_slow)
+            hi = high + 0.001 if low == high else high
+            ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / (hi - low)).clamp(0, 1)
+            smooth = 1 - ramp
+            freq = freq / cfg.rope_factor * (1 - smooth) + freq * smooth
+        freq = freq.to(device)
+        _inv_freq_cache[key] = freq
+    return freq
+
+
+def rope_cos_sin(cfg: ModelConfig, layer_id: int, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, sin) fp32 [T, rd/2] of the layer's rotation at ``positions`` [T].
+
+    Equal, element for element, to rows of a precomputed ``outer(arange(max_len), freq)`` table
+    (one fp32 product per entry), without holding a table of max_seq_len rows.
+    No YaRN attention factor (mscale) is applied (spec §3.2).
+    """
+    if positions.dim() != 1:
+        raise ValueError(f"rope_cos_sin: positions must be 1-D [T]; got shape "
+                         f"{tuple(positions.shape)}")
+    freq = rope_inv_freq(cfg, layer_id, positions.device)
+    angles = positions.to(torch.float32)[:, None] * freq[None, :]
+    return torch.cos(angles), torch.sin(angles)

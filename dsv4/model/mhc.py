@@ -1,0 +1,83 @@
+"""Manifold-constrained hyper-connections (mHC, spec §3.4 and §3.10).
+
+The residual stream of V4 is ``n_hc`` parallel copies ``X [T, n_hc, D]``. Before each sublayer,
+``hc_pre`` collapses them into the sublayer input and derives ``post`` / ``comb``; after it,
+``hc_post`` expands the output back into ``n_hc`` streams. ``hc_head`` collapses the streams once
+more before the final norm.
+
+The official tensors are flat attributes of their owner (``layers.{L}.hc_attn_fn``,
+``hc_head_base``, ...). Here each triple lives in a small module (``hc_attn.fn``,
+``hc_head.base``); ``official_names`` gives the official spelling of each parameter.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from dsv4.config import ModelConfig
+
+class _FlatOfficialNames:
+    """The triple of a module registered as ``<owner>.hc_attn`` is officially named
+    ``<owner>.hc_attn_fn`` / ``_base`` / ``_scale``."""
+
+    def official_names(self, prefix: str) -> dict[str, str]:
+        """Official tensor name -> local parameter name, for this module at ``prefix``."""
+        side = prefix.rstrip(".")
+        return {f"{side}_{p}": p for p in ("fn", "base", "scale")}
+
+
+class HyperConnection(_FlatOfficialNames, nn.Module):
+    """The mHC parameters of one block side (attention or FFN) and its pre/post steps.
+
+    ``fn [(2+n)·n, n·D]``, ``base [(2+n)·n]``, ``scale [3]``, all fp32 whatever the compute dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, ops: SimpleNamespace) -> None:
+        super().__init__()
+        n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        self.ops = ops
+        self.norm_eps = cfg.norm_eps
+        self.hc_eps = cfg.hc_eps
+        self.iters = cfg.hc_sinkhorn_iters
+        self.fn = nn.Parameter(torch.zeros(mix, n * cfg.dim, dtype=torch.float32),
+                               requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(mix, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
+
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, n, D] -> (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+        return self.ops.hc_pre(x, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps,
+                               self.iters)
+
+    def post(self, out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+        """Sublayer output [T, D] + residual streams [T, n, D] -> new streams [T, n, D]."""
+        return self.ops.hc_post(out, x_res, post, comb)
+
+
+class HyperHead(_FlatOfficialNames, nn.Module):
+    """The final stream collapse before the model norm: ``fn [n, n·D]``, ``base [n]``,
+    ``scale [1]`` (fp32), no Sinkhorn and no post (spec §3.10)."""
+
+    def __init__(self, cfg: ModelConfig, ops: SimpleNamespace) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.ops = ops
+        self.norm_eps = cfg.norm_eps
+        self.hc_eps = cfg.hc_eps
+        self.fn = nn.Parameter(torch.zeros(n, n * cfg.dim, dtype=torch.float32),
+                               requires_grad=False)
+        self.base = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n, D] -> [T, D] in x.dtype."""
+        return self.ops.hc_head(x, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps)
+
+
+def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
+    """Embedding output [T, D] -> n identical streams [T, n, D] (spec §3.3)."""
+    return h.unsqueeze(1).expand(h.shape[0], n, h.shape[1]).contiguous()

@@ -1,0 +1,164 @@
+"""Mixture of experts of a V4 block (spec §3.9): gate, routed experts, one shared expert.
+
+Routing: ``s = sqrt(softplus(x·W_gateᵀ))`` in fp32; learned layers pick the top-k of ``s + bias``
+(the bias only steers the selection), hash layers (``layer_id < n_hash_layers``) take the picks
+from ``tid2eid[input_id]``; the weights are the unbiased ``s`` of the picks, normalized to sum 1,
+times ``route_scale``. Experts are SwiGLU with the ``swiglu_limit`` clamp; the routing weight
+multiplies the activation before ``w2``. Routed outputs are summed in fp32 with the shared expert.
+
+The routed experts are held stacked (``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]) so the expert op,
+and later a grouped GEMM, see whole [E, ...] tensors; the official per-expert tensors
+``experts.{e}.w1.weight`` are written into row e at load time.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.config import ModelConfig
+from dsv4.model.layers import Linear, check_numerics
+from dsv4.ops.torch_dense import ExpertWeights, swiglu
+
+_EXPERT_NAME = re.compile(r"^(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def _dense(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint value (Tensor or QuantWeight) as a dense tensor of ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    if hasattr(value, "dequantize"):
+        return value.dequantize(dtype)
+    raise ValueError(f"expected a Tensor or QuantWeight; got {type(value).__name__}")
+
+
+class Gate(nn.Module):
+    """Router of one MoE layer: ``weight`` [E, D] (fp32 math), ``bias`` [E] on learned layers
+    or ``tid2eid`` [vocab, k] on hash layers."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.top_k = cfg.n_activated_experts
+        self.num_experts = cfg.n_routed_experts
+        self.route_scale = cfg.route_scale
+        self.is_hash = cfg.is_hash_layer(layer_id)
+        # Stored bf16 in the checkpoint; held in fp32 since the reference computes the gate in fp32.
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.dim, dtype=torch.float32),
+                                   requires_grad=False)
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k,
+                                                        dtype=torch.int64))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
+                                     requires_grad=False)
+
+    def check_tid2eid(self) -> None:
+        """Raise if a loaded hash table points outside 0..E-1 (it would index garbage)."""
+        if self.is_hash and self.tid2eid.numel():
+            lo, hi = int(self.tid2eid.min()), int(self.tid2eid.max())
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"ffn.gate.tid2eid: expert ids must be in 0..{self.num_experts - 1}"
+                                 f"; found the range {lo}..{hi}")
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], input_ids [T] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+        scores = F.softplus(F.linear(x.float(), self.weight)).sqrt()
+        if self.is_hash:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = (scores + self.bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
+        return weights, ids
+
+
+class Experts(nn.Module):
+    """The routed experts of one layer, stacked: ``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]."""
+
+    def __init__(self, cfg: ModelConfig, act_block: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+        self.num_experts = e
+        self.act_block = act_block
+        self.w1 = nn.Parameter(torch.zeros(e, i, d, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.zeros(e, i, d, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(e, d, i, dtype=dtype), requires_grad=False)
+
+    def official_targets(self, prefix: str) -> dict[str, Callable[[Any], None]]:
+        """Official tensor names of every expert matrix -> a function that loads it."""
+        out: dict[str, Callable[[Any], None]] = {}
+        for e in range(self.num_experts):
+            for which in ("w1", "w2", "w3"):
+                out[f"{prefix}{e}.{which}.weight"] = (
+                    lambda v, e=e, which=which: self.load_expert(e, which, v))
+        return out
+
+    def load_expert(self, e: int, which: str, value: Any) -> None:
+        """Write expert ``e``'s ``which`` ("w1"/"w2"/"w3") matrix (dense or QuantWeight)."""
+        stack: torch.Tensor = getattr(self, which)
+        shape = tuple(stack.shape[1:])
+        got = tuple(getattr(value, "shape", ()))
+        if got != shape:
+            raise ValueError(f"experts.{e}.{which}.weight: expected logical shape {shape}; "
+                             f"found {got}")
+        with torch.no_grad():
+            stack[e].copy_(_dense(value, stack.dtype).to(stack.device))
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w1, self.w3, self.w2, self.act_block)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert: FP8 ``w1``/``w3`` [I, D], ``w2`` [D, I], SwiGLU with the clamp
+    (the current V4 release clamps the shared expert too, spec §6.1)."""
+
+    def __init__(self, cfg: ModelConfig, fmt: str, numerics: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        b, d, i = cfg.weight_block_size, cfg.dim, cfg.moe_inter_dim
+        self.swiglu_limit = cfg.swiglu_limit
+        self.w1 = Linear(d, i, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
+        self.w2 = Linear(i, d, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
+        self.w3 = Linear(d, i, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+        return self.w2(a.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """``ffn`` of block ``layer_id``: ``gate``, ``experts``, ``shared_experts``.
+
+    ``forward(x [T, D], input_ids [T]) -> [T, D]`` in x.dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        check_numerics(numerics)
+        if cfg.n_shared_experts != 1:
+            raise ValueError(f"MoE: n_shared_experts must be 1; found {cfg.n_shared_experts}")
+        self.layer_id = layer_id
+        self.ops = ops
+        self.swiglu_limit = cfg.swiglu_limit
+        shared_fmt = "fp8" if cfg.quantized else "bf16"
+        expert_quantized = cfg.quantized and cfg.expert_dtype in ("fp4", "fp8")
+        # Under official numerics a quantized expert GEMM sees FP8 fake-quantized inputs (§2.5).
+        act_block = cfg.weight_block_size if numerics == "official" and expert_quantized else None
+        self.gate = Gate(cfg, layer_id)
+        self.experts = Experts(cfg, act_block, dtype)
+        self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or input_ids.shape != (x.shape[0],):
+            raise ValueError(f"MoE: expected x [T, D] and input_ids [T]; found {tuple(x.shape)} "
+                             f"and {tuple(input_ids.shape)}")
+        weights, ids = self.gate(x, input_ids)
+        routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)

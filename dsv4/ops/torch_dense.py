@@ -1,0 +1,187 @@
+"""Plain-torch twins of the dense hot ops: mHC (hc_pre / hc_post / hc_head), the FP8 block GEMM
+with fused activation quantization, and the routed-expert SwiGLU (spec §2.5, §3.4, §3.9, §3.10).
+
+These are the oracles for the Triton kernels and what runs on CPU. Shapes follow
+docs/ARCHITECTURE.md: tokens are flattened, ``x`` of the mHC ops is ``[T, n_hc, D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.formats import dequant_fp8_block, fake_quant_fp8
+
+# ---------------------------------------------------------------------------------------- mHC
+def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``(flatten(x) @ fn^T) * rsqrt(mean(flatten(x)^2) + eps)`` in fp32 (spec §3.4 steps 1-2)."""
+    flat = x.reshape(x.shape[0], -1).float()
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    # The reference scales the projected mixes, not the input: keep that order for fp32 parity.
+    return F.linear(flat, fn.float()) * rstd
+
+
+def _check_hc(name: str, x: torch.Tensor, fn: torch.Tensor, rows: int) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [T, n_hc, D]; found shape {tuple(x.shape)}")
+    n, d = x.shape[1], x.shape[2]
+    if tuple(fn.shape) != (rows, n * d):
+        raise ValueError(f"{name}: fn must be [{rows}, {n * d}] for x {tuple(x.shape)}; "
+                         f"found {tuple(fn.shape)}")
+
+
+def sinkhorn(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """Project ``comb [..., n, n]`` (fp32 logits) towards a doubly-stochastic matrix.
+
+    Exactly the reference order: softmax over k plus eps, one column normalization, then
+    ``iters - 1`` rounds of (row, column) normalization, each with ``+ eps`` in the divisor.
+    """
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return comb
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           norm_eps: float, hc_eps: float, iters: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre-mix of one sublayer (spec §3.4).
+
+    x [T, n, D]; fn [(2+n)·n, n·D]; scale [3]; base [(2+n)·n].
+    Returns ``y [T, D]`` (x.dtype) = Σ_j pre_j·x_j, ``post [T, n]`` fp32 and ``comb [T, n, n]``
+    fp32 (rows j = input stream, columns k = output stream).
+    """
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_hc("hc_pre", x, fn, (2 + n) * n)
+    mixes = _hc_mixes(x, fn, norm_eps)
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * torch.sigmoid(mixes[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (mixes[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)
+    comb = sinkhorn(comb, hc_eps, iters)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
+    return y.to(x.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output back to n streams (spec §3.4).
+
+    ``new_k = post_k · out + Σ_j comb[j, k] · x_res_j`` in fp32, cast to ``x_res.dtype``.
+    out [T, D]; x_res [T, n, D]; post [T, n]; comb [T, n, n].
+    """
+    if x_res.dim() != 3 or out.shape != (x_res.shape[0], x_res.shape[2]):
+        raise ValueError(f"hc_post: out must be [T, D] and x_res [T, n, D]; found "
+                         f"{tuple(out.shape)} and {tuple(x_res.shape)}")
+    mixed = torch.matmul(comb.float().transpose(-1, -2), x_res.float())
+    y = post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + mixed
+    return y.to(x_res.dtype)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j`` with no Sinkhorn/post.
+
+    x [T, n, D]; fn [n, n·D]; scale [1]; base [n]. Returns [T, D] in x.dtype.
+    """
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_hc("hc_head", x, fn, n)
+    mixes = _hc_mixes(x, fn, norm_eps)
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- FP8 quantization
+def fake_act_quant(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The reference activation quantizer (ue8m0 scales per ``block``, spec §2.5) followed by
+    dequantization, in ``x.dtype``; the quantizer itself lives in ``dsv4.formats``."""
+    return fake_quant_fp8(x, block)
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 block GEMM with the activation quantization fused (spec §2.5).
+
+    x [..., K]; w8 [N, K] float8_e4m3fn; w_scale [ceil(N/block), ceil(K/block)] (e8m0 or fp32).
+    ``y = Σ_kblocks (x8·sx)(W8·sW)^T`` accumulated in fp32, returned in ``out_dtype``.
+    """
+    if x.shape[-1] != w8.shape[1]:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} input features, weight expects "
+                         f"{w8.shape[1]}")
+    # Exact in fp32: q has 3 mantissa bits and s is a power of two.
+    xq = fake_act_quant(x.float(), block)
+    w = dequant_fp8_block(w8, w_scale, block, torch.float32)
+    return F.linear(xq, w).to(out_dtype)
+
+
+# ------------------------------------------------------------------------------ routed experts
+@dataclass
+class ExpertWeights:
+    """Stacked dense weights of the routed experts, as the grouped expert op sees them.
+
+    w1 / w3: [E, I, D] (gate / up), w2: [E, D, I]. ``act_block``: when set, the expert inputs
+    (x before w1/w3, the activation before w2) are FP8 fake-quantized with that block, which is
+    what the reference does for quantized experts under official numerics (spec §2.5).
+    """
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    act_block: int | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """fp32 SwiGLU with the V4 clamp: ``up ∈ [-limit, limit]``, ``gate ≤ limit`` (limit 0: none)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
+    """Weighted sum of the routed experts picked per token (spec §3.9).
+
+    x [T, D]; topk_ids [T, k] int (ids outside 0..E-1 are skipped: expert parallel shards);
+    topk_weights [T, k] fp32. Each pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))``;
+    the picks are summed in fp32. Returns fp32 [T, D] so the caller adds the shared expert
+    before the final cast, as the reference does.
+    """
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts: expected x [T, D], topk_ids/topk_weights [T, k]; found "
+                         f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    num_e = experts.num_experts
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    xin = fake_act_quant(x, experts.act_block) if experts.act_block else x
+    # Group the (token, pick) pairs by expert: one GEMM per expert that has tokens.
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    tok = order // topk_ids.shape[1]
+    wts = topk_weights.reshape(-1)[order].float()
+    valid = (sorted_ids >= 0) & (sorted_ids < num_e)
+    counts = torch.bincount(sorted_ids[valid], minlength=num_e).tolist()
+    start = int((sorted_ids < 0).sum())
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = tok[start:start + c]
+        xe = xin[rows]
+        a = swiglu(F.linear(xe, experts.w1[e]), F.linear(xe, experts.w3[e]), swiglu_limit)
+        a = (a * wts[start:start + c, None]).to(x.dtype)  # routing weight before w2
+        if experts.act_block:
+            a = fake_act_quant(a, experts.act_block)
+        out.index_add_(0, rows, F.linear(a, experts.w2[e]).float())
+        start += c
+    return out

@@ -1,0 +1,250 @@
+"""Triton kernels of the attention-side hot ops: gather-based sparse attention with a per-head
+sink (spec §3.6 item 5) and the Lightning-indexer scores (spec §3.8).
+
+Same signatures as the torch twins in ``dsv4/ops/torch_attn.py``.  Ops without a kernel here
+(rms_norm, apply_rope, topk_indices) fall back to the twins through ``dsv4.ops.get_ops``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.triton_dense import mma, round_to_bf16, store_rne
+
+__all__ = ["sparse_attn", "indexer_scores", "AttnConfig"]
+
+_LOG2E = 1.4426950408889634
+
+
+# ------------------------------------------------------------------------------ sparse attention
+@triton.jit
+def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask, qk_scale,
+                 BN: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold one source's index list into the online-softmax state (log2 domain)."""
+    for start in range(0, n_idx, BN):
+        rj = start + tl.arange(0, BN)
+        rows = tl.load(idx_ptr + rj, mask=rj < n_idx, other=-1)
+        valid = rows >= 0
+        kv = tl.load(kv_ptr + rows.to(tl.int64)[:, None] * stride_kv + rd[None, :],
+                     mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BN, D]
+        if q.dtype == kv.dtype:
+            s = mma(q, tl.trans(kv), DOT_PREC)
+        else:
+            s = mma(q.to(tl.float32), tl.trans(kv.to(tl.float32)), DOT_PREC)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BH, BN]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if kv.dtype == tl.bfloat16:
+            # bf16 rows: P rounded to bf16 for the tensor-core P·V (fp32 accumulation), which
+            # is also what the reference kernel does.
+            pv = mma(round_to_bf16(p).to(tl.bfloat16), kv, DOT_PREC)
+        else:
+            if P_BF16:
+                p = round_to_bf16(p)
+            pv = mma(p, kv.to(tl.float32), DOT_PREC)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o_ptr,
+                        H, D, Ka, Kb, stride_qt, stride_qh, stride_kva, stride_kvb,
+                        stride_ia, stride_ib, stride_ot, stride_oh, qk_scale,
+                        HAS_B: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                        BN: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One token × one block of BH heads; the full head dim BD (>= D) stays in registers.
+
+    The sink starts the running max (m = sink, l = 1 = exp(sink - m), acc = 0), so it enters
+    the denominator only, as in the reference.
+    """
+    t = tl.program_id(0)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    rd = tl.arange(0, BD)
+    h_mask = rh < H
+    d_mask = rd < D
+    t64 = t.to(tl.int64)
+    q = tl.load(q_ptr + t64 * stride_qt + rh[:, None] * stride_qh + rd[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    sink = tl.load(sink_ptr + rh, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    # A −inf sink (a padded head) must not make the first rescale NaN: start from a finite max.
+    m_i = tl.maximum(sink, -1.0e30)
+    l_i = tl.exp2(sink - m_i)
+    acc = tl.zeros((BH, BD), dtype=tl.float32)
+    m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva, idxa_ptr + t64 * stride_ia,
+                                 Ka, rd, d_mask, qk_scale, BN, P_BF16, DOT_PREC)
+    if HAS_B:
+        m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kvb_ptr, stride_kvb,
+                                     idxb_ptr + t64 * stride_ib, Kb, rd, d_mask, qk_scale,
+                                     BN, P_BF16, DOT_PREC)
+    o = acc / l_i[:, None]
+    store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :], o,
+              h_mask[:, None] & d_mask[None, :])
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile plan of the sparse-attention kernel: heads per program, indices per step."""
+
+    BH: int = 16
+    BN: int = 64
+    num_warps: int = 8
+    num_stages: int = 1
+
+
+def pick_attn_config(H: int, D: int, device: torch.device) -> AttnConfig:
+    """Default plan: 16 heads × the whole head dim per program, 64 gathered rows per step."""
+    return AttnConfig(BH=16, BN=64 if D <= 512 else 32, num_warps=8, num_stages=1)
+
+
+def _check_source(name: str, kv: torch.Tensor, idx: torch.Tensor, T: int, d: int) -> None:
+    if kv.dim() != 2 or kv.shape[1] != d:
+        raise ValueError(f"sparse_attn: {name} must be [N, {d}]; found {tuple(kv.shape)}")
+    if idx.dim() != 2 or idx.shape[0] != T:
+        raise ValueError(f"sparse_attn: the index list of {name} must be [{T}, K]; found "
+                         f"{tuple(idx.shape)}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse_attn: the index list of {name} must be int32/int64; found "
+                         f"{idx.dtype}")
+    if kv.stride(1) != 1:
+        raise ValueError(f"sparse_attn: {name} rows must be contiguous (stride 1 on the last dim)")
+
+
+def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor,
+                            kv_b: torch.Tensor | None, idx_b: torch.Tensor | None,
+                            sink: torch.Tensor, scale: float,
+                            p_dtype: torch.dtype | None = None,
+                            cfg: AttnConfig | None = None) -> torch.Tensor:
+    """:func:`sparse_attn` with an explicit tile plan (``None``: :func:`pick_attn_config`)."""
+    if q.dim() != 3:
+        raise ValueError(f"sparse_attn: q must be [T, H, d]; found {tuple(q.shape)}")
+    T, H, d = q.shape
+    if (kv_b is None) != (idx_b is None):
+        raise ValueError("sparse_attn: kv_b and idx_b must both be given or both be None")
+    _check_source("kv_a", kv_a, idx_a, T, d)
+    if kv_b is not None:
+        _check_source("kv_b", kv_b, idx_b, T, d)
+    if sink.shape != (H,):
+        raise ValueError(f"sparse_attn: sink must be [{H}]; found {tuple(sink.shape)}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    o = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return o
+    cfg = cfg or pick_attn_config(H, d, q.device)
+    idx_a = idx_a if idx_a.stride(1) == 1 else idx_a.contiguous()
+    has_b = kv_b is not None
+    if has_b:
+        idx_b = idx_b if idx_b.stride(1) == 1 else idx_b.contiguous()
+    else:
+        kv_b, idx_b = kv_a, idx_a  # placeholders, never read
+    p_bf16 = p_dtype == torch.bfloat16
+    any_f32 = torch.float32 in (q.dtype, kv_a.dtype) or (has_b and kv_b.dtype == torch.float32)
+    dot_prec = "ieee" if any_f32 else "tf32"
+    grid = (T, triton.cdiv(H, cfg.BH))
+    _sparse_attn_kernel[grid](
+        q, kv_a, idx_a, kv_b, idx_b, sink.float().contiguous(), o,
+        H, d, idx_a.shape[1], idx_b.shape[1] if has_b else 0,
+        q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0),
+        idx_a.stride(0), idx_b.stride(0), o.stride(0), o.stride(1), float(scale) * _LOG2E,
+        HAS_B=has_b, BH=cfg.BH, BD=triton.next_power_of_2(d), BN=cfg.BN, P_BF16=p_bf16,
+        DOT_PREC=dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o
+
+
+def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor,
+                kv_b: torch.Tensor | None, idx_b: torch.Tensor | None, sink: torch.Tensor,
+                scale: float, p_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Attention of each token over selected rows of one or two KV sources, with a sink.
+
+    q [T, H, d]; kv_a [Na, d], idx_a [T, Ka] int rows of kv_a (−1 = skip); kv_b / idx_b the
+    same for a second source (both None when absent); sink [H] fp32.  K = V; logits
+    ``(q·kv)·scale``; one softmax over both sources with ``exp(sink[h])`` in the denominator.
+    fp32 accumulation; with bf16 rows (or ``p_dtype=bf16``) P is rounded to bf16 before P·V,
+    as the reference kernel does (blocks of 64 indices per source).  Returns o [T, H, d] in q.dtype.
+    """
+    return sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype, None)
+
+
+# ------------------------------------------------------------------------------ indexer scores
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
+                           NH, DI, L, stride_qt, stride_qh, stride_wt, stride_k, stride_rt,
+                           stride_ot, BHI: tl.constexpr, BDI: tl.constexpr, BL: tl.constexpr,
+                           DOT_PREC: tl.constexpr):
+    """scores[t, l] = Σ_h w[t,h]·ReLU(q[t,h]·keys[rows[t,l]]), −inf for l >= n_visible[t]."""
+    t = tl.program_id(0)
+    rl = tl.program_id(1) * BL + tl.arange(0, BL)
+    t64 = t.to(tl.int64)
+    n_vis = tl.load(nvis_ptr + t).to(tl.int32)
+    l_mask = rl < L
+    vis = rl < n_vis
+    out_ptrs = out_ptr + t64 * stride_ot + rl
+    if tl.program_id(1) * BL >= n_vis:
+        # Nothing visible in this block: skip the gather entirely.
+        tl.store(out_ptrs, tl.full((BL,), float("-inf"), tl.float32), mask=l_mask)
+    else:
+        rh = tl.arange(0, BHI)
+        rd = tl.arange(0, BDI)
+        h_mask = rh < NH
+        d_mask = rd < DI
+        q = tl.load(q_ptr + t64 * stride_qt + rh[:, None] * stride_qh + rd[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + t64 * stride_wt + rh, mask=h_mask, other=0.0).to(tl.float32)
+        rows = tl.load(rows_ptr + t64 * stride_rt + rl, mask=vis & l_mask, other=0)
+        k = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + rd[None, :],
+                    mask=(vis & l_mask)[:, None] & d_mask[None, :], other=0.0)  # [BL, DI]
+        s = mma(q, tl.trans(k.to(q.dtype)), DOT_PREC)  # [BHI, BL]
+        s = tl.maximum(s, 0.0) * w[:, None]
+        score = tl.sum(s, axis=0)
+        score = tl.where(vis, score, float("-inf"))
+        tl.store(out_ptrs, score, mask=l_mask)
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
+                   n_visible: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.
+
+    q [T, h, dI]; w [T, h] fp32; keys [Nk, dI]; key_rows [T, L] int rows of ``keys`` (any value
+    where the entry does not exist); n_visible [T].  Returns [T, L] fp32, −inf where
+    ``j >= n_visible[t]``.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"indexer_scores: q must be [T, h, dI]; found {tuple(q.shape)}")
+    T, NH, DI = q.shape
+    if tuple(w.shape) != (T, NH):
+        raise ValueError(f"indexer_scores: w must be [{T}, {NH}]; found {tuple(w.shape)}")
+    if keys.dim() != 2 or keys.shape[1] != DI:
+        raise ValueError(f"indexer_scores: keys must be [Nk, {DI}]; found {tuple(keys.shape)}")
+    if key_rows.dim() != 2 or key_rows.shape[0] != T:
+        raise ValueError(f"indexer_scores: key_rows must be [{T}, L]; found "
+                         f"{tuple(key_rows.shape)}")
+    if n_visible.shape != (T,):
+        raise ValueError(f"indexer_scores: n_visible must be [{T}]; found "
+                         f"{tuple(n_visible.shape)}")
+    L = key_rows.shape[1]
+    out = torch.empty(T, L, dtype=torch.float32, device=q.device)
+    if T == 0 or L == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    keys = keys if keys.stride(1) == 1 else keys.contiguous()
+    key_rows = key_rows if key_rows.stride(1) == 1 else key_rows.contiguous()
+    w = w.float()
+    if keys.dtype != q.dtype:
+        # One dot dtype: bf16 keys with bf16 queries on the GPU; fp32 on the CPU path.
+        keys = keys.to(q.dtype)
+    BHI = max(16, triton.next_power_of_2(NH))
+    BDI = max(16, triton.next_power_of_2(DI))
+    BL = 64
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _indexer_scores_kernel[(T, triton.cdiv(L, BL))](
+        q, w, keys, key_rows, n_visible.contiguous(), out, NH, DI, L,
+        q.stride(0), q.stride(1), w.stride(0), keys.stride(0), key_rows.stride(0), out.stride(0),
+        BHI=BHI, BDI=BDI, BL=BL, DOT_PREC=dot_prec, num_warps=4, num_stages=2)
+    return out

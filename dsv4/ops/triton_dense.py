@@ -1,0 +1,542 @@
+"""Triton kernels of the dense hot ops: the FP8 block GEMM with fused activation quantization
+(spec §2.4-2.5) and the mHC pre / post / head mixes (spec §3.4, §3.10).
+
+Same signatures as the torch twins in ``dsv4/ops/torch_dense.py``.  The kernels run on Hopper
+GPUs and, at tiny shapes, in the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
+
+FP8 rounding is done by hand (:func:`round_to_e4m3`) onto the e4m3 grid in fp32 before the cast,
+so the quantized values are bit-identical on the GPU and in the interpreter (whose own fp32→fp8
+cast mis-rounds values whose mantissa carries into the exponent).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fp8_linear", "act_quant", "round_to_bf16", "store_rne", "mma", "hc_pre", "hc_post", "hc_head", "Fp8GemmConfig"]
+
+FP8_MAX = 448.0
+ACT_AMAX_FLOOR = 1e-4
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_E4M3 = torch.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------- shared jit helpers
+# The interpreter multiplies bf16 tiles as raw uint16 integers: kernels upcast them there.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def mma(a, b, PREC: tl.constexpr):
+    """``tl.dot(a, b)`` with fp32 accumulation; PREC applies to fp32 operands only."""
+    if INTERPRET:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        c = tl.dot(a, b, input_precision=PREC)
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """uint8 e8m0 exponents → fp32 ``2^(b-127)`` exactly (built from the exponent bits)."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_from_exp(e):
+    """int32 exponent e (normal range) → fp32 ``2^e`` exactly."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """Round fp32 ``v`` (|v| <= 448) to the nearest e4m3fn value, ties to even, kept in fp32.
+
+    Normal range: round the fp32 mantissa to 3 bits in integer space (a carry into the exponent
+    is then exact).  Below 2^-6 the e4m3 grid is uniform (step 2^-9): the 1.5·2^23 trick rounds.
+    """
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # clear the low 20 mantissa bits, RNE
+    normal = b.to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2**23
+    sub = ((v * 512.0 + magic) - magic) * 0.001953125
+    sub = tl.where(sub == 0.0, v * 0.0, sub)  # keep the sign of zero, as a real cast does
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def round_to_bf16(v):
+    """Round fp32 ``v`` to bf16 precision (nearest, ties to even), kept in fp32.
+
+    The GPU's fp32→bf16 cast already rounds this way; the interpreter's truncates, so every bf16
+    store goes through here and both give the same bits."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_rne(ptrs, v, mask):
+    """Store fp32 ``v`` into ``ptrs`` (any float dtype), bf16 rounded to nearest-even."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        v = round_to_bf16(v)
+    tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ue8m0_scale(amax):
+    """Power-of-two scale ``2^ceil(log2(amax · fp32(1/448)))`` from the exponent bits, as the
+    reference's ``fast_round_scale`` (a multiply by the fp32 reciprocal, not a division)."""
+    t = amax * 0.002232142857142857
+    bits = t.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return pow2_from_exp(e)
+
+
+@triton.jit
+def quantize_block_rows(x):
+    """Per-row e4m3 quantization of a [R, B] fp32 tile: returns (q fp32 on the e4m3 grid, s [R])."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    s = ue8m0_scale(amax)
+    # 1/s is an exact power of two, so the multiply equals the reference's division.
+    q = tl.clamp(x * (1.0 / s)[:, None], -448.0, 448.0)
+    return round_to_e4m3(q), s
+
+
+# ------------------------------------------------------------------------------ act quant
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, n_kb,
+                      B: tl.constexpr, BR: tl.constexpr):
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = kb * B + tl.arange(0, B)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    q, s = quantize_block_rows(x.to(tl.float32))
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(s_ptr + rows * n_kb + kb, s, mask=rows < M)
+
+
+def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference activation quantizer on the GPU: x [M, K] → (q e4m3 [M, K], s fp32 [M, K/block])."""
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"act_quant: x must be [M, K] with K a multiple of block={block}; "
+                         f"found {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    M, K = x.shape
+    n_kb = K // block
+    q = torch.empty(M, K, dtype=_E4M3, device=x.device)
+    s = torch.empty(M, n_kb, dtype=torch.float32, device=x.device)
+    BR = 32
+    if M and n_kb:
+        _act_quant_kernel[(triton.cdiv(M, BR), n_kb)](
+            x, q, s, M, K, x.stride(0), q.stride(0), n_kb, B=block, BR=BR, num_warps=4)
+    return q, s
+
+
+# ------------------------------------------------------------------------------ FP8 GEMM
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, c_ptr,
+                     M, N, K, stride_am, stride_wn, stride_cs, stride_cm, n_kb, k_blocks_per_split,
+                     QUANT_A: tl.constexpr, SW_E8M0: tl.constexpr, B: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[M, N] (+= per split) = Σ_kb (A8·sA)(W8·sW)^T, one B-wide K block per step.
+
+    QUANT_A: A is the raw activation (bf16/fp32) and is quantized here, per row and K block,
+    exactly as the reference act_quant; else A is e4m3 with fp32 scales sa [M, n_kb].
+    Grid: (tiles of M×N in grouped order, K splits).  With splits > 1 each split writes its own
+    fp32 slice of C (stride_cs) and the host sums them (deterministic, unlike atomics).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    # Grouped ordering: consecutive programs share W tiles in L2.
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, B)
+    m_mask = rm < M
+    n_mask = rn < N
+    # Weight scale row of each output column (blocks are B×B).
+    sw_row = sw_ptr + (rn // B) * n_kb
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kb0 = split * k_blocks_per_split
+    kb1 = tl.minimum(kb0 + k_blocks_per_split, n_kb)
+    for kb in range(kb0, kb1):
+        ks = kb * B + rk
+        k_mask = ks < K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if QUANT_A:
+            q, sa = quantize_block_rows(a.to(tl.float32))
+            a8 = q.to(tl.float8e4nv)
+        else:
+            a8 = a
+            sa = tl.load(sa_ptr + rm * n_kb + kb, mask=m_mask, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if SW_E8M0:
+            sw = e8m0_to_f32(tl.load(sw_row + kb, mask=n_mask, other=127))
+        else:
+            sw = tl.load(sw_row + kb, mask=n_mask, other=1.0)
+        # A fresh dot per K block keeps the tensor-core partial sums short (Hopper FP8 MMA
+        # accumulates with reduced precision); the scaled sum is fp32.
+        acc += tl.dot(a8, tl.trans(w)) * (sa[:, None] * sw[None, :])
+    c = c_ptr + split * stride_cs + rm[:, None] * stride_cm + rn[None, :]
+    store_rne(c, acc, m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Tile plan of one FP8 GEMM launch."""
+
+    BM: int
+    BN: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    fuse_quant: bool = True  # quantize A inside the GEMM (decode) or in a separate pass
+
+
+# Above this many rows the activation is quantized once in its own pass: re-quantizing it in
+# every N tile would cost CUDA-core time comparable to the FP8 MMA itself.
+_FUSE_QUANT_MAX_M = 64
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a token value that still exercises split-K
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) -> Fp8GemmConfig:
+    """Tile plan by shape: small-M (decode) tiles with split-K to fill the GPU, big tiles else."""
+    n_kb = triton.cdiv(K, block)
+    if M > _FUSE_QUANT_MAX_M:
+        bm = 128 if M >= 128 else 64
+        return Fp8GemmConfig(BM=bm, BN=128, num_warps=8, num_stages=4 if block >= 128 else 6,
+                             fuse_quant=False)
+    bm = max(16, triton.next_power_of_2(M))
+    bn = 64 if bm <= 32 else 128
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    sms = _sm_count(device)
+    split = 1
+    if tiles < sms:
+        # Enough programs to stream the weight on every SM, but >= 4 K blocks per split.
+        split = max(1, min(triton.cdiv(2 * sms, tiles), n_kb // 4))
+    return Fp8GemmConfig(BM=bm, BN=bn, split_k=split, num_warps=4,
+                         num_stages=4 if block >= 128 else 6, fuse_quant=True)
+
+
+def _check_fp8_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int) -> None:
+    if w8.dim() != 2 or w8.dtype != _E4M3:
+        raise ValueError(f"fp8_linear: weight must be a 2-D float8_e4m3fn tensor; found "
+                         f"{w8.dtype} of shape {tuple(w8.shape)}")
+    N, K = w8.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} input features, weight expects {K}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"fp8_linear: block must be a power of two >= 16; found {block}")
+    if K % block:
+        raise ValueError(f"fp8_linear: input features {K} are not a multiple of block {block}")
+    want = (triton.cdiv(N, block), triton.cdiv(K, block))
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"fp8_linear: weight scale must be {list(want)} for a [{N}, {K}] weight "
+                         f"with block {block}; found {list(w_scale.shape)}")
+    if w_scale.dtype not in (_E8M0, torch.float32):
+        raise ValueError(f"fp8_linear: weight scale dtype must be float8_e8m0fnu or float32; "
+                         f"found {w_scale.dtype}")
+    if x.device != w8.device or w_scale.device != w8.device:
+        raise ValueError(f"fp8_linear: x, weight and scale must share a device; found "
+                         f"{x.device}, {w8.device}, {w_scale.device}")
+
+
+def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
+                           out_dtype: torch.dtype | None, cfg: Fp8GemmConfig | None
+                           ) -> torch.Tensor:
+    """:func:`fp8_linear` with an explicit tile plan (``None``: :func:`pick_fp8_config`)."""
+    _check_fp8_args(x, w8, w_scale, block)
+    out_dtype = out_dtype or x.dtype
+    N, K = w8.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M == 0 or N == 0:
+        return torch.empty(*lead, N, dtype=out_dtype, device=x.device)
+    w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
+    n_kb = K // block
+    if cfg is None:
+        cfg = pick_fp8_config(M, N, K, block, x.device)
+    if w_scale.dtype == torch.float32:
+        sw, sw_e8m0 = w_scale.contiguous(), False
+    else:
+        sw, sw_e8m0 = w_scale.contiguous().view(torch.uint8), True
+    if cfg.fuse_quant:
+        a, sa = x2, x2  # sa unused when QUANT_A
+    else:
+        a, sa = act_quant(x2, block)
+    split = max(1, min(cfg.split_k, n_kb))
+    kbps = triton.cdiv(n_kb, split)
+    split = triton.cdiv(n_kb, kbps)
+    if split == 1:
+        c = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    else:
+        c = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
+    _fp8_gemm_kernel[grid](
+        a, sa, w8, sw, c, M, N, K, a.stride(0), w8.stride(0),
+        c.stride(0) if split > 1 else 0, c.stride(-2), n_kb, kbps,
+        QUANT_A=cfg.fuse_quant, SW_E8M0=sw_e8m0, B=block, BM=cfg.BM, BN=cfg.BN,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        c = c.sum(0).to(out_dtype)
+    return c.view(*lead, N)
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 block GEMM with the activation quantization fused (spec §2.5).
+
+    x [..., K] (bf16 / fp32); w8 [N, K] float8_e4m3fn; w_scale [ceil(N/block), K/block]
+    (float8_e8m0fnu or fp32).  x is quantized per row and per ``block`` of K to e4m3 with
+    power-of-two scales; ``y = Σ_kblocks (x8·sx)(W8·sW)^T`` in fp32, returned in ``out_dtype``
+    (default x.dtype).
+    """
+    return fp8_linear_with_config(x, w8, w_scale, block, out_dtype, None)
+
+
+# ------------------------------------------------------------------------------ mHC
+@triton.jit
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split,
+                           NJ: tl.constexpr, NJP: tl.constexpr, BT: tl.constexpr,
+                           BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Split-K partials of ``flatten(x) @ fn^T`` [T, NJ] and of Σ x² [T] (fp32)."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    rt = pid_t * BT + tl.arange(0, BT)
+    rj = tl.arange(0, NJP)
+    t_mask = rt < T
+    j_mask = rj < NJ
+    acc = tl.zeros((BT, NJP), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
+    k0 = split * k_per_split
+    for kk in range(0, k_per_split, BK):
+        rk = k0 + kk + tl.arange(0, BK)
+        k_mask = (rk < KTOT) & (kk + tl.arange(0, BK) < k_per_split)
+        xv = tl.load(x_ptr + rt[:, None] * KTOT + rk[None, :],
+                     mask=t_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        fv = tl.load(fn_ptr + rj[None, :] * KTOT + rk[:, None],
+                     mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+        acc += tl.dot(xv, fv, input_precision=PRECISION)
+        sq += tl.sum(xv * xv, axis=1)
+    base = split * T
+    tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
+             mask=t_mask[:, None] & j_mask[None, :])
+    tl.store(sq_ptr + base + rt, sq, mask=t_mask)
+
+
+@triton.jit
+def _hc_sum_parts(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS: tl.constexpr):
+    """Σ over splits of the partial mixes at columns ``offs`` (any shape) of token t."""
+    acc = tl.load(part_ptr + t * NJP + offs)
+    for s in range(1, SPLITS):
+        acc += tl.load(part_ptr + (s * T + t) * NJP + offs)
+    return acc
+
+
+@triton.jit
+def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
+                        T, D, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr,
+                        NJP: tl.constexpr, SPLITS: tl.constexpr, BD: tl.constexpr,
+                        HEAD: tl.constexpr):
+    """Per token: RMS factor, sigmoid gates, Sinkhorn (in registers), collapse Σ_j pre_j·x_j.
+
+    HEAD: the final hc_head (mixes are the n pre gates only; no post / Sinkhorn).
+    Grid (T, D blocks); every D block recomputes the tiny gate math, block 0 writes post/comb.
+    """
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    sq = tl.load(sq_ptr + t)
+    for s in range(1, SPLITS):
+        sq += tl.load(sq_ptr + s * T + t)
+    rstd = 1.0 / tl.sqrt(sq / (N * D) + norm_eps)
+    rn = tl.arange(0, N)
+    pre_mix = _hc_sum_parts(part_ptr, t, T, NJP, rn, SPLITS) * rstd
+    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + rn)) + hc_eps
+    if not HEAD:
+        if pid_d == 0:
+            post_mix = _hc_sum_parts(part_ptr, t, T, NJP, N + rn, SPLITS) * rstd
+            post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1)
+                                    + tl.load(base_ptr + N + rn))
+            tl.store(post_ptr + t * N + rn, post)
+            cidx = 2 * N + rn[:, None] * N + rn[None, :]
+            c = (_hc_sum_parts(part_ptr, t, T, NJP, cidx, SPLITS) * rstd * tl.load(scale_ptr + 2)
+                 + tl.load(base_ptr + cidx))
+            # softmax over k (axis 1), + eps, column normalization, then (row, column) rounds.
+            c = tl.exp(c - tl.max(c, axis=1)[:, None])
+            c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            for _ in range(ITERS - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :], c)
+    rd = pid_d * BD + tl.arange(0, BD)
+    d_mask = rd < D
+    xv = tl.load(x_ptr + t * N * D + rn[:, None] * D + rd[None, :], mask=d_mask[None, :],
+                 other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * xv, axis=0)
+    store_rne(y_ptr + t * D + rd, y, d_mask)
+
+
+# fp32 mixes as the reference computes them: "tf32x3" keeps ~fp32 accuracy on tensor cores;
+# "ieee" (FMA) is the fallback if this Triton build rejects it, and the interpreter's choice.
+_HC_PRECISIONS = ["tf32x3", "ieee"]
+
+
+def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [T, n_hc, D]; found shape {tuple(x.shape)}")
+    T, n, D = x.shape
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{name}: n_hc must be a power of two for the Triton kernel; found {n}")
+    if tuple(fn.shape) != (rows, n * D):
+        raise ValueError(f"{name}: fn must be [{rows}, {n * D}] for x {tuple(x.shape)}; "
+                         f"found {tuple(fn.shape)}")
+    x = x.contiguous()
+    fn = fn.float().contiguous()
+    ktot = n * D
+    njp = max(16, triton.next_power_of_2(rows))
+    BT = 16
+    BK = 128 if ktot >= 128 else triton.next_power_of_2(ktot)
+    tiles = triton.cdiv(T, BT)
+    # Split K until the launch has ~2 programs per SM (decode: T is tiny, K = 16384).
+    want = max(1, triton.cdiv(2 * _sm_count(x.device), tiles))
+    k_per_split = max(BK, triton.cdiv(triton.cdiv(ktot, want), BK) * BK)
+    splits = triton.cdiv(ktot, k_per_split)
+    part = torch.empty(splits, T, njp, dtype=torch.float32, device=x.device)
+    sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
+    precisions = _HC_PRECISIONS if x.device.type == "cuda" else ["ieee"]
+    for i, prec in enumerate(precisions):
+        try:
+            _hc_mix_partial_kernel[(tiles, splits)](
+                x, fn, part, sq, T, ktot, k_per_split, NJ=rows, NJP=njp, BT=BT, BK=BK,
+                PRECISION=prec, num_warps=4, num_stages=3)
+            break
+        except Exception:  # compile-time rejection of the precision: drop it for good
+            if i + 1 == len(precisions):
+                raise
+            _HC_PRECISIONS.remove(prec)
+    return x, part, sq, splits, njp
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           norm_eps: float, hc_eps: float, iters: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre-mix (spec §3.4): split-K mixes + RMS statistic, then gates, Sinkhorn, collapse.
+
+    x [T, n, D]; fn [(2+n)·n, n·D]; scale [3]; base [(2+n)·n].  Returns y [T, D] (x.dtype),
+    post [T, n] fp32, comb [T, n, n] fp32 (rows j = input stream, columns k = output stream).
+    """
+    n = x.shape[1] if x.dim() == 3 else 0
+    if iters < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1; found {iters}")
+    x, part, sq, splits, njp = _hc_mix(x, fn, (2 + n) * n, "hc_pre")
+    T, n, D = x.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(T, n, dtype=torch.float32, device=x.device)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
+    if T:
+        BD = min(1024, triton.next_power_of_2(D))
+        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
+            x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
+            T, D, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
+            SPLITS=splits, BD=BD, HEAD=False, num_warps=4)
+    return y, post, comb
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j``; x [T, n, D] → [T, D]."""
+    n = x.shape[1] if x.dim() == 3 else 0
+    x, part, sq, splits, njp = _hc_mix(x, fn, n, "hc_head")
+    T, n, D = x.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T:
+        BD = min(1024, triton.next_power_of_2(D))
+        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
+            x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, y, y,
+            T, D, float(norm_eps), float(hc_eps), ITERS=1, N=n, NJP=njp,
+            SPLITS=splits, BD=BD, HEAD=True, num_warps=4)
+    return y
+
+
+@triton.jit
+def _hc_post_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, y_ptr, D,
+                    N: tl.constexpr, BD: tl.constexpr):
+    """new[k, :] = post[k]·out + Σ_j comb[j, k]·x_res[j, :] for one token and D block (fp32)."""
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_mask = rd < D
+    rn = tl.arange(0, N)
+    o = tl.load(out_ptr + t * D + rd, mask=d_mask, other=0.0).to(tl.float32)
+    xr = tl.load(xr_ptr + t * N * D + rn[:, None] * D + rd[None, :], mask=d_mask[None, :],
+                 other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + rn)
+    comb = tl.load(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :])  # [j, k]
+    mixed = tl.sum(comb[:, :, None] * xr[:, None, :], axis=0)  # [k, BD]
+    new = post[:, None] * o[None, :] + mixed
+    store_rne(y_ptr + t * N * D + rn[:, None] * D + rd[None, :], new, d_mask[None, :])
+
+
+def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output back to n streams (spec §3.4), fp32 math, x_res.dtype out.
+
+    ``new_k = post_k · out + Σ_j comb[j, k] · x_res_j``; out [T, D]; x_res [T, n, D];
+    post [T, n]; comb [T, n, n].
+    """
+    if x_res.dim() != 3 or out.shape != (x_res.shape[0], x_res.shape[2]):
+        raise ValueError(f"hc_post: out must be [T, D] and x_res [T, n, D]; found "
+                         f"{tuple(out.shape)} and {tuple(x_res.shape)}")
+    T, n, D = x_res.shape
+    if tuple(post.shape) != (T, n) or tuple(comb.shape) != (T, n, n):
+        raise ValueError(f"hc_post: post must be [{T}, {n}] and comb [{T}, {n}, {n}]; found "
+                         f"{tuple(post.shape)} and {tuple(comb.shape)}")
+    if n & (n - 1):
+        raise ValueError(f"hc_post: n_hc must be a power of two for the Triton kernel; found {n}")
+    y = torch.empty_like(x_res, memory_format=torch.contiguous_format)
+    if T:
+        BD = min(512, triton.next_power_of_2(D))
+        _hc_post_kernel[(T, triton.cdiv(D, BD))](
+            out.contiguous(), x_res.contiguous(), post.float().contiguous(),
+            comb.float().contiguous(), y, D, N=n, BD=BD, num_warps=4)
+    return y

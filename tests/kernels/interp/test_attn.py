@@ -1,0 +1,90 @@
+"""Triton attention kernels (sparse attention with sink, indexer scores) against their torch
+twins, in the Triton interpreter (TRITON_INTERPRET=1; see tests/kernels/test_interpreter.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by conftest
+    pytest.skip("needs TRITON_INTERPRET=1", allow_module_level=True)
+
+from dsv4.ops import torch_attn as ref  # noqa: E402
+from dsv4.ops import triton_attn as tri  # noqa: E402
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _indices(T: int, K: int, n_rows: int, gen: torch.Generator, p_skip: float) -> torch.Tensor:
+    idx = torch.randint(0, n_rows, (T, K), generator=gen, dtype=torch.int32)
+    skip = torch.rand(T, K, generator=gen) < p_skip
+    return torch.where(skip, torch.full_like(idx, -1), idx)
+
+
+@pytest.mark.parametrize("two_sources", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attn_matches_twin(two_sources: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(int(two_sources) * 2 + (dtype == torch.bfloat16))
+    T, H, d = 3, 20, 48  # H not a multiple of the 16-head block, d not a power of two
+    q = torch.randn(T, H, d, generator=gen).to(dtype)
+    kv_a = torch.randn(37, d, generator=gen).to(dtype)
+    idx_a = _indices(T, 70, 37, gen, 0.3)  # 70: a partial second block of 64
+    idx_a[0] = -1  # a token with nothing in source a
+    kv_b = idx_b = None
+    if two_sources:
+        kv_b = torch.randn(11, d, generator=gen).to(dtype)
+        idx_b = _indices(T, 9, 11, gen, 0.2).long()
+    sink = torch.randn(H, generator=gen)
+    scale = d ** -0.5
+    o = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale)
+    assert o.shape == (T, H, d) and o.dtype == dtype
+    assert torch.isfinite(o.float()).all()
+    if dtype == torch.float32:
+        assert _rel(o, ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale)) < 1e-5
+        # official numerics: P rounded to bf16 before P·V, as the reference kernel.
+        o_p = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype=torch.bfloat16)
+        o_pr = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype=torch.bfloat16)
+        assert _rel(o_p, o_pr) < 3e-3
+    else:
+        o_r = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype=torch.bfloat16)
+        assert _rel(o.float(), o_r.float()) < 3e-3
+
+
+def test_sparse_attn_sink_only_and_errors() -> None:
+    # No valid index at all: the output is 0 (the sink takes the whole mass, V is empty).
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 16, 32, generator=gen)
+    kv = torch.randn(4, 32, generator=gen)
+    idx = torch.full((2, 8), -1, dtype=torch.int32)
+    o = tri.sparse_attn(q, kv, idx, None, None, torch.zeros(16), 0.1)
+    assert torch.equal(o, torch.zeros_like(o))
+    with pytest.raises(ValueError, match="sink"):
+        tri.sparse_attn(q, kv, idx, None, None, torch.zeros(3), 0.1)
+    with pytest.raises(ValueError, match="both"):
+        tri.sparse_attn(q, kv, idx, kv, None, torch.zeros(16), 0.1)
+    with pytest.raises(ValueError, match="kv_a"):
+        tri.sparse_attn(q, kv[:, :16], idx, None, None, torch.zeros(16), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_matches_twin(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    T, h, dI, Nk, L = 4, 8, 32, 50, 150
+    q = torch.randn(T, h, dI, generator=gen).to(dtype)
+    w = torch.randn(T, h, generator=gen)
+    keys = torch.randn(Nk, dI, generator=gen).to(dtype)
+    rows = torch.randint(0, Nk, (T, L), generator=gen)
+    n_vis = torch.tensor([0, 1, 70, 150])
+    rows[1, 1:] = 10 ** 9  # rows past n_visible may hold anything: must not be read
+    s = tri.indexer_scores(q, w, keys, rows, n_vis)
+    s_ref = ref.indexer_scores(q, w, keys, rows, n_vis)
+    assert s.shape == (T, L) and s.dtype == torch.float32
+    vis = torch.arange(L)[None, :] < n_vis[:, None]
+    assert torch.equal(torch.isinf(s), ~vis) and bool((s[~vis] < 0).all())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(s[vis], s_ref[vis]) < tol

@@ -1,0 +1,167 @@
+"""Triton kernels on the GPU at real V4-Flash shapes, against the torch twins (skipped without
+CUDA).  Every check draws fresh random inputs, poisons the allocator with NaN first (so an
+output element the kernel never writes shows up as NaN), and compares by relative error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
+
+DEV = "cuda"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _poison() -> None:
+    """Fill the caching allocator's free blocks with NaN so unwritten outputs are caught."""
+    torch.cuda.synchronize()
+    for mb in (1, 8, 64, 512):
+        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device=DEV)
+        del t
+    torch.cuda.synchronize()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t.float()).all())
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> None:
+    # The twins are the fp32 oracle: keep cuBLAS off TF32 for them.
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _fp8_weight(n: int, k: int, block: int, fp32_scale: bool, gen: torch.Generator):
+    w8 = (torch.randn(n, k, generator=gen, device=DEV) * 60).clamp(-448, 448)
+    w8 = w8.to(torch.float8_e4m3fn)
+    exps = torch.randint(115, 121, (-(-n // block), k // block), generator=gen, device=DEV)
+    if fp32_scale:
+        return w8, torch.exp2(exps.float() - 127) * (1 + torch.rand(exps.shape, generator=gen,
+                                                                    device=DEV))
+    return w8, exps.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+# (M, N, K, block): V4-Flash wq_a, wq_b, wkv, wo_b, shared w1; one V4.1-style block-32 GEMM.
+FP8_SHAPES = [(1, 1024, 4096, 128), (7, 32768, 1024, 128), (64, 512, 4096, 128),
+              (1, 4096, 8192, 128), (33, 2048, 4096, 128), (4096, 1024, 4096, 128),
+              (2048, 4096, 8192, 128), (8, 1024, 5120, 32), (1000, 1024, 5120, 32)]
+
+
+@pytest.mark.parametrize("M,N,K,block", FP8_SHAPES)
+def test_fp8_linear_gpu(M: int, N: int, K: int, block: int) -> None:
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_dense as tri
+    gen = torch.Generator(device=DEV).manual_seed(M + N + K)
+    w8, ws = _fp8_weight(N, K, block, fp32_scale=(M % 2 == 0), gen=gen)
+    x = (torch.randn(M, K, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    _poison()
+    y = tri.fp8_linear(x, w8, ws, block, torch.bfloat16)
+    y_ref = ref.fp8_linear(x, w8, ws, block, torch.float32)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert _finite(y)
+    # bf16 output rounding (~2e-3) plus Hopper FP8 MMA partial sums.
+    assert _rel(y, y_ref) < 4e-3
+
+
+def test_act_quant_gpu_bit_exact() -> None:
+    from dsv4 import formats
+    from dsv4.ops import triton_dense as tri
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(512, 4096, generator=gen, device=DEV)
+    x = x * torch.logspace(-7, 4, 512, device=DEV)[:, None]
+    q, s = tri.act_quant(x.bfloat16(), 128)
+    q_ref, s_ref = formats.act_quant(x.bfloat16(), 128)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("T,Ka,Kb", [(1, 128, 512), (64, 128, 512), (300, 128, 0), (2, 128, 37)])
+def test_sparse_attn_gpu(T: int, Ka: int, Kb: int) -> None:
+    from dsv4.ops import torch_attn as ref
+    from dsv4.ops import triton_attn as tri
+    gen = torch.Generator(device=DEV).manual_seed(T + Kb)
+    H, d = 64, 512
+    q = torch.randn(T, H, d, generator=gen, device=DEV).bfloat16()
+    kv_a = torch.randn(4096, d, generator=gen, device=DEV).bfloat16()
+    idx_a = torch.randint(0, 4096, (T, Ka), generator=gen, device=DEV, dtype=torch.int32)
+    idx_a[:, :3] = -1
+    kv_b = idx_b = None
+    if Kb:
+        kv_b = torch.randn(20000, d, generator=gen, device=DEV).bfloat16()
+        idx_b = torch.randint(0, 20000, (T, Kb), generator=gen, device=DEV, dtype=torch.int32)
+        idx_b[0, Kb // 2:] = -1
+    sink = torch.randn(H, generator=gen, device=DEV)
+    _poison()
+    o = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5)
+    o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, p_dtype=torch.bfloat16)
+    assert o.shape == (T, H, d) and _finite(o)
+    assert _rel(o, o_ref) < 5e-3
+
+
+@pytest.mark.parametrize("T,L", [(1, 2048), (64, 4096), (512, 2048)])
+def test_indexer_scores_gpu(T: int, L: int) -> None:
+    from dsv4.ops import torch_attn as ref
+    from dsv4.ops import triton_attn as tri
+    gen = torch.Generator(device=DEV).manual_seed(T + L)
+    h, dI, Nk = 64, 128, 40000
+    q = torch.randn(T, h, dI, generator=gen, device=DEV).bfloat16()
+    w = torch.randn(T, h, generator=gen, device=DEV) * (128 ** -0.5 * 64 ** -0.5)
+    keys = torch.randn(Nk, dI, generator=gen, device=DEV).bfloat16()
+    rows = torch.randint(0, Nk, (T, L), generator=gen, device=DEV)
+    n_vis = torch.randint(0, L + 1, (T,), generator=gen, device=DEV)
+    n_vis[0] = L
+    _poison()
+    s = tri.indexer_scores(q, w, keys, rows, n_vis)
+    s_ref = ref.indexer_scores(q, w, keys, rows, n_vis)
+    vis = torch.arange(L, device=DEV)[None, :] < n_vis[:, None]
+    assert torch.equal(torch.isinf(s), ~vis) and not bool(torch.isnan(s).any())
+    assert _rel(s[vis], s_ref[vis]) < 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_hc_ops_gpu(T: int) -> None:
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_dense as tri
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    n, D = 4, 4096
+    x = torch.randn(T, n, D, generator=gen, device=DEV).bfloat16()
+    fn = torch.randn(24, n * D, generator=gen, device=DEV) * 0.02
+    scale = torch.rand(3, generator=gen, device=DEV) + 0.5
+    base = torch.randn(24, generator=gen, device=DEV) * 0.5
+    _poison()
+    y, post, comb = tri.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    y_r, post_r, comb_r = ref.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    assert _finite(y) and _finite(post) and _finite(comb)
+    assert _rel(y, y_r) < 4e-3 and _rel(post, post_r) < 1e-4 and _rel(comb, comb_r) < 1e-4
+    out = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    _poison()
+    new = tri.hc_post(out, x, post_r, comb_r)
+    assert _finite(new) and _rel(new, ref.hc_post(out, x, post_r, comb_r)) < 4e-3
+    fh = torch.randn(n, n * D, generator=gen, device=DEV) * 0.02
+    sh = torch.rand(1, generator=gen, device=DEV) + 0.5
+    bh = torch.randn(n, generator=gen, device=DEV)
+    _poison()
+    h = tri.hc_head(x, fh, sh, bh, 1e-6, 1e-6)
+    assert _finite(h) and _rel(h, ref.hc_head(x, fh, sh, bh, 1e-6, 1e-6)) < 4e-3
+
+
+def test_get_ops_triton_picks_kernels() -> None:
+    from dsv4.ops import get_ops
+    from dsv4.ops import triton_attn, triton_dense
+    ops = get_ops("triton")
+    assert ops.fp8_linear is triton_dense.fp8_linear
+    assert ops.sparse_attn is triton_attn.sparse_attn
+    assert ops.hc_pre is triton_dense.hc_pre
