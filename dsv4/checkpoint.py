@@ -468,9 +468,11 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
                     progress: bool = True) -> dict[str, Tensor | QuantWeight]:
     """Load and validate an official-format checkpoint (directory or single .safetensors file).
 
-    Returns official names (no ``.scale`` entries).  A quantized weight (fp8 / fp4 / mxfp8)
-    becomes a :class:`QuantWeight` when ``keep_quantized``, else its dense dequantization in
-    ``dtype``; ``attn.wo_a`` is always dense (the reference dequantizes it, spec §2.4).  bf16
+    Returns official names (no ``.scale`` entries).  A quantized weight (fp8 / fp4) becomes a
+    :class:`QuantWeight` when ``keep_quantized``, else its dense dequantization in ``dtype``.
+    Two exceptions follow the reference: ``attn.wo_a`` is always dense (convert.py dequantizes
+    it, spec §2.4), and the V4.1 Engram tables (``engram.embed``, mxfp8) always stay quantized
+    (rows are dequantized on lookup; a dense table would be ~200 GB per layer).  bf16
     tensors come in ``dtype``; f32 tensors (hc_*, attn_sink, ape, gate.bias*) stay float32;
     ``tid2eid`` int64.  ``strict_mtp=False`` lets ``mtp.*`` tensors be absent (those present are
     still checked).  Every check (files, headers, names, dtypes, shapes, scales) runs before any
@@ -529,4 +531,4 @@ def _convert(spec: TensorSpec, shards: _Shards, entries: dict[str, _Entry], devi
         # The reference's convert.py stores wo_a dense (bf16); keep it so in every mode.
         return dequant_fp8_block(t, scale, spec.block, dtype)
     qw = QuantWeight(t, scale, spec.fmt, spec.block, spec.shape)  # type: ignore[arg-type]
-    return qw if keep_quantized else qw.dequantize(dtype)
+    return qw if keep_quantized or spec.fmt == "mxfp8" else qw.dequantize(dtype)

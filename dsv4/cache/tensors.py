@@ -13,7 +13,10 @@ Fixed-size per-request state, indexed by slot:
 * compressor carry-over per compressor (fp32): ``kv``/``score`` ``[num_slots, coff·r, coff·d]``;
   rows ``[0:r]`` hold the previous complete group (overlapping ratio-4 compressor only), rows
   ``[off : off + r]`` (off = r with overlap, else 0) the current partial group; the score rows
-  include the position bias ``ape`` and start at −inf.
+  include the position bias ``ape`` and start at −inf;
+* V4.1 Engram lookback (configs with Engram layers): ``engram_lookback`` [num_slots, m − 1]
+  int64, the compressed ids of the last m − 1 tokens (m = engram_max_ngram_size); reset to 0,
+  so a request starting at position 0 must take the Engram module's fresh lookback instead.
 
 Layers that read another layer's pools (V4.1 reuse/reindex roles) look them up by the source
 layer: ``compressed_pool(layer)`` / ``index_key_pool(layer)`` resolve the source through the
@@ -125,6 +128,10 @@ class HybridCache:
         self.compressed: dict[int, Tensor] = {}
         self.index_keys: dict[int, Tensor] = {}
         self.states: dict[tuple[int, str], CompressorState] = {}
+        self.engram_lookback: Tensor | None = None
+        if cfg.is_v41 and cfg.engram_layer_ids:
+            self.engram_lookback = torch.zeros(num_slots, cfg.engram_max_ngram_size - 1,
+                                               dtype=torch.int64, device=self.device)
         for layer in self.layers:
             self.window[layer] = torch.zeros(num_slots, W, hd, **kw)
             r = cfg.compressor_ratio(layer)
@@ -174,6 +181,8 @@ class HybridCache:
             total += cfg.window_size * cfg.head_dim * item
             for spec in compressor_specs(cfg, layer):
                 total += 2 * spec.state_rows * spec.state_width * 4
+        if cfg.is_v41 and cfg.engram_layer_ids:
+            total += (cfg.engram_max_ngram_size - 1) * 8
         return total
 
     # ------------------------------------------------------------------ access
@@ -231,6 +240,8 @@ class HybridCache:
             ring.index_fill_(0, idx, 0.0)
         for state in self.states.values():
             state.reset(idx)
+        if self.engram_lookback is not None:
+            self.engram_lookback.index_fill_(0, idx, 0)
 
     def check_step(self, seqlens: list[int], start_pos: list[int], slots: list[int],
                    block_tables: list[list[int]]) -> None:
@@ -252,6 +263,8 @@ class HybridCache:
         ts = list(self.window.values()) + list(self.compressed.values())
         ts += list(self.index_keys.values())
         ts += [t for s in self.states.values() for t in (s.kv, s.score)]
+        if self.engram_lookback is not None:
+            ts.append(self.engram_lookback)
         return sum(t.numel() * t.element_size() for t in ts)
 
 

@@ -63,12 +63,9 @@ class IncrementalDetokenizer:
         ``suppress_text`` drops the token's own text (an eos or stop token id that ends the
         sequence, unless the user asked to include stop strings).
         """
-        if self.finished:
+        if self.finished or suppress_text:
             return None
         self._ids.append(int(token_id))
-        if suppress_text:
-            # Keep the offsets on the previous token so no text of this one is emitted.
-            return None
         prefix = decode_ids(self.tokenizer, self._ids[self._prefix_offset:self._read_offset],
                             self.skip_special_tokens)
         full = decode_ids(self.tokenizer, self._ids[self._prefix_offset:], self.skip_special_tokens)
@@ -79,6 +76,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         old_len = len(self.text)
         self.text += new_text
+        return self._find_stop(old_len)
+
+    def flush(self) -> str | None:
+        """At the end of a sequence: add the text still held back as incomplete (it decodes
+        with U+FFFD); returns a stop string it completed, if any."""
+        if self.finished or self._read_offset >= len(self._ids):
+            return None
+        prefix = decode_ids(self.tokenizer, self._ids[self._prefix_offset:self._read_offset],
+                            self.skip_special_tokens)
+        full = decode_ids(self.tokenizer, self._ids[self._prefix_offset:], self.skip_special_tokens)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        old_len = len(self.text)
+        self.text += full[len(prefix):]
         return self._find_stop(old_len)
 
     def _find_stop(self, old_len: int) -> str | None:

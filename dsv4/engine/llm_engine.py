@@ -25,7 +25,8 @@ import torch
 from dsv4.cache.manager import CacheManager
 from dsv4.config import ModelConfig
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from dsv4.engine.runner import ModelRunner, StepResult, resolve_cache_dtype, size_cache
+from dsv4.engine.runner import (ModelRunner, StepResult, profile_peak_bytes, resolve_cache_dtype,
+                               size_cache)
 from dsv4.engine.sampler import RowLogprobs
 from dsv4.engine.sampling_params import (CompletionOutput, Logprob, PositionLogprobs,
                                          RequestMetrics, RequestOutput, SamplingParams)
@@ -42,13 +43,14 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class EngineOptions:
     """Engine options (keyword arguments of ``LLMEngine``), validated on construction.
 
-    ``dtype`` None means float32 on CPU and bfloat16 on CUDA; ``backend`` None means "torch" on
-    CPU and "triton" on CUDA; ``max_model_len`` None means min(config max, 8192).  Cache size:
-    ``num_pages``, or ``kv_cache_memory`` bytes, or (CUDA) ``gpu_memory_utilization``.
+    ``device`` None means "cuda" when available, else "cpu"; ``dtype`` None means float32 on
+    CPU and bfloat16 on CUDA; ``backend`` None means "torch" on CPU and "triton" on CUDA;
+    ``max_model_len`` None means min(config max, 8192).  Cache size: ``num_pages``, or
+    ``kv_cache_memory`` bytes, or (CUDA) ``gpu_memory_utilization``.
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks).
     """
 
-    device: str = "cpu"
+    device: str | None = None
     dtype: str | torch.dtype | None = None
     kv_cache_dtype: str = "auto"
     numerics: str = "bf16"
@@ -161,7 +163,7 @@ class LLMEngine:
         opts = EngineOptions.from_kwargs(**engine_options)
         self.options = opts
         self.model_path = model_path
-        device = torch.device(opts.device)
+        device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("engine option device='cuda' but CUDA is not available")
         dtype = opts.torch_dtype(device)
@@ -188,12 +190,20 @@ class LLMEngine:
             self.model = load_model(model_path, device=device, dtype=dtype,
                                     numerics=opts.numerics, backend=backend)
 
+        profile = None
+        if device.type == "cuda":
+            def profile() -> int:
+                return profile_peak_bytes(
+                    self.model, cfg, device=device, cache_dtype=cache_dtype,
+                    page_size=opts.page_size,
+                    num_tokens=min(opts.max_num_batched_tokens, max_model_len),
+                    num_logits=opts.max_num_seqs)
         num_pages = size_cache(
             cfg, device=device, cache_dtype=cache_dtype, page_size=opts.page_size,
             num_slots=opts.max_num_seqs, max_model_len=max_model_len,
             max_num_seqs=opts.max_num_seqs, num_pages=opts.num_pages,
             kv_cache_memory=opts.kv_cache_memory,
-            gpu_memory_utilization=opts.gpu_memory_utilization)
+            gpu_memory_utilization=opts.gpu_memory_utilization, profile=profile)
         self.manager = CacheManager(num_pages, opts.page_size, opts.max_num_seqs)
         self.scheduler = Scheduler(self.manager, opts.max_num_batched_tokens, opts.max_num_seqs,
                                    max_model_len)
@@ -215,8 +225,10 @@ class LLMEngine:
     @_locked
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, token_types: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
         """Queue a request.  ``prompt`` is text (tokenized here) or token ids.
+
+        ``prompt_text`` is the text of a prompt given as ids, reported back in the outputs.
 
         Raises ValueError for a duplicate id, an empty prompt, token ids outside the vocabulary,
         a prompt longer than max_model_len, too many logprobs, or bad token_types.
@@ -228,7 +240,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text: str | None = None
+        text: str | None = prompt_text
         if isinstance(prompt, str):
             text = prompt
             ids = list(self.tokenizer.encode(prompt))
@@ -335,6 +347,8 @@ class LLMEngine:
             det = req.detoks[seq.index]
             hit = det.add_token(token, suppress_text=ended_by_token
                                 and not seq.params.include_stop_str_in_output)
+            if hit is None and seq.is_finished:
+                hit = det.flush()
             if hit is not None:
                 if seq.is_finished:  # finished by length on the same token: the stop wins
                     seq.finish_reason, seq.stop_reason = "stop", hit
@@ -366,9 +380,15 @@ class LLMEngine:
     @_locked
     def get_stats(self) -> dict[str, Any]:
         """Queue lengths, cache usage and token totals."""
+        sched = self.scheduler
+        # Requests (as vLLM counts them); a request with n > 1 runs n sequences.
+        running = {s.request_id for s in sched.running}
+        waiting = {s.request_id for s in sched.waiting} - running
         return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_running": len(running),
+            "num_waiting": len(waiting),
+            "num_running_seqs": sched.num_running,
+            "num_waiting_seqs": sched.num_waiting,
             "num_unfinished_requests": len(self._requests),
             "cache_usage": self.manager.usage,
             "num_pages": self.manager.num_pages,

@@ -97,6 +97,31 @@ def size_cache(cfg: ModelConfig, *, device: torch.device, cache_dtype: torch.dty
     return int(chosen)
 
 
+def profile_peak_bytes(model: Any, cfg: ModelConfig, *, device: torch.device,
+                       cache_dtype: torch.dtype, page_size: int, num_tokens: int,
+                       num_logits: int) -> int:
+    """CUDA: peak activation bytes of one step of ``num_tokens`` tokens (one request) with
+    ``num_logits`` logits rows, measured on a throw-away cache.  (First version: the GPU work
+    refines it, e.g. with several requests and the sampler's buffers.)"""
+    pages = -(-num_tokens // page_size)
+    cache = HybridCache.allocate(cfg, num_pages=pages, num_slots=1, page_size=page_size,
+                                 dtype=cache_dtype, device=device)
+    ids = [0] * num_tokens
+    rows = list(range(num_tokens - min(num_logits, num_tokens), num_tokens))
+    ctx = StepContext.build(ids, [num_tokens], [0], [0], [list(range(pages))],
+                            logits_indices=rows, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.no_grad():
+        model.compute_logits(model.forward(ctx, cache))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del cache, ctx
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
 class ModelRunner:
     """Owns the model, the device cache and the sampler; runs one scheduled step at a time."""
 
@@ -178,7 +203,9 @@ class ModelRunner:
             self.cache.reset_slots(resets)
         ctx, sample_rows, prompt_positions = self.build_context(out)
         if ctx.logits_indices.numel() == 0:
-            # Only partial prefill chunks: fill the cache, no logits.
+            # Only partial prefill chunks: the step fills the cache and needs no logits; ask
+            # for one row anyway so the model never sees an empty selection.
+            ctx.logits_indices = ctx.logits_indices.new_tensor([ctx.num_tokens - 1])
             self.model.forward(ctx, self.cache)
             return result
         logits = self.model.compute_logits(self.model.forward(ctx, self.cache))

@@ -23,7 +23,7 @@ from dsv4.config import ModelConfig
 from dsv4.model.compressor import Compressor, entry_pool_rows
 from dsv4.model.context import StepContext
 from dsv4.model.indexer import Indexer, visible_entries
-from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_inv_freq
+from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params
 
 __all__ = ["Attention", "window_plan"]
 
@@ -116,8 +116,7 @@ class Attention(nn.Module):
     # ------------------------------------------------------------------ helpers
     def _rope(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """cos/sin of this layer's table at the step's positions (shared by same-table layers)."""
-        freq = rope_inv_freq(self.cfg, self.layer_id, ctx.device)
-        key = ("rope", id(freq))
+        key = ("rope",) + rope_params(self.cfg, self.layer_id)
         if key not in ctx.memo:
             ctx.memo[key] = rope_cos_sin(self.cfg, self.layer_id, ctx.positions)
         return ctx.memo[key]

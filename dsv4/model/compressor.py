@@ -28,6 +28,9 @@ from dsv4.model.layers import Linear, RMSNorm, check_numerics
 
 __all__ = ["Compressor", "EntryPlan", "entry_plan", "entry_pool_rows", "write_entries"]
 
+# Gathered group rows per block of entries stay near this many fp32 elements.
+_BLOCK_ELEMS = 1 << 24
+
 
 @dataclass
 class EntryPlan:
@@ -171,13 +174,16 @@ class Compressor(nn.Module):
         state_score = state.score.view(-1, spec.state_width)
 
         plan = entry_plan(ctx, r)
-        pooled = kv.new_zeros(0, d)
-        if plan.num_entries:
-            k = torch.arange(r, device=x.device)
-            cur_pos = plan.entry[:, None] * r + k[None, :]                       # [E, r]
-            req = plan.request[:, None].expand_as(cur_pos)
+        pooled = kv.new_empty(plan.num_entries, d)
+        slots = 2 * r if spec.overlap else r
+        step = max(1, _BLOCK_ELEMS // (slots * spec.state_width))   # bounds the gathered rows
+        k = torch.arange(r, device=x.device)
+        for e0 in range(0, plan.num_entries, step):
+            ent = plan.entry[e0:e0 + step]
+            cur_pos = ent[:, None] * r + k[None, :]                              # [e, r]
+            req = plan.request[e0:e0 + step, None].expand_as(cur_pos)
             if spec.overlap:
-                pos = torch.cat((cur_pos - r, cur_pos), dim=1)                    # [E, 2r]
+                pos = torch.cat((cur_pos - r, cur_pos), dim=1)                    # [e, 2r]
                 req = torch.cat((req, req), dim=1)
             else:
                 pos = cur_pos
@@ -188,7 +194,7 @@ class Compressor(nn.Module):
                 # previous group: channels [:d]; current group: channels [d:]
                 rows_kv = torch.cat((rows_kv[:, :r, :d], rows_kv[:, r:, d:]), dim=1)
                 rows_score = torch.cat((rows_score[:, :r, :d], rows_score[:, r:, d:]), dim=1)
-            pooled = (rows_kv * rows_score.softmax(dim=1)).sum(dim=1)
+            pooled[e0:e0 + step] = (rows_kv * rows_score.softmax(dim=1)).sum(dim=1)
 
         self._update_state(ctx, state, kv, score)
         return plan, pooled

@@ -17,6 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+__all__ = ["DEAD", "is_prime", "engram_primes", "build_compressed_token_map", "hash_multipliers",
+           "engram_offsets", "ngram_row_ids", "NgramHasher", "gather_engram_rows", "EngramTable",
+           "Engram"]
+
 # e8m0 exponent bias: byte b is the scale 2^(b − 127) (spec §2.4).
 _E8M0_BIAS = 127
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dsv4.config import ModelConfig
 
 __all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correction_range",
-           "WEIGHT_FORMATS", "NUMERICS"]
+           "rope_params", "WEIGHT_FORMATS", "NUMERICS"]
 
 WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
 NUMERICS = ("bf16", "official")
@@ -143,7 +143,7 @@ def yarn_correction_range(rd: int, base: float, original_seq_len: int, beta_fast
     return low, high
 
 
-def _rope_params(cfg: ModelConfig, layer_id: int) -> tuple[float, bool]:
+def rope_params(cfg: ModelConfig, layer_id: int) -> tuple[float, bool]:
     """(base, use_yarn) of a layer: compressed layers use compress θ + YaRN (spec §3.2)."""
     if cfg.ratio(layer_id) > 0:
         return cfg.compress_rope_theta, cfg.original_seq_len > 0
@@ -155,7 +155,7 @@ _inv_freq_cache: dict[tuple, Tensor] = {}
 
 def rope_inv_freq(cfg: ModelConfig, layer_id: int, device: torch.device | str = "cpu") -> Tensor:
     """[rd/2] fp32 rotation frequencies of layer ``layer_id`` (cached per device)."""
-    base, yarn = _rope_params(cfg, layer_id)
+    base, yarn = rope_params(cfg, layer_id)
     rd = cfg.rope_head_dim
     key = (rd, base, yarn, cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow,
            str(torch.device(device)))

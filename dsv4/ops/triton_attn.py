@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_dense import mma, round_to_bf16, store_rne
+from dsv4.ops.triton_dense import _sm_count, mma, round_to_bf16, store_rne
 
 __all__ = ["sparse_attn", "indexer_scores", "AttnConfig"]
 
@@ -22,15 +22,21 @@ _LOG2E = 1.4426950408889634
 
 # ------------------------------------------------------------------------------ sparse attention
 @triton.jit
-def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask, qk_scale,
-                 BN: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Fold one source's index list into the online-softmax state (log2 domain)."""
+def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask, rdv, dv_mask,
+                 qk_scale, BN: tl.constexpr, SPLIT_DV: tl.constexpr, P_BF16: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """Fold ``n_idx`` indices of one source into the online-softmax state (log2 domain).
+
+    SPLIT_DV: this program accumulates only the value columns ``rdv`` (a slice of the head dim);
+    the logits still use the whole row, and the slice is re-read (an L1/L2 hit).
+    """
     for start in range(0, n_idx, BN):
         rj = start + tl.arange(0, BN)
         rows = tl.load(idx_ptr + rj, mask=rj < n_idx, other=-1)
         valid = rows >= 0
-        kv = tl.load(kv_ptr + rows.to(tl.int64)[:, None] * stride_kv + rd[None, :],
-                     mask=valid[:, None] & d_mask[None, :], other=0.0)  # [BN, D]
+        row_off = rows.to(tl.int64)[:, None] * stride_kv
+        kv = tl.load(kv_ptr + row_off + rd[None, :], mask=valid[:, None] & d_mask[None, :],
+                     other=0.0)  # [BN, BD]
         if q.dtype == kv.dtype:
             s = mma(q, tl.trans(kv), DOT_PREC)
         else:
@@ -40,67 +46,141 @@ def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if kv.dtype == tl.bfloat16:
+        if SPLIT_DV:
+            v = tl.load(kv_ptr + row_off + rdv[None, :], mask=valid[:, None] & dv_mask[None, :],
+                        other=0.0)  # [BN, BDV]
+        else:
+            v = kv
+        if v.dtype == tl.bfloat16:
             # bf16 rows: P rounded to bf16 for the tensor-core P·V (fp32 accumulation), which
             # is also what the reference kernel does.
-            pv = mma(round_to_bf16(p).to(tl.bfloat16), kv, DOT_PREC)
+            pv = mma(round_to_bf16(p).to(tl.bfloat16), v, DOT_PREC)
         else:
             if P_BF16:
                 p = round_to_bf16(p)
-            pv = mma(p, kv.to(tl.float32), DOT_PREC)
+            pv = mma(p, v.to(tl.float32), DOT_PREC)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o_ptr,
-                        H, D, Ka, Kb, stride_qt, stride_qh, stride_kva, stride_kvb,
-                        stride_ia, stride_ib, stride_ot, stride_oh, qk_scale,
+def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o_ptr, ml_ptr,
+                        T, H, D, Ka, Kb, chunk_a, chunk_b, stride_qt, stride_qh, stride_kva,
+                        stride_kvb, stride_ia, stride_ib, stride_ot, stride_oh, qk_scale,
                         HAS_B: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                        BN: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One token × one block of BH heads; the full head dim BD (>= D) stays in registers.
+                        BDV: tl.constexpr, N_DV: tl.constexpr, BN: tl.constexpr,
+                        SPLIT_KV: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One token × BH heads × BDV value columns × one slice of the index lists.
 
-    The sink starts the running max (m = sink, l = 1 = exp(sink - m), acc = 0), so it enters
-    the denominator only, as in the reference.
+    Not SPLIT_KV: the sink starts the running max (m = sink, l = 1 = exp(sink - m), acc = 0),
+    so it enters the denominator only, and o = acc / l is stored in o's dtype.
+    SPLIT_KV (decode, few tokens): grid axis 2 is the slice; this program takes slice s of
+    each index list, starts from the empty state and stores the unnormalized fp32 acc into
+    o_ptr (laid out [S, T, H, D]) and (m, l) into ml_ptr ([S, T, H, 2]); a combine kernel adds
+    the sink and normalizes.
     """
     t = tl.program_id(0)
-    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    hb = tl.program_id(1) // N_DV
+    dv = tl.program_id(1) % N_DV
+    sp = tl.program_id(2)
+    rh = hb * BH + tl.arange(0, BH)
     rd = tl.arange(0, BD)
+    rdv = dv * BDV + tl.arange(0, BDV)
     h_mask = rh < H
     d_mask = rd < D
+    dv_mask = rdv < D
     t64 = t.to(tl.int64)
     q = tl.load(q_ptr + t64 * stride_qt + rh[:, None] * stride_qh + rd[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    sink = tl.load(sink_ptr + rh, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-    # A −inf sink (a padded head) must not make the first rescale NaN: start from a finite max.
-    m_i = tl.maximum(sink, -1.0e30)
-    l_i = tl.exp2(sink - m_i)
-    acc = tl.zeros((BH, BD), dtype=tl.float32)
-    m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva, idxa_ptr + t64 * stride_ia,
-                                 Ka, rd, d_mask, qk_scale, BN, P_BF16, DOT_PREC)
+    if SPLIT_KV:
+        m_i = tl.full((BH,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BH,), tl.float32)
+    else:
+        sink = tl.load(sink_ptr + rh, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        # A −inf sink (a padded head) must not make the first rescale NaN: a finite start.
+        m_i = tl.maximum(sink, -1.0e30)
+        l_i = tl.exp2(sink - m_i)
+    acc = tl.zeros((BH, BDV), dtype=tl.float32)
+    a0 = sp * chunk_a
+    m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva,
+                                 idxa_ptr + t64 * stride_ia + a0,
+                                 tl.minimum(chunk_a, Ka - a0), rd, d_mask, rdv, dv_mask, qk_scale,
+                                 BN, N_DV > 1, P_BF16, DOT_PREC)
     if HAS_B:
+        b0 = sp * chunk_b
         m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kvb_ptr, stride_kvb,
-                                     idxb_ptr + t64 * stride_ib, Kb, rd, d_mask, qk_scale,
-                                     BN, P_BF16, DOT_PREC)
-    o = acc / l_i[:, None]
-    store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :], o,
-              h_mask[:, None] & d_mask[None, :])
+                                     idxb_ptr + t64 * stride_ib + b0,
+                                     tl.minimum(chunk_b, Kb - b0), rd, d_mask, rdv, dv_mask,
+                                     qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC)
+    hd_mask = h_mask[:, None] & dv_mask[None, :]
+    if SPLIT_KV:
+        base = (sp * T + t64) * H
+        tl.store(o_ptr + (base + rh[:, None]) * D + rdv[None, :], acc, mask=hd_mask)
+        if dv == 0:
+            tl.store(ml_ptr + (base + rh) * 2, m_i, mask=h_mask)
+            tl.store(ml_ptr + (base + rh) * 2 + 1, l_i, mask=h_mask)
+    else:
+        o = acc / l_i[:, None]
+        store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rdv[None, :], o, hd_mask)
+
+
+@triton.jit
+def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_ot, stride_oh,
+                         SP: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+    """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l."""
+    t = tl.program_id(0)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    rd = tl.program_id(2) * BD + tl.arange(0, BD)
+    h_mask = rh < H
+    d_mask = rd < D
+    t64 = t.to(tl.int64)
+    rs = tl.arange(0, SP)
+    sh_mask = (rs[:, None] < S) & h_mask[None, :]
+    ml_off = ((rs[:, None] * T + t64) * H + rh[None, :]) * 2
+    m_s = tl.load(ml_ptr + ml_off, mask=sh_mask, other=-1.0e30)  # [SP, BH]
+    l_s = tl.load(ml_ptr + ml_off + 1, mask=sh_mask, other=0.0)
+    sink = tl.load(sink_ptr + rh, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.maximum(tl.maximum(sink, -1.0e30), tl.max(m_s, axis=0))  # [BH]
+    l_tot = tl.exp2(sink - m) + tl.sum(tl.exp2(m_s - m[None, :]) * l_s, axis=0)
+    acc = tl.zeros((BH, BD), tl.float32)
+    for s in range(S):
+        w = tl.exp2(tl.load(ml_ptr + ((s * T + t64) * H + rh) * 2, mask=h_mask, other=-1.0e30)
+                    - m)
+        a = tl.load(part_ptr + ((s * T + t64) * H + rh[:, None]) * D + rd[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        acc += w[:, None] * a
+    store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :],
+              acc / l_tot[:, None], h_mask[:, None] & d_mask[None, :])
 
 
 @dataclass(frozen=True)
 class AttnConfig:
-    """Tile plan of the sparse-attention kernel: heads per program, indices per step."""
+    """Tile plan of the sparse-attention kernel.
+
+    BH heads per program, BN gathered rows per step, ``split_kv`` slices of the index lists
+    run by separate programs then merged (decode: few tokens would leave most SMs idle),
+    ``dv`` value columns per program (0: the whole head dim; else the head dim is split and
+    each program recomputes the logits, which lets BH grow without spilling registers).
+    """
 
     BH: int = 16
     BN: int = 64
-    num_warps: int = 8
-    num_stages: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    split_kv: int = 1
+    dv: int = 0
 
 
-def pick_attn_config(H: int, D: int, device: torch.device) -> AttnConfig:
-    """Default plan: 16 heads × the whole head dim per program, 64 gathered rows per step."""
-    return AttnConfig(BH=16, BN=64 if D <= 512 else 32, num_warps=8, num_stages=1)
+def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device) -> AttnConfig:
+    """Default plan; K is the total index count per token (both sources)."""
+    bh, bn = 16, 64
+    programs = T * triton.cdiv(H, bh)
+    sms = _sm_count(device)
+    split = 1
+    if programs < sms:
+        split = max(1, min(16, triton.cdiv(2 * sms, programs), triton.cdiv(K, bn)))
+    return AttnConfig(BH=bh, BN=bn, num_warps=4, num_stages=2, split_kv=split)
 
 
 def _check_source(name: str, kv: torch.Tensor, idx: torch.Tensor, T: int, d: int) -> None:
@@ -137,7 +217,8 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
     o = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
     if T == 0:
         return o
-    cfg = cfg or pick_attn_config(H, d, q.device)
+    Kb = idx_b.shape[1] if kv_b is not None else 0
+    cfg = cfg or pick_attn_config(T, H, d, idx_a.shape[1] + Kb, q.device)
     idx_a = idx_a if idx_a.stride(1) == 1 else idx_a.contiguous()
     has_b = kv_b is not None
     if has_b:
@@ -147,14 +228,32 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
     p_bf16 = p_dtype == torch.bfloat16
     any_f32 = torch.float32 in (q.dtype, kv_a.dtype) or (has_b and kv_b.dtype == torch.float32)
     dot_prec = "ieee" if any_f32 else "tf32"
-    grid = (T, triton.cdiv(H, cfg.BH))
+    Ka = idx_a.shape[1]
+    BD = triton.next_power_of_2(d)
+    BDV = BD if cfg.dv <= 0 else min(BD, triton.next_power_of_2(cfg.dv))
+    split = max(1, min(cfg.split_kv, max(Ka, Kb)))
+    chunk_a, chunk_b = triton.cdiv(Ka, split), triton.cdiv(Kb, split)
+    sink = sink.float().contiguous()
+    grid = (T, triton.cdiv(H, cfg.BH) * (BD // BDV), split)
+    if split > 1:
+        part = torch.empty(split, T, H, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(split, T, H, 2, dtype=torch.float32, device=q.device)
+        dst, dst_t, dst_h = part, 0, 0
+    else:
+        part = ml = None
+        dst, dst_t, dst_h = o, o.stride(0), o.stride(1)
     _sparse_attn_kernel[grid](
-        q, kv_a, idx_a, kv_b, idx_b, sink.float().contiguous(), o,
-        H, d, idx_a.shape[1], idx_b.shape[1] if has_b else 0,
+        q, kv_a, idx_a, kv_b, idx_b, sink, dst, ml if ml is not None else sink,
+        T, H, d, Ka, Kb, chunk_a, chunk_b,
         q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0),
-        idx_a.stride(0), idx_b.stride(0), o.stride(0), o.stride(1), float(scale) * _LOG2E,
-        HAS_B=has_b, BH=cfg.BH, BD=triton.next_power_of_2(d), BN=cfg.BN, P_BF16=p_bf16,
-        DOT_PREC=dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        idx_a.stride(0), idx_b.stride(0), dst_t, dst_h, float(scale) * _LOG2E,
+        HAS_B=has_b, BH=cfg.BH, BD=BD, BDV=BDV, N_DV=BD // BDV, BN=cfg.BN, SPLIT_KV=split > 1,
+        P_BF16=p_bf16, DOT_PREC=dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        bd_c = min(BD, 128)
+        _attn_combine_kernel[(T, triton.cdiv(H, 16), triton.cdiv(d, bd_c))](
+            part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1),
+            SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4)
     return o
 
 

@@ -236,22 +236,28 @@ def _sm_count(device: torch.device) -> int:
 
 
 def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) -> Fp8GemmConfig:
-    """Tile plan by shape: small-M (decode) tiles with split-K to fill the GPU, big tiles else."""
+    """Tile plan by shape (tuned on the H200, docs/PERFORMANCE.md).
+
+    Prefill (M > 64): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
+    Decode: the weight stream must keep ~2 programs per SM busy: the widest N tile that
+    reaches that without splitting K, else the widest that reaches it with a K split (each
+    split keeps >= 4 K blocks; the fp32 slices are summed on the host side, deterministically).
+    """
     n_kb = triton.cdiv(K, block)
+    stages = 3 if block >= 128 else 6
     if M > _FUSE_QUANT_MAX_M:
-        bm = 128 if M >= 128 else 64
-        return Fp8GemmConfig(BM=bm, BN=128, num_warps=8, num_stages=4 if block >= 128 else 6,
+        return Fp8GemmConfig(BM=64, BN=128, num_warps=4, num_stages=4 if block >= 128 else 6,
                              fuse_quant=False)
     bm = max(16, triton.next_power_of_2(M))
-    bn = 64 if bm <= 32 else 128
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    sms = _sm_count(device)
-    split = 1
-    if tiles < sms:
-        # Enough programs to stream the weight on every SM, but >= 4 K blocks per split.
-        split = max(1, min(triton.cdiv(2 * sms, tiles), n_kb // 4))
-    return Fp8GemmConfig(BM=bm, BN=bn, split_k=split, num_warps=4,
-                         num_stages=4 if block >= 128 else 6, fuse_quant=True)
+    target = int(1.9 * _sm_count(device))
+    tiles = {bn: triton.cdiv(M, bm) * triton.cdiv(N, bn) for bn in (128, 64, 32)}
+    for bn in (128, 64, 32):
+        if tiles[bn] >= target:
+            return Fp8GemmConfig(BM=bm, BN=bn, split_k=1, num_warps=4, num_stages=stages)
+    max_split = max(1, min(8, n_kb // 4))
+    bn = next((b for b in (128, 64, 32) if tiles[b] * max_split >= target), 32)
+    split = max(1, min(max_split, triton.cdiv(target, tiles[bn])))
+    return Fp8GemmConfig(BM=bm, BN=bn, split_k=split, num_warps=4, num_stages=stages)
 
 
 def _check_fp8_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int) -> None:
@@ -364,18 +370,27 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split
 
 
 @triton.jit
-def _hc_sum_parts(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS: tl.constexpr):
-    """Σ over splits of the partial mixes at columns ``offs`` (any shape) of token t."""
-    acc = tl.load(part_ptr + t * NJP + offs)
-    for s in range(1, SPLITS):
-        acc += tl.load(part_ptr + (s * T + t) * NJP + offs)
-    return acc
+def _hc_sum_vec(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS, SP: tl.constexpr):
+    """Σ over splits of the partial mixes at the [n] columns ``offs`` of token t (one load)."""
+    rs = tl.arange(0, SP)
+    v = tl.load(part_ptr + (rs[:, None] * T + t) * NJP + offs[None, :],
+                mask=(rs < SPLITS)[:, None], other=0.0)
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _hc_sum_mat(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS, SP: tl.constexpr):
+    """Σ over splits of the partial mixes at the [n, n] columns ``offs`` of token t."""
+    rs = tl.arange(0, SP)
+    v = tl.load(part_ptr + (rs[:, None, None] * T + t) * NJP + offs[None, :, :],
+                mask=(rs < SPLITS)[:, None, None], other=0.0)
+    return tl.sum(v, axis=0)
 
 
 @triton.jit
 def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
-                        T, D, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr,
-                        NJP: tl.constexpr, SPLITS: tl.constexpr, BD: tl.constexpr,
+                        T, D, SPLITS, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr,
+                        NJP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                         HEAD: tl.constexpr):
     """Per token: RMS factor, sigmoid gates, Sinkhorn (in registers), collapse Σ_j pre_j·x_j.
 
@@ -384,21 +399,20 @@ def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, pos
     """
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
-    sq = tl.load(sq_ptr + t)
-    for s in range(1, SPLITS):
-        sq += tl.load(sq_ptr + s * T + t)
+    rs = tl.arange(0, SP)
+    sq = tl.sum(tl.load(sq_ptr + rs * T + t, mask=rs < SPLITS, other=0.0), axis=0)
     rstd = 1.0 / tl.sqrt(sq / (N * D) + norm_eps)
     rn = tl.arange(0, N)
-    pre_mix = _hc_sum_parts(part_ptr, t, T, NJP, rn, SPLITS) * rstd
+    pre_mix = _hc_sum_vec(part_ptr, t, T, NJP, rn, SPLITS, SP) * rstd
     pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + rn)) + hc_eps
     if not HEAD:
         if pid_d == 0:
-            post_mix = _hc_sum_parts(part_ptr, t, T, NJP, N + rn, SPLITS) * rstd
+            post_mix = _hc_sum_vec(part_ptr, t, T, NJP, N + rn, SPLITS, SP) * rstd
             post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1)
                                     + tl.load(base_ptr + N + rn))
             tl.store(post_ptr + t * N + rn, post)
             cidx = 2 * N + rn[:, None] * N + rn[None, :]
-            c = (_hc_sum_parts(part_ptr, t, T, NJP, cidx, SPLITS) * rstd * tl.load(scale_ptr + 2)
+            c = (_hc_sum_mat(part_ptr, t, T, NJP, cidx, SPLITS, SP) * rstd * tl.load(scale_ptr + 2)
                  + tl.load(base_ptr + cidx))
             # softmax over k (axis 1), + eps, column normalization, then (row, column) rounds.
             c = tl.exp(c - tl.max(c, axis=1)[:, None])
@@ -435,7 +449,8 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str
     fn = fn.float().contiguous()
     ktot = n * D
     njp = max(16, triton.next_power_of_2(rows))
-    BT = 16
+    # Prefill: bigger token tiles, so fn (1.5 MB fp32 at V4 widths) is re-read less often.
+    BT = 64 if T >= 1024 else 16
     BK = 128 if ktot >= 128 else triton.next_power_of_2(ktot)
     tiles = triton.cdiv(T, BT)
     # Split K until the launch has ~2 programs per SM (decode: T is tiny, K = 16384).
@@ -478,8 +493,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         BD = min(1024, triton.next_power_of_2(D))
         _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
             x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
-            T, D, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
-            SPLITS=splits, BD=BD, HEAD=False, num_warps=4)
+            T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
+            SP=triton.next_power_of_2(splits), BD=BD, HEAD=False, num_warps=4)
     return y, post, comb
 
 
@@ -494,8 +509,8 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         BD = min(1024, triton.next_power_of_2(D))
         _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
             x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, y, y,
-            T, D, float(norm_eps), float(hc_eps), ITERS=1, N=n, NJP=njp,
-            SPLITS=splits, BD=BD, HEAD=True, num_warps=4)
+            T, D, splits, float(norm_eps), float(hc_eps), ITERS=1, N=n, NJP=njp,
+            SP=triton.next_power_of_2(splits), BD=BD, HEAD=True, num_warps=4)
     return y
 
 

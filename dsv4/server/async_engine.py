@@ -2,8 +2,9 @@
 
 Every call into the engine (add, abort, step, stats, idle check) happens on that one thread,
 in the order the commands arrived, so the engine itself needs no locking.  Each request has an
-``asyncio.Queue`` that the thread fills (through ``call_soon_threadsafe``) with snapshots of
-its cumulative ``RequestOutput``; ``generate`` yields them.  A consumer that stops early (client
+``asyncio.Queue`` that the thread fills (through ``call_soon_threadsafe``) with its cumulative
+``RequestOutput`` of each step (the engine builds fresh output objects every step, so the
+consumer may read them while later steps run); ``generate`` yields them.  A consumer that stops early (client
 disconnect, cancellation, an exception) aborts its request, which frees its cache pages.
 """
 
@@ -11,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,20 +35,6 @@ class EngineStopped(RuntimeError):
 class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-
-
-def _snapshot(out: Any) -> Any:
-    """A copy of a RequestOutput that later steps cannot change under the consumer."""
-    snap = copy.copy(out)
-    outputs = []
-    for o in out.outputs:
-        c = copy.copy(o)
-        c.token_ids = list(o.token_ids)
-        if getattr(o, "logprobs", None) is not None:
-            c.logprobs = list(o.logprobs)
-        outputs.append(c)
-    snap.outputs = outputs
-    return snap
 
 
 class AsyncEngine:
@@ -97,6 +84,8 @@ class AsyncEngine:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("engine thread did not stop within %.1f s", timeout)
+        else:
+            log.info("engine thread stopped")
         self._thread = None
 
     # ------------------------------------------------------------------ coroutine API
@@ -201,15 +190,29 @@ class AsyncEngine:
         self._streams.clear()
 
     def _loop(self) -> None:
+        try:
+            self._run_steps()
+        except BaseException as e:  # a bug here must fail the waiting requests, not hang them
+            log.exception("engine thread crashed")
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._fail_all(EngineError(f"engine thread crashed: {self.last_error}"))
+            raise
+        # shutting down: abort everything still running, tell its consumers
+        self._drain()
+        self._fail_all(EngineStopped("the server is shutting down"))
+        self._refresh_stats()
+
+    def _run_steps(self) -> None:
         while True:
             self._drain()
             if self._stopping:
-                break
+                return
             if not self.engine.has_unfinished_requests():
                 self._refresh_stats()
                 self._wake.wait(self._idle_poll_s)
                 self._wake.clear()
                 continue
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -221,15 +224,15 @@ class AsyncEngine:
                 self._fail_all(EngineError(f"engine step failed: {self.last_error}"))
                 continue
             self.steps += 1
+            if not outputs and time.perf_counter() - started < 1e-3:
+                # an empty step (nothing could be scheduled): do not spin on it
+                self._wake.wait(0.002)
+                self._wake.clear()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue  # aborted meanwhile
                 if out.finished:
                     del self._streams[out.request_id]
-                self._deliver(stream, _snapshot(out))
+                self._deliver(stream, out)
             self._refresh_stats()
-        # shutting down: abort everything still running, tell its consumers
-        self._drain()
-        self._fail_all(EngineStopped("the server is shutting down"))
-        self._refresh_stats()

@@ -136,6 +136,7 @@ class _ChatRun:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  request: Request) -> Any:
     """Validate, encode, run, and answer (JSON or SSE)."""
+    arrival = time.monotonic()
     state.check_model(req.model)
     thinking, effort = resolve_thinking(req, state.default_thinking)
     if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
@@ -154,7 +155,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = state.sampling_params(sampling_kwargs(
         req, max_tokens=max_tokens, logprobs=k, skip_special_tokens=req.skip_special_tokens))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = state.tracker(len(prompt_ids))
+    tracker = state.tracker(len(prompt_ids), arrival)
     run = _ChatRun(state, req, thinking, tools is not None, tracker, len(prompt_ids))
     outputs = state.engine.generate(prompt_ids, params, rid)
     if req.stream:

@@ -107,6 +107,7 @@ class _CompletionRun:
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Any:
     """Validate, run every prompt, and answer (JSON or SSE)."""
+    arrival = time.monotonic()
     state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix: not supported by this model", param="suffix")
@@ -120,7 +121,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     echoes = [(text if text is not None else state.decode(ids)) if req.echo else ""
               for text, ids in prompts]
     num_prompt = sum(len(ids) for _, ids in prompts)
-    tracker = state.tracker(num_prompt)
+    tracker = state.tracker(num_prompt, arrival)
     run = _CompletionRun(state, req, echoes, num_prompt, tracker)
     streams = [state.engine.generate(ids, params, f"{rid}-{i}") for i, (_, ids) in enumerate(prompts)]
     if req.stream:

@@ -116,13 +116,14 @@ class ServerMetrics:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 head(f"{p}_{name}", "gauge", doc)
                 lines.append(f"{p}_{name} {_fmt(value)}")
-        # Any other numeric engine statistic, as an untyped gauge.
+        # Any other numeric engine statistic ("*_total" ones are counters).
         for key in sorted(stats):
             value = stats[key]
             if key in ("num_running", "num_waiting", "cache_usage"):
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 name = f"{p}_engine_" + "".join(c if c.isalnum() else "_" for c in key)
-                head(name, "gauge", f"Engine statistic {key}.")
+                kind = "counter" if name.endswith("_total") else "gauge"
+                head(name, kind, f"Engine statistic {key}.")
                 lines.append(f"{name} {_fmt(value)}")
         return "\n".join(lines) + "\n"

@@ -24,9 +24,9 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.counted = False  # already counted in the request metrics
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error",
-                             404: "not_found_error", 503: "service_unavailable"}.get(
-                                 status, "server_error")
+        default = "invalid_request_error" if status < 500 else "server_error"
+        self.type = type or {401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}.get(status, default)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -66,6 +67,7 @@ class ServerState:
             self._tokenizer = copy.deepcopy(core.tokenizer)
         except Exception:
             self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------ model facts
@@ -75,21 +77,28 @@ class ServerState:
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
     async def tokenize(self, text: str) -> list[int]:
+        """Token ids of a prompt, computed off the event loop (long prompts take a while)."""
         if self._tokenizer is not None:
-            return _encode(self._tokenizer, text)
+            return await asyncio.to_thread(self._encode_locked, text)
         return await self.engine.call(lambda e: _encode(e.tokenizer, text))
 
+    def _encode_locked(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return _encode(self._tokenizer, text)
+
     def token_text(self, token_id: int) -> str:
+        """The text of one token (logprobs), memoized."""
         text = self._token_text.get(token_id)
         if text is None:
-            tok = self._tokenizer if self._tokenizer is not None else self.engine.engine.tokenizer
-            text = tok.decode([token_id], skip_special_tokens=False)
+            text = self.decode([token_id])
             self._token_text[token_id] = text
         return text
 
     def decode(self, ids: list[int]) -> str:
-        tok = self._tokenizer if self._tokenizer is not None else self.engine.engine.tokenizer
-        return tok.decode(ids, skip_special_tokens=False)
+        if self._tokenizer is None:  # no private copy: the engine's (its decode is read-only)
+            return self.engine.engine.tokenizer.decode(ids, skip_special_tokens=False)
+        with self._tokenizer_lock:
+            return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         for j, t in enumerate(ids):
@@ -123,16 +132,16 @@ class ServerState:
         except ValueError as e:
             raise bad_request(str(e), param=param_of(str(e))) from None
 
-    def tracker(self, num_prompt: int) -> "RequestTracker":
-        return RequestTracker(self.metrics, num_prompt)
+    def tracker(self, num_prompt: int, arrival: float) -> "RequestTracker":
+        return RequestTracker(self.metrics, num_prompt, arrival)
 
 
 class RequestTracker:
     """Timings and token counts of one HTTP request (possibly several engine requests)."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt: int, arrival: float) -> None:
         self.metrics = metrics
-        self.arrival = time.monotonic()
+        self.arrival = arrival  # time.monotonic() when the HTTP request came in
         self.first: float | None = None
         self.last: float | None = None
         self.tokens: dict[tuple[str, int], int] = {}
@@ -246,5 +255,6 @@ async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
 
 def sse(payload: dict | str) -> str:
     """One server-sent event."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                                 separators=(",", ":"))
     return f"data: {data}\n\n"

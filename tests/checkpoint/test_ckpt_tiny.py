@@ -77,19 +77,20 @@ def test_tiny_config_overrides_and_errors() -> None:
         make_tiny_checkpoint("/nonexistent-never-written", "v4", compress_ratios=[0, 4])
 
 
-def test_determinism(tmp_path: Path) -> None:
-    a = Path(make_tiny_checkpoint(tmp_path / "a", "v41", seed=3))
-    b = Path(make_tiny_checkpoint(tmp_path / "b", "v41", seed=3))
-    c = Path(make_tiny_checkpoint(tmp_path / "c", "v41", seed=4))
+def test_determinism(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    a = tiny_dirs["v41"]  # seed 0, 3 shards
+    b = Path(make_tiny_checkpoint(tmp_path / "b", "v41", seed=0, num_shards=3))
+    c = Path(make_tiny_checkpoint(tmp_path / "c", "v41", seed=4, num_shards=3))
     assert _digest(a) == _digest(b)
     da, dc = _digest(a), _digest(c)
     assert da["config.json"] == dc["config.json"]
-    assert da["model-00001-of-00002.safetensors"] != dc["model-00001-of-00002.safetensors"]
+    for shard in ("model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+        assert da[shard] != dc[shard]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_files_are_in_the_official_formats(tmp_path: Path, variant: str) -> None:
-    path = Path(make_tiny_checkpoint(tmp_path / variant, variant, num_shards=3))
+def test_files_are_in_the_official_formats(tiny_dirs: dict[str, Path], variant: str) -> None:
+    path = tiny_dirs[variant]
     files = sorted(p.name for p in path.iterdir())
     assert files == ["config.json", "generation_config.json", "model-00001-of-00003.safetensors",
                      "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
@@ -129,9 +130,8 @@ def test_files_are_in_the_official_formats(tmp_path: Path, variant: str) -> None
         assert h["layers.0.ffn.gate.tid2eid"].dtype == "I64" and "mtp.0.e_proj.scale" in h
 
 
-def test_weight_scales_are_sane(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "v4", "v4")
-    sd = load_checkpoint(path, dtype=torch.float32, keep_quantized=True, progress=False)
+def test_weight_scales_are_sane(tiny_dirs: dict[str, Path]) -> None:
+    sd = load_checkpoint(tiny_dirs["v4"], dtype=torch.float32, keep_quantized=True, progress=False)
     # power-of-two e8m0 scales, and dequantized projections with std ≈ 1/sqrt(fan_in)
     wq_b = sd["layers.1.attn.wq_b.weight"]
     s = e8m0_to_float(wq_b.scale)
@@ -148,13 +148,13 @@ def test_weight_scales_are_sane(tmp_path: Path) -> None:
     assert bool((tid[:, 0] != tid[:, 1]).all())  # distinct experts per token
 
 
-def test_transformers_reads_the_tiny_bf16_checkpoint(tmp_path: Path) -> None:
+def test_transformers_reads_the_tiny_bf16_checkpoint(tiny_dirs: dict[str, Path]) -> None:
     """An independent implementation (transformers' DeepseekV4) finds every official name and
     produces finite logits of std ≈ 1 from the tiny weights."""
     tf = pytest.importorskip("transformers")
     if not hasattr(tf, "DeepseekV4ForCausalLM"):
         pytest.skip("transformers without DeepseekV4")
-    path = make_tiny_checkpoint(tmp_path / "bf16", "v4-bf16")
+    path = tiny_dirs["v4-bf16"]
     model, info = tf.DeepseekV4ForCausalLM.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]

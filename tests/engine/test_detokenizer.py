@@ -94,3 +94,15 @@ def test_token_text_cache() -> None:
 def test_bad_stop_strings_rejected(bad: list) -> None:
     with pytest.raises(ValueError, match=r"stop\[0\]"):
         SamplingParams(stop=bad)
+
+
+def test_flush_emits_an_incomplete_character_at_the_end() -> None:
+    det = IncrementalDetokenizer(TOK, [], SamplingParams(stop=["\ufffd!"]))
+    det.add_token(TOK.encode(b"!")[0])
+    det.add_token(TOK.encode(b"\xc3")[0])
+    assert det.text == "!"
+    assert det.flush() is None and det.text == "!\ufffd"
+    assert det.flush() is None and det.text == "!\ufffd"
+    det = IncrementalDetokenizer(TOK, [], SamplingParams(stop=["\ufffd"]))
+    det.add_token(TOK.encode(b"\xc3")[0])
+    assert det.flush() == "\ufffd" and det.text == ""

@@ -31,7 +31,7 @@ def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[
 
 def engine(path, model, tok, **kw) -> LLMEngine:
     kw.setdefault("max_model_len", 512)
-    return LLMEngine(path, model=model, tokenizer=tok, **kw)
+    return LLMEngine(path, device="cpu", model=model, tokenizer=tok, **kw)
 
 
 def run(eng: LLMEngine, max_steps: int = 5000) -> dict[str, RequestOutput]:
@@ -140,12 +140,19 @@ def test_preemption_forced_by_a_tiny_cache(tiny_v4_path, tiny_v4_model, tiny_v4_
                  max_model_len=256, max_num_seqs=4)
     prompts = {f"r{i}": rand_prompt(rng, 118 + 3 * i) for i in range(3)}
     for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(16, logprobs=0))
+        eng.add_request(rid, p, greedy(16, logprobs=0, prompt_logprobs=0))
     outs = run(eng)
     assert eng.get_stats()["num_preemptions"] > 0
-    assert any(o.metrics.num_preemptions for o in outs.values())
+    assert outs["r2"].metrics.num_preemptions > 0  # the newest is the victim
     for rid, p in prompts.items():
         assert_matches_reference(tiny_v4_model, p, outs[rid])
+    # Prompt logprobs survive the recompute exactly once each.
+    p = prompts["r2"]
+    plp = outs["r2"].prompt_logprobs
+    ref = tiny_v4_model.forward_full(p).log_softmax(-1)
+    assert len(plp) == len(p) and all(len(d) == 1 for d in plp[1:])
+    assert [plp[i][p[i]].logprob for i in range(1, len(p))] == pytest.approx(
+        [float(ref[i - 1, p[i]]) for i in range(1, len(p))], abs=ATOL)
 
 
 def test_abort_mid_decode(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer) -> None:
@@ -229,20 +236,41 @@ def test_streamed_text_is_a_growing_prefix(tiny_v4_path, tiny_v4_model, tiny_v4_
 
 
 def test_official_numerics_statistically(tiny_v4_path, tiny_v4_tokenizer) -> None:
-    """Run-time fake quantization is discontinuous (spec §6.13): compare chunked prompt
-    logprobs with forward_full statistically."""
+    """Run-time fake quantization is discontinuous (spec §6.13): a 1-ulp change that crosses an
+    FP8/FP4 rounding boundary spreads downstream, so chunked prefill is compared with
+    forward_full statistically, and exactly with the same chunking done by hand."""
+    from dsv4.cache.tensors import HybridCache
+    from dsv4.model.context import StepContext
     from dsv4.model.transformer import load_model
 
     model = load_model(tiny_v4_path, device="cpu", dtype=torch.float32, numerics="official")
-    prompt = rand_prompt(random.Random(10), 140)
-    eng = engine(tiny_v4_path, model, tiny_v4_tokenizer, max_num_batched_tokens=7)
-    eng.add_request("o", prompt, greedy(1, prompt_logprobs=1))
-    plp = run(eng)["o"].prompt_logprobs
-    ref = model.forward_full(prompt).log_softmax(-1)
-    diff = torch.tensor([plp[i][prompt[i]].logprob - float(ref[i - 1, prompt[i]])
-                         for i in range(1, len(prompt))]).abs()
-    assert (diff < 1e-3).float().mean() >= 0.9, diff
-    assert diff.median() < 1e-4
+    chunk, n = 7, 140
+    diffs, agree = [], []
+    for seed in (3, 5, 10):
+        prompt = rand_prompt(random.Random(seed), n)
+        eng = engine(tiny_v4_path, model, tiny_v4_tokenizer, max_num_batched_tokens=chunk)
+        eng.add_request("o", prompt, greedy(1, prompt_logprobs=1))
+        plp = run(eng)["o"].prompt_logprobs
+        got = torch.tensor([plp[i][prompt[i]].logprob for i in range(1, n)])
+
+        # Same chunks through the model by hand: the engine adds nothing.
+        cache = HybridCache.allocate(model.cfg, num_pages=1, num_slots=1, page_size=256,
+                                     dtype=torch.float32, device="cpu")
+        rows = [model.compute_logits(model.forward(
+            StepContext.single(torch.tensor(prompt[s:s + chunk]), start_pos=s), cache))
+            for s in range(0, n, chunk)]
+        by_hand = torch.cat(rows).log_softmax(-1)
+        want = torch.tensor([float(by_hand[i - 1, prompt[i]]) for i in range(1, n)])
+        assert torch.allclose(got, want, atol=1e-5)
+
+        ref = model.forward_full(prompt).log_softmax(-1)
+        diffs.append((got - torch.tensor([float(ref[i - 1, prompt[i]])
+                                          for i in range(1, n)])).abs())
+        agree.append((by_hand.argmax(-1) == ref.argmax(-1)).float())
+    diff, agree_all = torch.cat(diffs), torch.cat(agree)
+    assert agree_all.mean() >= 0.9, agree_all.mean()
+    assert (diff < 1e-3).float().mean() >= 0.5, diff
+    assert diff.max() < 3.0
 
 
 def test_v41_engine(tmp_path, tiny_v4_tokenizer) -> None:
@@ -255,6 +283,6 @@ def test_v41_engine(tmp_path, tiny_v4_tokenizer) -> None:
     except NotImplementedError as e:
         pytest.skip(f"the V4.1 model is not implemented yet: {e}")
     prompt = rand_prompt(random.Random(11), 30)
-    eng = LLMEngine(path, model=model, max_model_len=256, max_num_batched_tokens=7)
+    eng = LLMEngine(path, device="cpu", model=model, max_model_len=256, max_num_batched_tokens=7)
     eng.add_request("v", prompt, greedy(6, logprobs=0))
     assert_matches_reference(model, prompt, run(eng)["v"])

@@ -158,6 +158,56 @@ def test_hc_ops_gpu(T: int) -> None:
     assert _finite(h) and _rel(h, ref.hc_head(x, fh, sh, bh, 1e-6, 1e-6)) < 4e-3
 
 
+ATTN_PLANS = [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=8),
+              dict(BH=16, BN=32, num_warps=4, num_stages=2, split_kv=16),
+              dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=256),
+              dict(BH=64, BN=32, num_warps=8, num_stages=2, dv=256),
+              dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=128),
+              dict(BH=32, BN=64, num_warps=4, num_stages=2, dv=256),
+              dict(BH=64, BN=32, num_warps=8, num_stages=1)]
+
+
+@pytest.mark.parametrize("plan", ATTN_PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_sparse_attn_gpu_plans(plan: dict) -> None:
+    """Every plan the bench sweeps computes the same function (so any can become the default)."""
+    from dsv4.ops import torch_attn as ref
+    from dsv4.ops import triton_attn as tri
+    gen = torch.Generator(device=DEV).manual_seed(len(plan))
+    T, H, d = 5, 64, 512
+    q = torch.randn(T, H, d, generator=gen, device=DEV).bfloat16()
+    kv_a = torch.randn(1000, d, generator=gen, device=DEV).bfloat16()
+    kv_b = torch.randn(3000, d, generator=gen, device=DEV).bfloat16()
+    idx_a = torch.randint(-1, 1000, (T, 128), generator=gen, device=DEV, dtype=torch.int32)
+    idx_b = torch.randint(-1, 3000, (T, 512), generator=gen, device=DEV, dtype=torch.int32)
+    sink = torch.randn(H, generator=gen, device=DEV)
+    _poison()
+    o = tri.sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, None,
+                                    tri.AttnConfig(**plan))
+    o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, p_dtype=torch.bfloat16)
+    assert _finite(o) and _rel(o, o_ref) < 5e-3
+
+
+FP8_PLANS = [dict(BM=16, BN=32, split_k=8, num_stages=3), dict(BM=16, BN=128, split_k=1),
+             dict(BM=64, BN=128, split_k=8, num_stages=3),
+             dict(BM=64, BN=128, num_warps=4, num_stages=4, fuse_quant=False),
+             dict(BM=64, BN=128, num_warps=4, num_stages=3, fuse_quant=False),
+             dict(BM=128, BN=128, num_warps=8, num_stages=3, fuse_quant=False),
+             dict(BM=64, BN=256, num_warps=8, num_stages=3, fuse_quant=False)]
+
+
+@pytest.mark.parametrize("plan", FP8_PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_fp8_linear_gpu_plans(plan: dict) -> None:
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_dense as tri
+    gen = torch.Generator(device=DEV).manual_seed(len(plan))
+    M, N, K = (300 if not plan.get("fuse_quant", True) else plan["BM"] - 3), 1536, 2048
+    w8, ws = _fp8_weight(N, K, 128, False, gen)
+    x = torch.randn(M, K, generator=gen, device=DEV).bfloat16()
+    _poison()
+    y = tri.fp8_linear_with_config(x, w8, ws, 128, torch.bfloat16, tri.Fp8GemmConfig(**plan))
+    assert _finite(y) and _rel(y, ref.fp8_linear(x, w8, ws, 128, torch.float32)) < 4e-3
+
+
 def test_get_ops_triton_picks_kernels() -> None:
     from dsv4.ops import get_ops
     from dsv4.ops import triton_attn, triton_dense

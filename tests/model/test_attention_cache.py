@@ -92,3 +92,20 @@ def test_v41_sources_are_shared() -> None:
     assert [s.ratio for s in compressor_specs(cfg, 1)] == [2]
     assert compressor_specs(cfg, 3) == []          # ratio 1 keeps no carry-over rows
     assert cache.compressor_state(1).kv.shape == (1, 2, cfg.head_dim)
+    assert cache.engram_lookback is None                      # no Engram layers in this config
+
+
+def test_v41_engram_lookback_per_slot() -> None:
+    d = tiny_config_dict(model_type="deepseek_v41", num_hidden_layers=2, compress_ratios=[0, 0],
+                         engram_layer_ids=[1], engram_num_embeddings=[50],
+                         engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=16,
+                         engram_vocab_size=1000, engram_compressed_vocab_size=40)
+    cfg = ModelConfig.from_dict(d)
+    cache = HybridCache.allocate(cfg, 1, 3, 128, torch.float32)
+    assert cache.engram_lookback.shape == (3, 2) and cache.engram_lookback.dtype == torch.int64
+    cache.engram_lookback.fill_(7)
+    cache.reset_slots([1])
+    assert cache.engram_lookback.tolist() == [[7, 7], [0, 0], [7, 7]]
+    per_slot = HybridCache.bytes_per_slot(cfg, torch.float32)
+    assert per_slot == 2 * cfg.window_size * cfg.head_dim * 4 + 2 * 8
+    assert cache.memory_bytes() == 3 * per_slot

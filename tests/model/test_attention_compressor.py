@@ -126,3 +126,13 @@ def test_finish_normalizes_and_rotates_at_group_start() -> None:
     cos, sin = rope_cos_sin(comp.cfg, LAYER_HCA, pos)
     want = apply_rope(rms_norm(pooled, comp.norm.weight, comp.cfg.norm_eps), cos, sin)
     assert torch.equal(got, want)
+
+
+def test_entry_blocking_does_not_change_entries(monkeypatch) -> None:
+    import dsv4.model.compressor as compressor_module
+
+    comp, cache, state = _compressor(LAYER_CSA)
+    x = _int_tensor((150, comp.cfg.dim), 13)
+    whole = _pool_steps(comp, cache, state, x, [150])
+    monkeypatch.setattr(compressor_module, "_BLOCK_ELEMS", 3 * 8 * comp.spec.state_width)
+    assert torch.equal(_pool_steps(comp, cache, state, x, [150]), whole)

@@ -62,7 +62,8 @@ def make_attention(layer: int, numerics: str = "bf16", seed: int = 0,
 
 def new_cache(att: Attention, num_pages: int = 8, num_slots: int = 4,
               page_size: int = PAGE) -> HybridCache:
-    return HybridCache.allocate(att.cfg, num_pages, num_slots, page_size, att.dtype, "cpu")
+    device = att.attn_sink.device
+    return HybridCache.allocate(att.cfg, num_pages, num_slots, page_size, att.dtype, device)
 
 
 def run_chunks(att: Attention, x: torch.Tensor, sizes: Sequence[int], cache: HybridCache,
@@ -73,7 +74,8 @@ def run_chunks(att: Attention, x: torch.Tensor, sizes: Sequence[int], cache: Hyb
     outs, pos, k = [], 0, 0
     while pos < x.shape[0]:
         n = min(sizes[min(k, len(sizes) - 1)], x.shape[0] - pos)
-        ctx = StepContext.build(torch.zeros(n, dtype=torch.long), [n], [pos], [slot], [pages])
+        ids = torch.zeros(n, dtype=torch.long, device=x.device)
+        ctx = StepContext.build(ids, [n], [pos], [slot], [pages])
         outs.append(att(x[pos:pos + n], ctx, cache))
         pos, k = pos + n, k + 1
     return torch.cat(outs)

@@ -158,3 +158,25 @@ def test_modules_match_transformers_hyper_connection() -> None:
             comb_hf.transpose(-1, -2), x[None])
         torch.testing.assert_close(new, new_hf[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(head(x), head_hf(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_hc_post_mixes_in_fp32_like_the_reference() -> None:
+    """Spec §6.10: DeepSeek's reference mixes post/comb with the streams in fp32 and casts once;
+    transformers casts post/comb to the activation dtype first. We follow the reference: in bf16
+    our result is the correctly rounded fp32-exact value almost everywhere, the other is not."""
+    g = torch.Generator().manual_seed(8)
+    T = 64
+    out = (torch.randn(T, D, generator=g) * 4).bfloat16()
+    x_res = (torch.randn(T, N_HC, D, generator=g) * 4).bfloat16()
+    post = torch.rand(T, N_HC, generator=g) * 2
+    comb = torch.softmax(torch.randn(T, N_HC, N_HC, generator=g), dim=-1)
+    truth = (post.double().unsqueeze(-1) * out.double().unsqueeze(-2)
+             + torch.matmul(comb.double().transpose(-1, -2), x_res.double()))
+    ours = td.hc_post(out, x_res, post, comb)
+    # transformers' DeepseekV4DecoderLayer: post.to(dtype) * out + comb.to(dtype)^T @ x_res.
+    hf_style = (post.bfloat16().unsqueeze(-1) * out.unsqueeze(-2)
+                + torch.matmul(comb.bfloat16().transpose(-1, -2), x_res))
+    err_ours = (ours.double() - truth).abs()
+    err_hf = (hf_style.double() - truth).abs()
+    assert (ours == truth.bfloat16()).float().mean() > 0.99
+    assert err_ours.max() < err_hf.max() and err_ours.mean() < err_hf.mean()

@@ -8,9 +8,7 @@ import pytest
 
 from dsv4.server.app import build_app
 from dsv4.server.async_engine import AsyncEngine
-from server_fakes import FakeEngine, ServerThread, wait_until
-
-MODEL = "fake-dsv4"
+from server_fakes import MODEL, FakeEngine, ServerThread, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +31,4 @@ def served(fake_server: tuple) -> Iterator[tuple[FakeEngine, AsyncEngine, Server
     yield engine, async_engine, srv
     assert wait_until(lambda: not engine.has_unfinished_requests(), 10)
     engine.check_idle()
+    assert len(engine.thread_ids) <= 1  # every engine call came from the one engine thread

@@ -14,6 +14,7 @@ import uvicorn
 from dsv4.engine.sampling_params import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 EOS_ID = 1
+MODEL = "fake-dsv4"  # the served model name of the fake-engine tests
 
 
 class CharTokenizer:

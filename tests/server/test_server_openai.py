@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL
+from server_fakes import MODEL
+
 
 DSML_CALL = (
     "Let me check.\n\n<｜DSML｜tool_calls>\n"
@@ -170,3 +171,27 @@ def test_completions(served) -> None:
     engine.script = lambda prompt, i: "z" * 40
     r = c.completions.create(model=MODEL, prompt="q")
     assert r.choices[0].text == "z" * 16 and r.choices[0].finish_reason == "length"
+
+
+def test_v41_model_uses_the_v41_format() -> None:
+    from dsv4.server.app import build_app
+    from dsv4.server.async_engine import AsyncEngine
+    from server_fakes import FakeEngine, ServerThread
+
+    engine = FakeEngine(variant="v41")
+    engine.script = lambda prompt, i: (
+        "ok</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n"
+        "<｜DSML｜ parameter name=\"city\" string=\"true\">Rome</｜DSML｜ parameter>\n"
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>")
+    with ServerThread(build_app(AsyncEngine(engine, idle_poll_s=0.05), model_name=MODEL)) as srv:
+        r = client(srv).chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": "S"},
+                                   {"role": "user", "content": "Rome?"}],
+            tools=TOOLS, reasoning_effort=30)
+    prompt = engine.prompts[-1]
+    assert prompt.startswith("<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 30 (range 1-100")
+    assert "<｜DSML｜ calls>" in prompt and prompt.endswith("<｜User｜>Rome?<｜Assistant｜><think>")
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "ok" and msg.content is None
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Rome"}
+    assert r.choices[0].finish_reason == "tool_calls"

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 
-from conftest import MODEL
 from dsv4.server.app import build_app
 from dsv4.server.async_engine import AsyncEngine
-from server_fakes import FakeEngine, ServerThread, wait_until
+from server_fakes import MODEL, FakeEngine, ServerThread, wait_until
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -1,0 +1,185 @@
+"""``dsv4.LLM``: offline batched generation (vLLM's ``LLM`` API, the parts that matter here).
+
+>>> from dsv4 import LLM, SamplingParams
+>>> llm = LLM()                       # the embedded tiny checkpoint on CPU
+>>> outs = llm.generate(["Hello"], SamplingParams(max_tokens=8), use_tqdm=False)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from dsv4.engine.llm_engine import LLMEngine
+from dsv4.engine.sampling_params import RequestOutput, SamplingParams
+
+PromptLike = str | list[int] | dict
+
+
+def default_model_path() -> str:
+    """The embedded tiny V4 checkpoint (generated once into a cache directory)."""
+    import dsv4.tiny as tiny
+
+    if hasattr(tiny, "default_checkpoint"):
+        return tiny.default_checkpoint()
+    return _fallback_default_checkpoint()
+
+
+def _fallback_default_checkpoint() -> str:
+    # Used only while dsv4.tiny has no default_checkpoint(): the same idea, kept local.
+    import hashlib
+    import json
+    import os
+    import tempfile
+
+    from dsv4.tiny import make_tiny_checkpoint, tiny_config
+
+    digest = hashlib.sha256(json.dumps(tiny_config("v4"), sort_keys=True).encode()).hexdigest()
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4")
+    path = os.path.join(root, f"tiny-v4-{digest[:12]}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=".tiny-")
+        make_tiny_checkpoint(os.path.join(tmp, "ckpt"), variant="v4", seed=0)
+        try:
+            os.replace(os.path.join(tmp, "ckpt"), path)  # atomic: concurrent makers race safely
+        except OSError:
+            pass  # another process won the race
+    return path
+
+
+class LLM:
+    """Load a checkpoint and generate from batches of prompts.
+
+    Args:
+        model: checkpoint directory; None uses the embedded tiny V4 checkpoint.
+        device, dtype, kv_cache_dtype, max_num_batched_tokens, max_num_seqs, max_model_len,
+        seed, **engine_options: passed to :class:`LLMEngine` (see ``EngineOptions``).
+    """
+
+    def __init__(self, model: str | None = None, *, device: str | None = None,
+                 dtype: Any = None, kv_cache_dtype: str = "auto",
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, seed: int = 0, **engine_options: Any) -> None:
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model_path = model or default_model_path()
+        self.engine = LLMEngine(self.model_path, device=device, dtype=dtype,
+                                kv_cache_dtype=kv_cache_dtype,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                seed=seed, **engine_options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: PromptLike | Sequence[PromptLike],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or ``{"prompt": str}`` /
+        ``{"prompt_token_ids": [...]}`` (optionally with ``"token_types"`` for V4.1).
+        ``sampling_params`` is one SamplingParams for all, or one per prompt.
+        """
+        items = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"generate: {len(params)} sampling_params for {len(items)} "
+                                 "prompts; pass one, or one per prompt")
+        return self._run(items, params, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, **chat_template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of message dicts) or to a list of
+        conversations, rendered with the model's chat format (``dsv4.chat.encoding``).
+
+        ``chat_template_kwargs`` go to ``encode_messages`` (thinking, reasoning_effort, tools).
+        """
+        from dsv4.chat.encoding import encode_messages  # the server engineer's module
+
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("chat: messages must be a non-empty list of message dicts (or a list "
+                             "of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        items = []
+        for conv in conversations:
+            text = encode_messages(conv, variant=self.engine.config.variant,
+                                   **chat_template_kwargs)
+            # The rendered text already starts with BOS: add no special tokens again.
+            items.append({"prompt": text,
+                          "prompt_token_ids": list(tok.encode(text, add_special_tokens=False))})
+        return self.generate(items, sampling_params, use_tqdm)
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _normalize_prompts(prompts: Any) -> list[dict]:
+        def one(p: Any, i: int) -> dict:
+            if isinstance(p, str):
+                return {"prompt": p}
+            if isinstance(p, dict):
+                if "prompt_token_ids" not in p and "prompt" not in p:
+                    raise ValueError(f"generate: prompt {i} is a dict without 'prompt' or "
+                                     "'prompt_token_ids'")
+                return p
+            if isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                return {"prompt_token_ids": list(p)}
+            raise ValueError(f"generate: prompt {i} is a {type(p).__name__}; expected a string, "
+                             "a list of token ids or a dict")
+
+        if isinstance(prompts, (str, dict)):
+            return [one(prompts, 0)]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(t, int) for t in prompts):
+                return [one(prompts, 0)]  # a single tokenized prompt
+            return [one(p, i) for i, p in enumerate(prompts)]
+        raise ValueError(f"generate: prompts must be a string, a dict or a list; got "
+                         f"{type(prompts).__name__}")
+
+    def _run(self, items: list[dict], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for item, p in zip(items, params):
+                rid = f"llm-{next(self._ids)}"
+                prompt = item["prompt_token_ids"] if "prompt_token_ids" in item else item["prompt"]
+                engine.add_request(rid, prompt, p, token_types=item.get("token_types"),
+                                   prompt_text=item.get("prompt"))
+                ids.append(rid)
+            done: dict[str, RequestOutput] = {}
+            bar = _progress(len(ids)) if use_tqdm else None
+            while len(done) < len(ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("generate: the engine stopped with requests unanswered: "
+                                       f"{sorted(set(ids) - set(done))[:5]}")
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            # Leave the engine clean for the next call (KeyboardInterrupt included).
+            engine.abort_request(ids)
+            raise
+        return [done[rid] for rid in ids]
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
