@@ -161,11 +161,10 @@ def bench_attn(T: int, Ka: int, Kb: int, sweep: bool) -> tuple[dict, list]:
     if sweep:
         if T <= 16:
             plans = [dict(BH=16, BN=bn, num_warps=nw, num_stages=2, split_kv=sp)
-                     for bn in (32, 64) for nw in (4, 8) for sp in (4, 8, 16)]
+                     for bn in (32, 64) for nw in (4, 8) for sp in (2, 4, 8, 16)]
         else:
             plans = [dict(BH=16, BN=64, num_warps=4, num_stages=2),
                      dict(BH=16, BN=64, num_warps=8, num_stages=2),
-                     dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=256),
                      dict(BH=64, BN=32, num_warps=8, num_stages=2, dv=256),
                      dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=128),
                      dict(BH=32, BN=64, num_warps=4, num_stages=2, dv=256),

@@ -24,8 +24,7 @@ from typing import Callable
 
 from dsv4.chat.format import EOS, THINK_CLOSE, THINK_OPEN, V41_TAGS, V4_TAGS, DsmlTags, check_variant
 
-_NAME_ATTR = re.compile(r'\s*name="([^"]*)"\s*>', re.S)
-_PARAM_ATTRS = re.compile(r'\s*name="([^"]*)"(?:\s+string="([^"]*)")?\s*>', re.S)
+_ATTR = re.compile(r'([A-Za-z_]\w*)\s*=\s*"([^"]*)"')
 
 
 @dataclass
@@ -212,11 +211,10 @@ class OutputParser:
             self._call_name, self._call_args = None, {}
             return True
         if state == "invoke_header":
-            if ">" not in buf:
+            attrs = self._take_attrs()
+            if attrs is None:
                 return False
-            m = _NAME_ATTR.match(buf)
-            self._call_name = m.group(1) if m else None  # a malformed header: call dropped
-            self._buf = buf[m.end():] if m else buf[buf.index(">") + 1:]
+            self._call_name = attrs.get("name") or None  # no name: the call is dropped
             self._tool_state = "invoke_body"
             return True
         if state == "invoke_body":
@@ -234,11 +232,10 @@ class OutputParser:
             self._buf, self._tool_state = buf[p + len(tags.parameter_start):], "param_header"
             return True
         if state == "param_header":
-            if ">" not in buf:
+            attrs = self._take_attrs()
+            if attrs is None:
                 return False
-            m = _PARAM_ATTRS.match(buf)
-            self._param = (m.group(1), m.group(2)) if m else None
-            self._buf = buf[m.end():] if m else buf[buf.index(">") + 1:]
+            self._param = (attrs["name"], attrs.get("string")) if "name" in attrs else None
             self._tool_state = "param_value"
             return True
         # param_value: everything up to the closing parameter tag
@@ -250,6 +247,17 @@ class OutputParser:
             self._call_args[name] = _param_value(buf[:c], is_string)
         self._buf, self._tool_state = buf[c + len(tags.parameter_close):], "invoke_body"
         return True
+
+    def _take_attrs(self) -> dict[str, str] | None:
+        """Consume a tag's attributes up to its closing '>' (None: not complete yet)."""
+        buf, i, quoted = self._buf, 0, False
+        while i < len(buf) and (quoted or buf[i] != ">"):
+            quoted ^= buf[i] == '"'
+            i += 1
+        if i == len(buf):
+            return None
+        self._buf = buf[i + 1:]
+        return dict(_ATTR.findall(buf[:i]))
 
 
 def _param_value(raw: str, is_string: str | None) -> object:

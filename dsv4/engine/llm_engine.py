@@ -316,7 +316,16 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         for seq in out.preempted:
             self._requests[seq.request_id].metrics.num_preemptions += 1
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except Exception:
+            # The step may have written part of these requests' cache state: drop them (their
+            # pages and slots come back) so nothing half-written is ever read again.  Other
+            # requests are untouched; the caller sees the error.
+            failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
+            log.exception("dsv4 engine: step failed; aborting requests %s", list(failed))
+            self.abort_request(list(failed))
+            raise
         self.scheduler.update(out, result.sampled, self.eos_token_id)
         self._totals["steps"] += 1
         return self._process(out, result)

@@ -173,13 +173,19 @@ class AttnConfig:
 
 
 def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device) -> AttnConfig:
-    """Default plan; K is the total index count per token (both sources)."""
+    """Default plan (tuned on the H200, docs/PERFORMANCE.md); K = indices per token, both lists.
+
+    16 heads × the whole head dim per program, 64 rows per step.  With fewer programs than SMs
+    (decode), the index lists are split into a power-of-two number of slices (<= 8) so that
+    about two programs per SM run; the merge costs an fp32 partial per slice, so no more.
+    """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)
     sms = _sm_count(device)
     split = 1
     if programs < sms:
-        split = max(1, min(16, triton.cdiv(2 * sms, programs), triton.cdiv(K, bn)))
+        want = max(1, (2 * sms) // programs)
+        split = min(8, 1 << (want.bit_length() - 1), max(1, triton.cdiv(K, bn)))
     return AttnConfig(BH=bh, BN=bn, num_warps=4, num_stages=2, split_kv=split)
 
 

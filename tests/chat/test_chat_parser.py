@@ -139,3 +139,13 @@ def test_invalid_json_parameter_kept_as_string() -> None:
 def test_unknown_variant_rejected() -> None:
     with pytest.raises(ValueError, match="variant"):
         OutputParser(variant="v3")
+
+
+def test_attributes_in_any_order_and_spacing() -> None:
+    text = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke  name = "f" >\n'
+            '<｜DSML｜parameter string="false" name="a>b">[1]</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="s">x</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>\n<｜DSML｜invoke>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    _, _, calls = parse_output(text)
+    # a missing string attribute means JSON-or-text; an invoke without a name is dropped
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a>b": [1], "s": "x"})]

@@ -127,3 +127,26 @@ def test_default_model_is_the_tiny_checkpoint(tmp_path, monkeypatch) -> None:
     assert LLM(device="cpu", max_model_len=64).model_path == llm.model_path  # generated once
     out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_failing_step_aborts_only_its_requests(tiny_v4_path, tiny_v4_model,
+                                                 tiny_v4_tokenizer) -> None:
+    eng = LLMEngine(tiny_v4_path, device="cpu", model=tiny_v4_model, tokenizer=tiny_v4_tokenizer,
+                    max_model_len=64, max_num_seqs=1)
+    eng.add_request("bad", [5, 6, 7], GREEDY)
+    eng.add_request("good", [8, 9], GREEDY)
+    real = eng.runner.execute
+
+    def explode(out):
+        raise RuntimeError("device fell over")
+
+    eng.runner.execute = explode
+    with pytest.raises(RuntimeError, match="device fell over"):
+        eng.step()
+    eng.runner.execute = real
+    assert eng.get_stats()["num_unfinished_requests"] == 1
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs if o.finished] == ["good"]
+    eng.check_idle()

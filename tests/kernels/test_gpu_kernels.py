@@ -160,7 +160,6 @@ def test_hc_ops_gpu(T: int) -> None:
 
 ATTN_PLANS = [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=8),
               dict(BH=16, BN=32, num_warps=4, num_stages=2, split_kv=16),
-              dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=256),
               dict(BH=64, BN=32, num_warps=8, num_stages=2, dv=256),
               dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=128),
               dict(BH=32, BN=64, num_warps=4, num_stages=2, dv=256),
