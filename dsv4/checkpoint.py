@@ -14,6 +14,7 @@ import os
 import struct
 import sys
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 

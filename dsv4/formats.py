@@ -395,7 +395,8 @@ class QuantWeight:
             ok_dtype = self.weight.dtype == torch.float8_e4m3fn
         if not ok_dtype or tuple(self.weight.shape) != want_w:
             raise ValueError(f"QuantWeight({self.fmt}): weight {self.weight.dtype} "
-                             f"{list(self.weight.shape)} does not fit logical shape {list(self.shape)}")
+                             f"{list(self.weight.shape)} does not fit logical shape "
+                             f"{list(self.shape)}")
         if tuple(self.scale.shape) != want_s:
             raise ValueError(f"QuantWeight({self.fmt}): scale shape {list(self.scale.shape)}; "
                              f"expected {list(want_s)}")

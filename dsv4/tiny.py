@@ -164,7 +164,6 @@ def _set(d: dict, key: str, value: Any) -> None:
 def _init(spec: TensorSpec, cfg: ModelConfig, g: torch.Generator) -> Tensor:
     """A random fp32 (or int64) tensor of the spec's logical shape with a sane scale."""
     name, shape = spec.name, spec.shape
-    leaf = name.rsplit(".", 2)
     randn = functools.partial(torch.randn, *shape, generator=g, dtype=torch.float32)
     if name.endswith("gate.tid2eid"):
         # Distinct experts per token, as a real hash table would give.

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton_dense import _sm_count, mma, round_to_bf16, store_rne
+from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
-__all__ = ["sparse_attn", "indexer_scores", "AttnConfig"]
+__all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
+           "pick_attn_config"]
 
 _LOG2E = 1.4426950408889634
 
@@ -181,7 +182,7 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device) -> At
     """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     split = 1
     if programs < sms:
         want = max(1, (2 * sms) // programs)
@@ -263,6 +264,7 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
     return o
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_attn")
 def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor,
                 kv_b: torch.Tensor | None, idx_b: torch.Tensor | None, sink: torch.Tensor,
                 scale: float, p_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -312,6 +314,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
         tl.store(out_ptrs, score, mask=l_mask)
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_attn")
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                    n_visible: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.

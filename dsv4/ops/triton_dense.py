@@ -11,25 +11,46 @@ cast mis-rounds values whose mantissa carries into the exponent).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Callable, TypeVar
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_linear", "act_quant", "round_to_bf16", "store_rne", "mma", "hc_pre", "hc_post", "hc_head", "Fp8GemmConfig"]
+__all__ = ["fp8_linear", "fp8_linear_with_config", "act_quant", "Fp8GemmConfig",
+           "pick_fp8_config", "hc_pre", "hc_post", "hc_head", "mma", "round_to_bf16",
+           "store_rne"]
 
-FP8_MAX = 448.0
-ACT_AMAX_FLOOR = 1e-4
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _E4M3 = torch.float8_e4m3fn
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def torch_twin_off_gpu(module: str) -> Callable[[_F], _F]:
+    """Route calls on non-CUDA tensors to the torch twin of the same name in ``module``
+    (unless the Triton interpreter is on), so ``get_ops("triton")`` works on any device."""
+    def deco(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            first = args[0] if args else next(iter(kwargs.values()))
+            if first.device.type != "cuda" and not _INTERPRET_HOST:
+                return getattr(importlib.import_module(module), fn.__name__)(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return wrapper  # type: ignore[return-value]
+    return deco
+
+
 # ------------------------------------------------------------------------- shared jit helpers
 # The interpreter multiplies bf16 tiles as raw uint16 integers: kernels upcast them there.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRET_HOST = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = tl.constexpr(_INTERPRET_HOST)
 
 
 @triton.jit
@@ -95,23 +116,24 @@ def store_rne(ptrs, v, mask):
 
 
 @triton.jit
-def ue8m0_scale(amax):
-    """Power-of-two scale ``2^ceil(log2(amax · fp32(1/448)))`` from the exponent bits, as the
-    reference's ``fast_round_scale`` (a multiply by the fp32 reciprocal, not a division)."""
+def ue8m0_exponent(amax):
+    """Exponent e of the power-of-two scale ``2^ceil(log2(amax · fp32(1/448)))``, read off the
+    fp32 bits like the reference's ``fast_round_scale`` (a multiply by the fp32 reciprocal of
+    448, not a division)."""
     t = amax * 0.002232142857142857
     bits = t.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return pow2_from_exp(e)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
 
 @triton.jit
 def quantize_block_rows(x):
-    """Per-row e4m3 quantization of a [R, B] fp32 tile: returns (q fp32 on the e4m3 grid, s [R])."""
+    """Per-row e4m3 quantization of a [R, B] fp32 tile (spec §2.5: amax floor 1e-4, ue8m0
+    scale, clamp to ±448, round to nearest even): returns (q fp32 on the e4m3 grid, s [R])."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    s = ue8m0_scale(amax)
-    # 1/s is an exact power of two, so the multiply equals the reference's division.
-    q = tl.clamp(x * (1.0 / s)[:, None], -448.0, 448.0)
-    return round_to_e4m3(q), s
+    e = ue8m0_exponent(amax)
+    # x · 2^-e is exactly the reference's x / s (both scales are exact powers of two).
+    q = tl.clamp(x * pow2_from_exp(-e)[:, None], -448.0, 448.0)
+    return round_to_e4m3(q), pow2_from_exp(e)
 
 
 # ------------------------------------------------------------------------------ act quant
@@ -229,7 +251,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small stand-in off the GPU)."""
     if device.type != "cuda":
         return 4  # the interpreter: a token value that still exercises split-K
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -249,7 +272,7 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
         return Fp8GemmConfig(BM=64, BN=128, num_warps=4, num_stages=4 if block >= 128 else 6,
                              fuse_quant=False)
     bm = max(16, triton.next_power_of_2(M))
-    target = int(1.9 * _sm_count(device))
+    target = int(1.9 * sm_count(device))
     # 64-row tiles run on a full warpgroup MMA: narrow N tiles measured slower there.
     widths = (128, 64, 32) if bm < 64 else (128, 64)
     tiles = {bn: triton.cdiv(M, bm) * triton.cdiv(N, bn) for bn in widths}
@@ -329,6 +352,7 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
     return c.view(*lead, N)
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """FP8 block GEMM with the activation quantization fused (spec §2.5).
@@ -456,7 +480,7 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str
     BK = 128 if ktot >= 128 else triton.next_power_of_2(ktot)
     tiles = triton.cdiv(T, BT)
     # Split K until the launch has ~2 programs per SM (decode: T is tiny, K = 16384).
-    want = max(1, triton.cdiv(2 * _sm_count(x.device), tiles))
+    want = max(1, triton.cdiv(2 * sm_count(x.device), tiles))
     k_per_split = max(BK, triton.cdiv(triton.cdiv(ktot, want), BK) * BK)
     splits = triton.cdiv(ktot, k_per_split)
     part = torch.empty(splits, T, njp, dtype=torch.float32, device=x.device)
@@ -475,6 +499,7 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str
     return x, part, sq, splits, njp
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, hc_eps: float, iters: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -500,6 +525,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return y, post, comb
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_eps: float, hc_eps: float) -> torch.Tensor:
     """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j``; x [T, n, D] → [T, D]."""
@@ -534,6 +560,7 @@ def _hc_post_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, y_ptr, D,
     store_rne(y_ptr + t * N * D + rn[:, None] * D + rd[None, :], new, d_mask[None, :])
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
 def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
             comb: torch.Tensor) -> torch.Tensor:
     """Expand a sublayer output back to n streams (spec §3.4), fp32 math, x_res.dtype out.

@@ -39,8 +39,18 @@ def default_model_path() -> str:
         return tiny.default_checkpoint()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                          "dsv4", "tiny-v4")
-    if not os.path.isfile(os.path.join(cache, "config.json")):
-        tiny.make_tiny_checkpoint(cache, variant="v4")
+    if not os.path.isdir(cache):
+        import tempfile
+
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tiny-v4-", dir=os.path.dirname(cache))
+        tiny.make_tiny_checkpoint(staging, variant="v4")
+        try:
+            os.rename(staging, cache)  # atomic: never a half-written checkpoint in the cache
+        except OSError:  # another process won the race
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
     return cache
 
 

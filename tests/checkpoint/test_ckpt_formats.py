@@ -173,7 +173,8 @@ def test_act_quant_hand_case() -> None:
 def test_act_quant_amax_floor_and_no_rounding_mode() -> None:
     x = torch.full((2, 8), 1e-6)
     q, s = act_quant(x, 8)
-    assert s.shape == (2, 1) and s.flatten().tolist() == [2.0 ** -22] * 2  # amax floored to 1e-4: 1e-4/448 -> 2^-22
+    # amax floored to 1e-4: 1e-4/448 -> 2^-22
+    assert s.shape == (2, 1) and s.flatten().tolist() == [2.0 ** -22] * 2
     assert q.to(torch.float32).unique().tolist() == [4.0]  # 1e-6 / 2^-22 = 4.19 -> 4
     assert fake_quant_fp8(x, 8).unique().tolist() == [4.0 * 2.0 ** -22]
     y = _t(3.0, 1.0)

@@ -67,14 +67,15 @@ def test_tiny_v41_config_derived_engram_sizes() -> None:
     assert d3["text_config"]["engram_num_embeddings"] == rows
 
 
-def test_tiny_config_overrides_and_errors() -> None:
+def test_tiny_config_overrides_and_errors(tmp_path: Path) -> None:
     d = tiny_config("v4", num_hidden_layers=3, compress_ratios=[0, 4, 128, 0], swiglu_limit=None)
     assert d["num_hidden_layers"] == 3 and "swiglu_limit" not in d
     assert ModelConfig.from_dict(d).n_layers == 3
     with pytest.raises(ValueError, match="variant 'v5'"):
         tiny_config("v5")
     with pytest.raises(ValueError, match="compress_ratios"):
-        make_tiny_checkpoint("/nonexistent-never-written", "v4", compress_ratios=[0, 4])
+        make_tiny_checkpoint(tmp_path / "bad", "v4", compress_ratios=[0, 4])
+    assert not (tmp_path / "bad").exists()  # the config is checked before anything is written
 
 
 def test_determinism(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
