@@ -8,7 +8,6 @@ The scheduler and the cache manager above it never see a tensor.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +19,6 @@ from dsv4.engine.sampler import RowLogprobs, Sampler, SamplingRow
 from dsv4.engine.scheduler import SchedulerOutput
 from dsv4.engine.sequence import SeqKey, Sequence
 from dsv4.model.context import StepContext
-
-log = logging.getLogger("dsv4")
 
 # CPU cache budget when neither num_pages nor kv_cache_memory is given.
 DEFAULT_CPU_CACHE_BYTES = 4 << 30

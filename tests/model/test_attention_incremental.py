@@ -17,7 +17,7 @@ from test_attention_helpers import (LAYER_CSA, LAYER_HCA, LAYER_SWA, PAGE, WINDO
 
 S = 300  # crosses the window, many ratio-4 groups and two ratio-128 groups
 TOL = dict(rtol=0, atol=2e-5)
-POOL = dict(rtol=0, atol=1e-6)
+POOL = dict(rtol=0, atol=2e-5)   # fp32 rounding: GEMMs may differ by batch size
 
 
 def _inputs(seed: int, n: int = S) -> torch.Tensor:
