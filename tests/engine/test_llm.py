@@ -13,8 +13,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_v4_path) -> LLM:
-    return LLM(tiny_v4_path, device="cpu", max_model_len=256)
+def llm(tiny_v4_path):
+    llm = LLM(tiny_v4_path, device="cpu", max_model_len=256)
+    yield llm
+    llm.engine.check_idle()
 
 
 def test_generate_accepts_every_prompt_form_in_input_order(llm: LLM) -> None:
