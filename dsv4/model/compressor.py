@@ -129,6 +129,20 @@ def _gather_rows(step_rows: Tensor, state_rows: Tensor, fill: float, where: tupl
     return out.masked_fill(empty, fill)
 
 
+def _softmax_pool(rows_kv: Tensor, rows_score: Tensor) -> Tensor:
+    """Per-channel softmax over the slots (dim 1) weighting the kv rows: [e, slots, d] -> [e, d].
+
+    Computed in float64 and rounded once to fp32: CPU kernels pick vector or scalar code (exp)
+    and reduction orders by tensor shape and thread count, which would make an entry's fp32 bits
+    depend on how many entries the step pools; in float64 those differences vanish in the final
+    rounding, so an entry is the same whatever the split of the sequence into steps.
+    """
+    score = rows_score.double()
+    p = torch.exp(score - score.amax(dim=1, keepdim=True))
+    p = p / p.sum(dim=1, keepdim=True)
+    return (p * rows_kv.double()).sum(dim=1).float()
+
+
 class Compressor(nn.Module):
     """Gated pooling of ``ratio`` tokens into one entry of width ``head_dim`` (spec §3.7).
 
@@ -194,7 +208,7 @@ class Compressor(nn.Module):
                 # previous group: channels [:d]; current group: channels [d:]
                 rows_kv = torch.cat((rows_kv[:, :r, :d], rows_kv[:, r:, d:]), dim=1)
                 rows_score = torch.cat((rows_score[:, :r, :d], rows_score[:, r:, d:]), dim=1)
-            pooled[e0:e0 + step] = (rows_kv * rows_score.softmax(dim=1)).sum(dim=1)
+            pooled[e0:e0 + step] = _softmax_pool(rows_kv, rows_score)
 
         self._update_state(ctx, state, kv, score)
         return plan, pooled
