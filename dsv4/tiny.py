@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from dsv4.formats import quant_fp8_block, quant_mxfp4, quant_mxfp8
 from dsv4.tokenizer import (EOS, IMAGE_TOKEN, PAD, SPECIAL_TOKENS, build_tiny_tokenizer,
                             make_tiny_tokenizer)
 
-__all__ = ["VARIANTS", "tiny_config", "make_tiny_checkpoint"]
+__all__ = ["VARIANTS", "tiny_config", "make_tiny_checkpoint", "default_checkpoint"]
 
 VARIANTS = ("v4", "v4-base", "v41", "v4-bf16")
 
@@ -262,3 +263,28 @@ def _write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def default_checkpoint(variant: str = "v4") -> str:
+    """The embedded tiny checkpoint: generated once (seed 0) into
+    ``$XDG_CACHE_HOME/dsv4`` (default ``~/.cache/dsv4``) and reused; returns its path.
+
+    The directory name carries a hash of the tiny config, so a changed generator never serves a
+    stale checkpoint.  Concurrent callers race safely (write to a temporary directory, rename).
+    """
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(json.dumps(tiny_config(variant), sort_keys=True).encode()).hexdigest()
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4")
+    path = os.path.join(root, f"tiny-{variant}-{digest[:12]}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=root, prefix=".tiny-")
+        make_tiny_checkpoint(os.path.join(tmp, "ckpt"), variant=variant, seed=0)
+        try:
+            os.replace(os.path.join(tmp, "ckpt"), path)
+        except OSError:
+            pass  # another process installed it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

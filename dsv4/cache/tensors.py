@@ -15,8 +15,8 @@ Fixed-size per-request state, indexed by slot:
   ``[off : off + r]`` (off = r with overlap, else 0) the current partial group; the score rows
   include the position bias ``ape`` and start at −inf;
 * V4.1 Engram lookback (configs with Engram layers): ``engram_lookback`` [num_slots, m − 1]
-  int64, the compressed ids of the last m − 1 tokens (m = engram_max_ngram_size); reset to 0,
-  so a request starting at position 0 must take the Engram module's fresh lookback instead.
+  int64, the compressed ids of the last m − 1 tokens (m = engram_max_ngram_size); allocated and
+  reset to DEAD (−1), the lookback of a sequence with nothing before it (docs/V41.md).
 
 Layers that read another layer's pools (V4.1 reuse/reindex roles) look them up by the source
 layer: ``compressed_pool(layer)`` / ``index_key_pool(layer)`` resolve the source through the
@@ -34,6 +34,9 @@ from torch import Tensor
 from dsv4.config import ModelConfig
 
 __all__ = ["HybridCache", "CompressorSpec", "CompressorState", "compressor_specs"]
+
+# dsv4.model.engram.DEAD: the compressed id of "nothing" (before the sequence, image tokens).
+_ENGRAM_DEAD = -1
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,9 @@ class HybridCache:
         self.states: dict[tuple[int, str], CompressorState] = {}
         self.engram_lookback: Tensor | None = None
         if cfg.is_v41 and cfg.engram_layer_ids:
-            self.engram_lookback = torch.zeros(num_slots, cfg.engram_max_ngram_size - 1,
-                                               dtype=torch.int64, device=self.device)
+            self.engram_lookback = torch.full((num_slots, cfg.engram_max_ngram_size - 1),
+                                              _ENGRAM_DEAD, dtype=torch.int64,
+                                              device=self.device)
         for layer in self.layers:
             self.window[layer] = torch.zeros(num_slots, W, hd, **kw)
             r = cfg.compressor_ratio(layer)
@@ -241,7 +245,8 @@ class HybridCache:
         for state in self.states.values():
             state.reset(idx)
         if self.engram_lookback is not None:
-            self.engram_lookback.index_fill_(0, idx, 0)
+            # No n-gram may reach into the slot's previous sequence.
+            self.engram_lookback.index_fill_(0, idx, _ENGRAM_DEAD)
 
     def check_step(self, seqlens: list[int], start_pos: list[int], slots: list[int],
                    block_tables: list[list[int]]) -> None:

@@ -19,34 +19,9 @@ PromptLike = str | list[int] | dict
 
 def default_model_path() -> str:
     """The embedded tiny V4 checkpoint (generated once into a cache directory)."""
-    import dsv4.tiny as tiny
+    from dsv4.tiny import default_checkpoint
 
-    if hasattr(tiny, "default_checkpoint"):
-        return tiny.default_checkpoint()
-    return _fallback_default_checkpoint()
-
-
-def _fallback_default_checkpoint() -> str:
-    # Used only while dsv4.tiny has no default_checkpoint(): the same idea, kept local.
-    import hashlib
-    import json
-    import os
-    import tempfile
-
-    from dsv4.tiny import make_tiny_checkpoint, tiny_config
-
-    digest = hashlib.sha256(json.dumps(tiny_config("v4"), sort_keys=True).encode()).hexdigest()
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dsv4")
-    path = os.path.join(root, f"tiny-v4-{digest[:12]}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=root, prefix=".tiny-")
-        make_tiny_checkpoint(os.path.join(tmp, "ckpt"), variant="v4", seed=0)
-        try:
-            os.replace(os.path.join(tmp, "ckpt"), path)  # atomic: concurrent makers race safely
-        except OSError:
-            pass  # another process won the race
-    return path
+    return default_checkpoint()
 
 
 class LLM:

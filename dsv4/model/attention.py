@@ -7,8 +7,17 @@ rows + the slot's window ring) and, on compressed layers, compressed entries fro
 pool (all visible entries for HCA, the indexer's top-k for CSA).  The output tail is rotated
 back by the query position, then goes through the grouped low-rank output projection.
 
-V4.1 roles (``cfg.attn_mode``: full / reindex / reuse) are not implemented here yet; the cache
-already resolves shared pools by source layer.
+V4.1 (spec §4.2–4.5) has no per-head q renorm and FP8-quantizes the whole window KV; its
+compressed layers take one of three roles (``cfg.attn_mode``):
+
+* ``full`` (KV source): own compressor v2 -> pre-RoPE latent -> own index keys; the latent is
+  rotated at j·r, FP4-quantized and stored in its own pool; own indexer v2 picks the top-k;
+* ``reindex``: own indexer queries scored against the latest KV source's keys, restricted to the
+  candidate source's blocks;
+* ``reuse``: the latest KV source's pool with the latest index source's top-k, verbatim.
+
+What a layer publishes for later layers of the same step (top-k, candidates) lives in the step's
+``ctx.memo``; the pools are found by source layer through the cache.
 """
 
 from __future__ import annotations
@@ -20,10 +29,11 @@ from torch import Tensor, nn
 
 from dsv4.cache.tensors import HybridCache, compressor_specs
 from dsv4.config import ModelConfig
-from dsv4.model.compressor import Compressor, entry_pool_rows
+from dsv4.model.compressor import Compressor, CompressorV2, entry_pool_rows, write_entries
 from dsv4.model.context import StepContext
-from dsv4.model.indexer import Indexer, visible_entries
+from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
 from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params
+from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
 
 __all__ = ["Attention", "window_plan"]
 
@@ -82,9 +92,6 @@ class Attention(nn.Module):
         self.ops = ops
         self.dtype = dtype
         self.mode = cfg.attn_mode(layer_id)
-        if self.mode not in ("swa", "csa", "hca"):
-            raise NotImplementedError(f"Attention(layer {layer_id}): V4.1 mode {self.mode!r} is "
-                                      f"not implemented yet")
         self.ratio = cfg.ratio(layer_id)
         self.n_heads = H = cfg.n_heads
         self.head_dim = hd = cfg.head_dim
@@ -105,13 +112,35 @@ class Attention(nn.Module):
                            **lin)
         self.wo_b = Linear(self.n_groups * self.o_lora, cfg.dim, fmt=qfmt, **lin)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
-        self.compressor: Compressor | None = None
-        self.indexer: Indexer | None = None
+        self.compressor: Compressor | CompressorV2 | None = None
+        self.indexer: Indexer | IndexerV2 | None = None
+        if cfg.is_v41:
+            self._init_v41_roles(cfg, layer_id, numerics, ops, dtype)
+            return
         for spec in compressor_specs(cfg, layer_id):
             if spec.name == "attn":
                 self.compressor = Compressor(cfg, layer_id, spec, numerics, ops, dtype)
         if cfg.has_indexer(layer_id):
             self.indexer = Indexer(cfg, layer_id, numerics, ops, dtype)
+
+    def _init_v41_roles(self, cfg: ModelConfig, layer_id: int, numerics: str,
+                        ops: SimpleNamespace, dtype: torch.dtype) -> None:
+        """V4.1: compressor on KV sources, indexer v2 on index sources; checks the sources."""
+        # The reference's published top-k addresses the source pool by entry id; a source of
+        # another ratio would address other entries.
+        self.topk_source = -1
+        if self.ratio == 0:
+            return
+        for what, src in (("KV source", cfg.kv_source_of(layer_id)),
+                          ("index source", cfg.index_source_of(layer_id))):
+            if src < 0 or cfg.ratio(src) != self.ratio:
+                raise ValueError(f"Attention(layer {layer_id}): needs a {what} of ratio "
+                                 f"{self.ratio} at or before it; found layer {src}")
+        if self.mode == "full":
+            self.compressor = CompressorV2(cfg, layer_id, numerics, ops, dtype)
+        if self.mode in ("full", "reindex"):
+            self.indexer = IndexerV2(cfg, layer_id, numerics, ops, dtype)
+        self.topk_source = cfg.index_source_of(layer_id)
 
     # ------------------------------------------------------------------ helpers
     def _rope(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
@@ -139,6 +168,8 @@ class Attention(nn.Module):
     def _compressed_source(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
                            cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """(kv_b, idx_b): the flat compressed pool and the rows each token attends to."""
+        if self.cfg.is_v41:
+            return self._compressed_source_v41(x, qr, ctx, cache, cos, sin)
         pool = cache.compressed_pool(self.layer_id)
         if self.compressor is not None:
             self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool)
@@ -151,6 +182,36 @@ class Attention(nn.Module):
             n_visible = visible_entries(ctx, self.ratio)
             j = torch.arange(rows.shape[1], device=x.device)
             idx_b = torch.where(j[None, :] < n_visible[:, None], rows, -1)
+        return pool.view(-1, self.head_dim), idx_b.to(torch.int32)
+
+    def _compressed_source_v41(self, x: Tensor, qr: Tensor, ctx: StepContext,
+                               cache: HybridCache, cos: Tensor, sin: Tensor
+                               ) -> tuple[Tensor, Tensor]:
+        """V4.1 roles: (kv_b, idx_b) over the latest KV source's pool (spec §4.3–4.5)."""
+        pool = cache.compressed_pool(self.layer_id)
+        if isinstance(self.compressor, CompressorV2):
+            state = (cache.compressor_state(self.layer_id, "attn")
+                     if self.compressor.spec is not None else None)
+            plan, latent = self.compressor(x, ctx, state)
+            if plan.num_entries:
+                cos_e, sin_e = rope_cos_sin(self.cfg, self.layer_id, plan.entry * self.ratio)
+                # Keys come from the latent before its rotation (spec §4.3 (a)).
+                keys = self.indexer.keys_from_latent(latent, cos_e, sin_e)  # type: ignore[union-attr]
+                write_entries(cache.index_key_pool(self.layer_id), ctx, plan, keys)
+                entries = quant_compressed_latent(self.ops.apply_rope(latent, cos_e, sin_e),
+                                                  self.numerics)
+                write_entries(pool, ctx, plan, entries)
+        if self.indexer is not None:
+            ids = self.indexer(x, qr, ctx, cache, cos, sin)
+        else:
+            key = (TOPK_MEMO, self.topk_source)
+            if key not in ctx.memo:
+                raise ValueError(f"Attention(layer {self.layer_id}): reuses the top-k of layer "
+                                 f"{self.topk_source}, which has not run in this step")
+            ids = ctx.memo[key]
+        rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]  # [T, L]
+        picked = rows.gather(1, ids.clamp_min(0)) if rows.shape[1] else ids
+        idx_b = torch.where(ids >= 0, picked, -1)
         return pool.view(-1, self.head_dim), idx_b.to(torch.int32)
 
     # ------------------------------------------------------------------ forward
@@ -174,12 +235,11 @@ class Attention(nn.Module):
         q = self.ops.apply_rope(q, cos, sin)
 
         kv = self.ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        if self.numerics == "official":
+        if self.cfg.is_v41:
+            kv = quant_window_kv(kv, self.numerics)          # all channels, block 32
+        elif self.numerics == "official":
             from dsv4.formats import fake_quant_fp8
-            if self.cfg.is_v41:
-                kv = fake_quant_fp8(kv, 32)
-            else:
-                kv = torch.cat((fake_quant_fp8(kv[:, :-rd], 64), kv[:, -rd:]), dim=-1)
+            kv = torch.cat((fake_quant_fp8(kv[:, :-rd], 64), kv[:, -rd:]), dim=-1)
 
         kv_a, idx_a = self._window_source(kv, ctx, cache)
         kv_b = idx_b = None

@@ -143,6 +143,65 @@ def _softmax_pool(rows_kv: Tensor, rows_score: Tensor) -> Tensor:
     return (p * rows_kv.double()).sum(dim=1).float()
 
 
+def pool_entries(ctx: StepContext, state: CompressorState, kv: Tensor, score: Tensor
+                 ) -> tuple[EntryPlan, Tensor]:
+    """Pool the entries that complete in this step and update the carry-over state.
+
+    ``kv`` / ``score`` [T, coff·d] fp32 are the rows of this step's tokens (score including any
+    position bias).  Returns the plan and the pooled entries [E, d] fp32 (before the norm).
+    Shared by the V4 compressor and the V4.1 ratio-2 compressor.
+    """
+    spec = state.spec
+    r, d = spec.ratio, spec.dim
+    state_kv = state.kv.view(-1, spec.state_width)
+    state_score = state.score.view(-1, spec.state_width)
+    plan = entry_plan(ctx, r)
+    pooled = kv.new_empty(plan.num_entries, d)
+    slots = 2 * r if spec.overlap else r
+    step = max(1, _BLOCK_ELEMS // (slots * spec.state_width))   # bounds the gathered rows
+    k = torch.arange(r, device=kv.device)
+    for e0 in range(0, plan.num_entries, step):
+        ent = plan.entry[e0:e0 + step]
+        cur_pos = ent[:, None] * r + k[None, :]                              # [e, r]
+        req = plan.request[e0:e0 + step, None].expand_as(cur_pos)
+        if spec.overlap:
+            pos = torch.cat((cur_pos - r, cur_pos), dim=1)                    # [e, 2r]
+            req = torch.cat((req, req), dim=1)
+        else:
+            pos = cur_pos
+        where = _locate_rows(ctx, spec, req, pos)
+        rows_kv = _gather_rows(kv, state_kv, 0.0, where)
+        rows_score = _gather_rows(score, state_score, float("-inf"), where)
+        if spec.overlap:
+            # previous group: channels [:d]; current group: channels [d:]
+            rows_kv = torch.cat((rows_kv[:, :r, :d], rows_kv[:, r:, d:]), dim=1)
+            rows_score = torch.cat((rows_score[:, :r, :d], rows_score[:, r:, d:]), dim=1)
+        pooled[e0:e0 + step] = _softmax_pool(rows_kv, rows_score)
+    _update_state(ctx, state, kv, score)
+    return plan, pooled
+
+
+def _update_state(ctx: StepContext, state: CompressorState, kv: Tensor, score: Tensor) -> None:
+    """Keep the open group (and with overlap the last complete group) of every request."""
+    spec = state.spec
+    r, R = spec.ratio, ctx.num_requests
+    end = ctx.start_pos + (ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1])
+    g_end = torch.div(end, r, rounding_mode="floor") * r                     # open group start
+    k = torch.arange(r, device=kv.device)
+    pos = g_end[:, None] + k[None, :]                                         # [R, r]
+    pos = torch.where(pos < end[:, None], pos, -1)
+    if spec.overlap:
+        prev = g_end[:, None] - r + k[None, :]
+        pos = torch.cat((prev, pos), dim=1)                                   # [R, 2r]
+    req = torch.arange(R, device=kv.device)[:, None].expand_as(pos)
+    where = _locate_rows(ctx, spec, req, pos)
+    new_kv = _gather_rows(kv, state.kv.view(-1, spec.state_width), 0.0, where)
+    new_score = _gather_rows(score, state.score.view(-1, spec.state_width), float("-inf"),
+                             where)
+    state.kv.index_copy_(0, ctx.slots, new_kv)
+    state.score.index_copy_(0, ctx.slots, new_score)
+
+
 class Compressor(nn.Module):
     """Gated pooling of ``ratio`` tokens into one entry of width ``head_dim`` (spec §3.7).
 
@@ -176,63 +235,13 @@ class Compressor(nn.Module):
 
         x [T, D].  Returns the plan and the pooled entries [E, d] in fp32 (before the norm).
         """
-        spec = self.spec
-        if state.spec != spec:
+        if state.spec != self.spec:
             raise ValueError(f"Compressor(layer {self.layer_id}): state is for {state.spec}; "
-                             f"expected {spec}")
-        r, d = spec.ratio, spec.dim
+                             f"expected {self.spec}")
         xf = x.float()
         kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[ctx.positions % r]
-        state_kv = state.kv.view(-1, spec.state_width)
-        state_score = state.score.view(-1, spec.state_width)
-
-        plan = entry_plan(ctx, r)
-        pooled = kv.new_empty(plan.num_entries, d)
-        slots = 2 * r if spec.overlap else r
-        step = max(1, _BLOCK_ELEMS // (slots * spec.state_width))   # bounds the gathered rows
-        k = torch.arange(r, device=x.device)
-        for e0 in range(0, plan.num_entries, step):
-            ent = plan.entry[e0:e0 + step]
-            cur_pos = ent[:, None] * r + k[None, :]                              # [e, r]
-            req = plan.request[e0:e0 + step, None].expand_as(cur_pos)
-            if spec.overlap:
-                pos = torch.cat((cur_pos - r, cur_pos), dim=1)                    # [e, 2r]
-                req = torch.cat((req, req), dim=1)
-            else:
-                pos = cur_pos
-            where = _locate_rows(ctx, spec, req, pos)
-            rows_kv = _gather_rows(kv, state_kv, 0.0, where)
-            rows_score = _gather_rows(score, state_score, float("-inf"), where)
-            if spec.overlap:
-                # previous group: channels [:d]; current group: channels [d:]
-                rows_kv = torch.cat((rows_kv[:, :r, :d], rows_kv[:, r:, d:]), dim=1)
-                rows_score = torch.cat((rows_score[:, :r, :d], rows_score[:, r:, d:]), dim=1)
-            pooled[e0:e0 + step] = _softmax_pool(rows_kv, rows_score)
-
-        self._update_state(ctx, state, kv, score)
-        return plan, pooled
-
-    def _update_state(self, ctx: StepContext, state: CompressorState, kv: Tensor,
-                      score: Tensor) -> None:
-        """Keep the open group (and with overlap the last complete group) of every request."""
-        spec = self.spec
-        r, R = spec.ratio, ctx.num_requests
-        end = ctx.start_pos + (ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1])
-        g_end = torch.div(end, r, rounding_mode="floor") * r                     # open group start
-        k = torch.arange(r, device=kv.device)
-        pos = g_end[:, None] + k[None, :]                                         # [R, r]
-        pos = torch.where(pos < end[:, None], pos, -1)
-        if spec.overlap:
-            prev = g_end[:, None] - r + k[None, :]
-            pos = torch.cat((prev, pos), dim=1)                                   # [R, 2r]
-        req = torch.arange(R, device=kv.device)[:, None].expand_as(pos)
-        where = _locate_rows(ctx, spec, req, pos)
-        new_kv = _gather_rows(kv, state.kv.view(-1, spec.state_width), 0.0, where)
-        new_score = _gather_rows(score, state.score.view(-1, spec.state_width), float("-inf"),
-                                 where)
-        state.kv.index_copy_(0, ctx.slots, new_kv)
-        state.score.index_copy_(0, ctx.slots, new_score)
+        score = self.wgate(xf) + self.ape[ctx.positions % self.spec.ratio]
+        return pool_entries(ctx, state, kv, score)
 
     # ------------------------------------------------------------------ entries
     def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor
@@ -259,3 +268,51 @@ class Compressor(nn.Module):
                 nope = fake_quant_fp8(entries[:, :-rd], 64)
                 entries = torch.cat((nope, entries[:, -rd:]), dim=-1)
         return entries
+
+
+class CompressorV2(nn.Module):
+    """V4.1 compressor of a KV-source layer (spec §4.3): the **pre-RoPE** latent of new entries.
+
+    Ratio 2 (``wkv``, ``wgate``, ``norm``): entry j pools tokens 2j, 2j+1 with a per-channel
+    softmax of the gate (fp32, no ``ape``, no overlap), cast to the compute dtype, then ``norm``.
+    Ratio 1 (``wkv``, ``norm``): every token is an entry, ``norm(wkv(x))`` in the compute dtype
+    (no gate, no pooling).  The caller derives the index keys from the latent, then rotates and
+    stores it (attention.py).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        r = cfg.compressor_ratio(layer_id)
+        if not cfg.is_v41 or r <= 0:
+            raise ValueError(f"CompressorV2: layer {layer_id} is not a V4.1 KV-source layer "
+                             f"(compress ratio {cfg.ratio(layer_id)}, variant {cfg.variant})")
+        self.layer_id = layer_id
+        self.ratio = r
+        self.dtype = dtype
+        hd = cfg.head_dim
+        self.spec: CompressorSpec | None = CompressorSpec("attn", r, hd, False) if r > 1 else None
+        if r > 1:
+            # The reference promotes the pooling weights to fp32 (spec §4.3).
+            self.wkv = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=torch.float32)
+            self.wgate = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=torch.float32)
+        else:
+            self.wkv = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=dtype)
+        self.norm = RMSNorm(hd, cfg.norm_eps, ops)
+
+    def forward(self, x: Tensor, ctx: StepContext, state: CompressorState | None
+                ) -> tuple[EntryPlan, Tensor]:
+        """x [T, D] -> (plan of the entries completed in this step, latents [E, hd] pre-RoPE).
+
+        ``state`` is the slot carry-over of a ratio-2 compressor (None for ratio 1).
+        """
+        plan = entry_plan(ctx, self.ratio)
+        if self.spec is None:
+            # Ratio 1: the entries of a step are its tokens, in the same (request, position) order.
+            return plan, self.norm(self.wkv(x.to(self.dtype)))
+        if state is None or state.spec != self.spec:
+            raise ValueError(f"CompressorV2(layer {self.layer_id}): needs a carry-over state for "
+                             f"{self.spec}; got {None if state is None else state.spec}")
+        xf = x.float()
+        plan, pooled = pool_entries(ctx, state, self.wkv(xf), self.wgate(xf))
+        return plan, self.norm(pooled.to(self.dtype))

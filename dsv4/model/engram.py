@@ -422,6 +422,10 @@ class EngramTable(nn.Module):
                              f"got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
         self.weight.data = t.to(self.weight.dtype)
 
+    def official_targets(self, prefix: str) -> dict[str, Any]:
+        """The checkpoint name of the table (its ``.scale`` travels inside the QuantWeight)."""
+        return {f"{prefix}weight": self.load_weight}
+
     def lookup(self, row_ids: Tensor, out_dtype: torch.dtype) -> Tensor:
         """[*row_ids.shape, head_dim] dequantized rows in ``out_dtype``."""
         if self.scale is None:

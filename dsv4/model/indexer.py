@@ -1,8 +1,12 @@
-"""The Lightning Indexer of V4 CSA layers (spec §3.8).
+"""The Lightning Indexer of V4 CSA layers (spec §3.8) and V4.1's indexer v2 (spec §4.5).
 
-It keeps its own overlapping ratio-4 compressor (d = index_head_dim) whose entries are the index
-keys, scores every visible entry of the token's request with
+V4: the indexer keeps its own overlapping ratio-4 compressor (d = index_head_dim) whose entries
+are the index keys, scores every visible entry of the token's request with
 ``score(t, s) = Σ_h w_h · ReLU(q_h · K_s)`` and returns the ``index_topk`` best entry ids.
+
+V4.1 (``IndexerV2``): no compressor and no Hadamard; the keys are derived from the KV source's
+compressed latent (``wk``, ``k_norm``, owned by KV sources only) and live in the source's key
+pool; the candidate source publishes a block mask that later index sources restrict to.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from dsv4.cache.tensors import CompressorSpec, HybridCache
 from dsv4.config import ModelConfig
 from dsv4.model.compressor import Compressor, entry_pool_rows
 from dsv4.model.context import StepContext
-from dsv4.model.layers import Linear, check_numerics
+from dsv4.model.layers import Linear, RMSNorm, check_numerics
 
-__all__ = ["Indexer", "visible_entries"]
+__all__ = ["Indexer", "IndexerV2", "visible_entries", "TOPK_MEMO", "CANDIDATES_MEMO"]
 
 
 def visible_entries(ctx: StepContext, ratio: int) -> Tensor:
@@ -76,3 +80,97 @@ class Indexer(nn.Module):
         key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
         scores = self.ops.indexer_scores(q, w, keys.view(-1, self.head_dim), key_rows, n_visible)
         return self.ops.topk_indices(scores, n_visible, self.topk)
+
+
+# Keys of the per-step scratch (StepContext.memo) where V4.1 layers publish what later layers of
+# the same step read: ``(TOPK_MEMO, layer)`` -> entry ids [T, k]; ``(CANDIDATES_MEMO, layer)`` ->
+# the candidate mask [T, L] bool.  The step object, not process-global state, carries them.
+TOPK_MEMO = "v41_topk"
+CANDIDATES_MEMO = "v41_candidates"
+
+
+class IndexerV2(nn.Module):
+    """V4.1 indexer of an index-source layer (spec §4.5).
+
+    Parameters (official names under ``indexer.``): ``wq_b`` [h·dI, q_lora] (FP8),
+    ``weights_proj`` [h, D] (bf16); KV sources also own ``wk`` [dI, head_dim] and ``k_norm`` [dI],
+    which turn the source's pre-RoPE compressed latent into index keys (``keys_from_latent``).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        if not cfg.is_v41 or layer_id not in cfg.index_source_layers:
+            raise ValueError(f"IndexerV2: layer {layer_id} is not a V4.1 index source "
+                             f"(index_source_layer_ids {list(cfg.index_source_layers)})")
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.numerics = check_numerics(numerics)
+        self.ops = ops
+        self.ratio = cfg.ratio(layer_id)
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.is_candidate_source = layer_id == cfg.candidate_source_layer
+        self.uses_candidates = cfg.uses_candidates(layer_id)
+        if self.uses_candidates and cfg.ratio(cfg.candidate_source_layer) != self.ratio:
+            raise ValueError(f"IndexerV2(layer {layer_id}): ratio {self.ratio} differs from the "
+                             f"candidate source layer {cfg.candidate_source_layer}'s ratio "
+                             f"{cfg.ratio(cfg.candidate_source_layer)}")
+        qfmt = "fp8" if cfg.quantized else "bf16"
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, fmt=qfmt,
+                           block=cfg.weight_block_size, numerics=numerics, dtype=dtype)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, fmt="bf16", numerics=numerics,
+                                   dtype=dtype)
+        self.owns_keys = layer_id in cfg.kv_source_layers
+        if self.owns_keys:
+            self.wk = Linear(cfg.head_dim, self.head_dim, fmt="bf16", numerics=numerics,
+                             dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, ops)
+        # weights_proj(x) · dI^-0.5 · h^-0.5 (the q·k scale folded into the head weights)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def keys_from_latent(self, latent: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Index keys [E, dI] of new entries from their pre-RoPE latent [E, head_dim]
+        (``cos``/``sin`` at the entries' positions j·r)."""
+        from dsv4.model.v41 import index_keys_from_latent
+
+        if not self.owns_keys:
+            raise ValueError(f"IndexerV2(layer {self.layer_id}): only KV-source layers own index "
+                             f"keys (kv_source_layer_ids {list(self.cfg.kv_source_layers)})")
+        return index_keys_from_latent(latent, self.wk, self.k_norm, cos, sin, self.numerics,
+                                      ops=self.ops)
+
+    def forward(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
+                cos: Tensor, sin: Tensor) -> Tensor:
+        """Entry ids [T, index_topk] (ascending, −1 = none) picked for every token; also
+        published in ``ctx.memo[(TOPK_MEMO, layer)]`` (and the candidate mask of the candidate
+        source in ``ctx.memo[(CANDIDATES_MEMO, layer)]``).
+
+        Scores run against the key pool of the layer's KV source, which for a KV source is its
+        own (spec §6.13: never another source's keys).
+        """
+        from dsv4.model.v41 import (index_queries, restrict_to_candidates,
+                                    select_candidate_blocks, topk_sorted)
+
+        cfg = self.cfg
+        keys = cache.index_key_pool(self.layer_id)
+        q = index_queries(self.wq_b(qr), self.n_heads, self.head_dim, cos, sin, self.numerics,
+                          ops=self.ops)
+        w = (self.weights_proj(x) * self.weight_scale).float()
+        n_visible = visible_entries(ctx, self.ratio)
+        key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
+        scores = self.ops.indexer_scores(q, w, keys.view(-1, self.head_dim), key_rows, n_visible)
+        if self.is_candidate_source:
+            # From the unrestricted (causally masked) scores (spec §4.5 item 5).
+            ctx.memo[(CANDIDATES_MEMO, self.layer_id)] = select_candidate_blocks(
+                scores, n_visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        if self.uses_candidates:
+            key = (CANDIDATES_MEMO, cfg.candidate_source_layer)
+            if key not in ctx.memo:
+                raise ValueError(f"IndexerV2(layer {self.layer_id}): the candidate source layer "
+                                 f"{cfg.candidate_source_layer} has not run in this step")
+            scores = restrict_to_candidates(scores, ctx.memo[key])
+        ids = topk_sorted(scores, n_visible, self.topk, ops=self.ops)
+        ctx.memo[(TOPK_MEMO, self.layer_id)] = ids
+        return ids

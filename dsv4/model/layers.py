@@ -6,9 +6,10 @@ convention), §3.2 (per-layer RoPE base and YaRN).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,8 @@ from torch import Tensor, nn
 from dsv4.config import ModelConfig
 
 __all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correction_range",
-           "rope_params", "WEIGHT_FORMATS", "NUMERICS"]
+           "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
+           "keeps_quantized"]
 
 WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
 NUMERICS = ("bf16", "official")
@@ -31,6 +33,33 @@ def check_numerics(numerics: str) -> str:
     return numerics
 
 
+# None: keep quantized weights quantized exactly when the module is built on a CUDA device.
+_KEEP_QUANTIZED: bool | None = None
+
+
+@contextlib.contextmanager
+def quantized_storage(enabled: bool = True) -> Iterator[None]:
+    """Build modules (``Linear``, routed experts) that keep their checkpoint formats (FP8,
+    MXFP4) whatever the device; ``enabled=False`` forces dense storage.  Outside this context
+    the choice follows the default device: quantized on CUDA, dense elsewhere."""
+    global _KEEP_QUANTIZED
+    prev, _KEEP_QUANTIZED = _KEEP_QUANTIZED, enabled
+    try:
+        yield
+    finally:
+        _KEEP_QUANTIZED = prev
+
+
+def keeps_quantized(flag: bool | None = None) -> bool:
+    """The storage choice of a module being built: ``flag`` if given, else the innermost
+    :func:`quantized_storage`, else whether the default device is CUDA."""
+    if flag is not None:
+        return flag
+    if _KEEP_QUANTIZED is not None:
+        return _KEEP_QUANTIZED
+    return torch.get_default_device().type == "cuda"
+
+
 def _default_ops() -> SimpleNamespace:
     from dsv4.ops import get_ops
     return get_ops("torch")
@@ -40,17 +69,25 @@ class Linear(nn.Module):
     """A bias-free linear layer ``y = x W^T`` whose checkpoint weight may be quantized.
 
     ``fmt`` is the checkpoint storage: "fp8" (block-scaled e4m3), "fp4" (MXFP4), "bf16" or "f32".
-    The torch path always holds a dense ``weight`` [out, in] in ``dtype``; a loaded
-    ``dsv4.formats.QuantWeight`` is also kept in ``self.qweight`` for GPU kernels.
     ``block`` is the FP8 block size of the run-time activation quantization (and of fp8 weights).
 
-    With ``numerics="official"`` and a quantized ``fmt``, the input activation is fake-quantized
-    to FP8 (power-of-two scales per ``block`` inputs, spec §2.5) before the GEMM, as the
-    reference's fp8/fp4 GEMMs do.
+    Two storages:
+
+    * dense (the CPU/torch path): ``weight`` [out, in] in ``dtype``; a loaded
+      ``dsv4.formats.QuantWeight`` is dequantized into it (and also kept in ``self.qweight``).
+      With ``numerics="official"`` and a quantized ``fmt``, the input activation is
+      fake-quantized to FP8 (power-of-two scales per ``block`` inputs, spec §2.5) before the
+      GEMM, as the reference's fp8/fp4 GEMMs do.
+    * quantized (``fmt="fp8"`` built with :func:`keeps_quantized` true: on CUDA by default):
+      ``weight`` is an empty [0, in] placeholder and a loaded FP8 ``QuantWeight`` stays in
+      ``self.qweight`` (half the bytes of bf16); ``forward`` calls ``fp8_linear`` (the Triton
+      kernel on CUDA tensors, its torch twin elsewhere), which always quantizes the input
+      activation to FP8 as the reference does, whatever ``numerics`` says.
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str = "bf16", block: int = 128,
-                 numerics: str = "bf16", dtype: torch.dtype = torch.bfloat16) -> None:
+                 numerics: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                 keep_quantized: bool | None = None) -> None:
         super().__init__()
         if fmt not in WEIGHT_FORMATS:
             raise ValueError(f"Linear: fmt={fmt!r} is not supported; allowed: {WEIGHT_FORMATS}")
@@ -62,7 +99,10 @@ class Linear(nn.Module):
         self.fmt = fmt
         self.block = block
         self.numerics = check_numerics(numerics)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+        # Only FP8 has a GPU kernel behind a Linear; other formats are held dense.
+        self.quantized_storage = fmt == "fp8" and keeps_quantized(keep_quantized)
+        rows = 0 if self.quantized_storage else out_features
+        self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype),
                                    requires_grad=False)
         self.qweight: Any = None
 
@@ -71,7 +111,8 @@ class Linear(nn.Module):
         return self.numerics == "official" and self.fmt in ("fp8", "fp4")
 
     def load_weight(self, t: Any) -> None:
-        """Set the weight from a dense tensor or a ``QuantWeight`` (dequantized here)."""
+        """Set the weight from a dense tensor or a ``QuantWeight`` (kept as it is by a quantized
+        storage when it is FP8, dequantized otherwise)."""
         shape = (self.out_features, self.in_features)
         if isinstance(t, Tensor):
             if tuple(t.shape) != shape:
@@ -84,6 +125,9 @@ class Linear(nn.Module):
             if tshape != shape:
                 raise ValueError(f"Linear.load_weight: quantized weight has logical shape {tshape};"
                                  f" expected {shape}")
+            if self.quantized_storage and getattr(t, "fmt", None) == "fp8":
+                self._load_quantized(t)
+                return
             dense = t.dequantize(self.weight.dtype)
             self.qweight = t
         else:
@@ -92,8 +136,31 @@ class Linear(nn.Module):
         with torch.no_grad():
             self.weight.data = dense.to(device=self.weight.device, dtype=self.weight.dtype)
 
+    def _load_quantized(self, t: Any) -> None:
+        """Keep an FP8 ``QuantWeight`` as it is (moved to this module's device)."""
+        if t.block != self.block:
+            raise ValueError(f"Linear.load_weight: FP8 weight has block {t.block}; expected "
+                             f"{self.block}")
+        device = self.weight.device
+        self.qweight = t if t.device == device else t.to(device)
+        with torch.no_grad():
+            self.weight.data = self.weight.data.new_empty(0, self.in_features)
+
+    @property
+    def holds_quantized(self) -> bool:
+        """True when ``forward`` runs the FP8 kernel on ``qweight`` (no dense weight held)."""
+        return self.qweight is not None and self.weight.shape[0] == 0
+
     def forward(self, x: Tensor) -> Tensor:
         """[..., in] -> [..., out] in x.dtype (GEMM in the weight's dtype, fp32 accumulation)."""
+        if self.holds_quantized:
+            from dsv4.ops import get_ops
+            qw = self.qweight
+            ops = get_ops("triton" if x.is_cuda else "torch")
+            return ops.fp8_linear(x, qw.weight, qw.scale, self.block, x.dtype)
+        if self.weight.shape[0] != self.out_features:
+            raise ValueError(f"Linear({self.in_features}->{self.out_features}): no weight loaded "
+                             f"(quantized storage waits for an FP8 QuantWeight)")
         if self.quantizes_input:
             from dsv4.formats import fake_quant_fp8
             x = fake_quant_fp8(x, self.block)
@@ -110,7 +177,7 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, "
-                f"numerics={self.numerics}")
+                f"numerics={self.numerics}, quantized_storage={self.quantized_storage}")
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import ModelConfig
-from dsv4.model.layers import Linear, check_numerics
+from dsv4.formats import FP4_BLOCK
+from dsv4.model.layers import Linear, check_numerics, keeps_quantized
 from dsv4.ops.torch_dense import ExpertWeights, swiglu
 
 _EXPERT_NAME = re.compile(r"^(\d+)\.(w1|w2|w3)\.weight$")
@@ -39,7 +40,8 @@ def _dense(value: Any, dtype: torch.dtype) -> torch.Tensor:
 
 class Gate(nn.Module):
     """Router of one MoE layer: ``weight`` [E, D] (fp32 math), ``bias`` [E] on learned layers
-    or ``tid2eid`` [vocab, k] on hash layers."""
+    or ``tid2eid`` [vocab, k] on hash layers.  V4.1 (spec §4.8) adds ``bias_vl`` [E], the
+    selection bias of image tokens, ``gate_temp`` and the ``+1e-20`` normalization."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -47,6 +49,9 @@ class Gate(nn.Module):
         self.num_experts = cfg.n_routed_experts
         self.route_scale = cfg.route_scale
         self.is_hash = cfg.is_hash_layer(layer_id)
+        self.is_v41 = cfg.is_v41
+        self.gate_temp = cfg.gate_temp
+        self.norm_topk_prob = cfg.norm_topk_prob
         # Stored bf16 in the checkpoint; held in fp32 since the reference computes the gate in fp32.
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.dim, dtype=torch.float32),
                                    requires_grad=False)
@@ -57,6 +62,9 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
                                      requires_grad=False)
+        if self.is_v41:
+            self.bias_vl = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
+                                        requires_grad=False)
 
     def check_tid2eid(self) -> None:
         """Raise if a loaded hash table points outside 0..E-1 (it would index garbage)."""
@@ -66,9 +74,18 @@ class Gate(nn.Module):
                 raise ValueError(f"ffn.gate.tid2eid: expert ids must be in 0..{self.num_experts - 1}"
                                  f"; found the range {lo}..{hi}")
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D], input_ids [T] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], input_ids [T] -> (weights [T, k] fp32, expert ids [T, k] int64).
+
+        ``image_mask`` [T] bool (V4.1): tokens of image spans select with ``bias_vl``.
+        """
+        if self.is_v41:
+            from dsv4.model.v41 import route_v41
+            ids, weights = route_v41(x, self.weight, self.bias, self.bias_vl, image_mask,
+                                     self.top_k, self.route_scale, self.gate_temp,
+                                     self.norm_topk_prob)
+            return weights, ids
         scores = F.softplus(F.linear(x.float(), self.weight)).sqrt()
         if self.is_hash:
             ids = self.tid2eid[input_ids]
@@ -80,16 +97,52 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer, stacked: ``w1``/``w3`` [E, I, D], ``w2`` [E, D, I]."""
+    """The routed experts of one layer, stacked: ``w1``/``w3`` logical [E, I, D], ``w2`` [E, D, I].
 
-    def __init__(self, cfg: ModelConfig, act_block: int | None, dtype: torch.dtype) -> None:
+    Dense storage (CPU / torch path): the stacks in ``dtype``; a loaded ``QuantWeight`` is
+    dequantized into its row.  Quantized storage (``keep_quantized``, default: built on CUDA;
+    see ``dsv4.model.layers.keeps_quantized``) of quantized checkpoints keeps the checkpoint
+    format, as the Triton expert kernel reads it: MXFP4 int8 [E, N, K/2] + e8m0 scales
+    [E, N, K/32], or FP8 e4m3 [E, N, K] + block scales [E, N/B, K/B] (*-Base).  A quantized
+    storage only accepts ``QuantWeight`` values of that format (a dense value would have to be
+    re-quantized, which loses precision: an error instead).
+    """
+
+    def __init__(self, cfg: ModelConfig, act_block: int | None, dtype: torch.dtype,
+                 keep_quantized: bool | None = None) -> None:
         super().__init__()
         e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
         self.num_experts = e
         self.act_block = act_block
-        self.w1 = nn.Parameter(torch.zeros(e, i, d, dtype=dtype), requires_grad=False)
-        self.w3 = nn.Parameter(torch.zeros(e, i, d, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.zeros(e, d, i, dtype=dtype), requires_grad=False)
+        self.block = cfg.weight_block_size
+        quantized = cfg.quantized and cfg.expert_dtype in ("fp4", "fp8")
+        self.fmt = cfg.expert_dtype if quantized and keeps_quantized(keep_quantized) else "dense"
+        self.w1_scale: torch.Tensor | None = None
+        self.w3_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+        if self.fmt == "dense":
+            self.w1 = nn.Parameter(torch.zeros(e, i, d, dtype=dtype), requires_grad=False)
+            self.w3 = nn.Parameter(torch.zeros(e, i, d, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.zeros(e, d, i, dtype=dtype), requires_grad=False)
+            return
+        if self.fmt == "fp4":
+            wdt, sdt = torch.int8, torch.float8_e8m0fnu
+            wshape = {"w1": (e, i, d // 2), "w3": (e, i, d // 2), "w2": (e, d, i // 2)}
+            sshape = {"w1": (e, i, d // FP4_BLOCK), "w3": (e, i, d // FP4_BLOCK),
+                      "w2": (e, d, i // FP4_BLOCK)}
+        else:
+            b = self.block
+            wdt = torch.float8_e4m3fn
+            sdt = torch.float8_e8m0fnu if cfg.scale_dtype == "e8m0" else torch.float32
+            wshape = {"w1": (e, i, d), "w3": (e, i, d), "w2": (e, d, i)}
+            sshape = {"w1": (e, -(-i // b), -(-d // b)), "w3": (e, -(-i // b), -(-d // b)),
+                      "w2": (e, -(-d // b), -(-i // b))}
+        for name in ("w1", "w3", "w2"):
+            setattr(self, name, nn.Parameter(torch.zeros(wshape[name], dtype=torch.uint8).view(
+                wdt), requires_grad=False))
+            scale = torch.full(sshape[name], 127, dtype=torch.uint8).view(sdt) \
+                if sdt == torch.float8_e8m0fnu else torch.ones(sshape[name], dtype=sdt)
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def official_targets(self, prefix: str) -> dict[str, Callable[[Any], None]]:
         """Official tensor names of every expert matrix -> a function that loads it."""
@@ -100,19 +153,42 @@ class Experts(nn.Module):
                     lambda v, e=e, which=which: self.load_expert(e, which, v))
         return out
 
+    def _logical_shape(self, which: str) -> tuple[int, int]:
+        stack: torch.Tensor = getattr(self, which)
+        n, k = stack.shape[1], stack.shape[2]
+        return (n, k * 2) if self.fmt == "fp4" else (n, k)
+
     def load_expert(self, e: int, which: str, value: Any) -> None:
         """Write expert ``e``'s ``which`` ("w1"/"w2"/"w3") matrix (dense or QuantWeight)."""
         stack: torch.Tensor = getattr(self, which)
-        shape = tuple(stack.shape[1:])
+        shape = self._logical_shape(which)
         got = tuple(getattr(value, "shape", ()))
         if got != shape:
             raise ValueError(f"experts.{e}.{which}.weight: expected logical shape {shape}; "
                              f"found {got}")
+        if self.fmt == "dense":
+            with torch.no_grad():
+                stack[e].copy_(_dense(value, stack.dtype).to(stack.device))
+            return
+        fmt = getattr(value, "fmt", "dense")
+        if fmt != self.fmt or (fmt == "fp8" and value.block != self.block):
+            raise ValueError(f"experts.{e}.{which}.weight: the quantized expert storage holds "
+                             f"{self.fmt} (block {self.block if self.fmt == 'fp8' else 32}); "
+                             f"found {fmt}" + (f" (block {value.block})" if fmt != "dense"
+                                               else " (a dense tensor)"))
+        scale: torch.Tensor = getattr(self, f"{which}_scale")
+        if value.scale.dtype != scale.dtype:
+            raise ValueError(f"experts.{e}.{which}.scale: expected {scale.dtype}; found "
+                             f"{value.scale.dtype}")
         with torch.no_grad():
-            stack[e].copy_(_dense(value, stack.dtype).to(stack.device))
+            stack[e].copy_(value.weight.view(stack.dtype).to(stack.device))
+            scale[e].copy_(value.scale.to(scale.device))
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w1, self.w3, self.w2, self.act_block)
+        if self.fmt == "dense":
+            return ExpertWeights(self.w1, self.w3, self.w2, self.act_block)
+        return ExpertWeights(self.w1, self.w3, self.w2, self.act_block, self.fmt,
+                             self.w1_scale, self.w3_scale, self.w2_scale, self.block)
 
 
 class SharedExpert(nn.Module):
@@ -155,10 +231,12 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, act_block, dtype)
         self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``image_mask`` [T] bool (V4.1 only): image-span tokens route with ``bias_vl``."""
         if x.dim() != 2 or input_ids.shape != (x.shape[0],):
             raise ValueError(f"MoE: expected x [T, D] and input_ids [T]; found {tuple(x.shape)} "
                              f"and {tuple(input_ids.shape)}")
-        weights, ids = self.gate(x, input_ids)
+        weights, ids = self.gate(x, input_ids, image_mask)
         routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
         return (routed + self.shared_experts(x).float()).to(x.dtype)

@@ -1,5 +1,6 @@
-"""The V4 model body (spec §3.3–3.11): embedding, mHC blocks, final collapse, head; and
-``load_model``.
+"""The model body: V4 (spec §3.3–3.11: embedding, mHC blocks, ``hc_head``, head) and V4.1
+(spec §4: Engram before its blocks, single-pass mHC, final collapse without ``hc_head``, DSpark
+stages loaded but not run); and ``load_model``.
 
 Module paths spell the official tensor names (``embed``, ``layers.{L}.attn.*``,
 ``layers.{L}.ffn.*``, ``norm``, ``head``, ``mtp.0.*``), so loading is a name-for-name
@@ -11,6 +12,7 @@ the routed experts (``experts.{e}.w1.weight`` -> row e of the stacked ``experts.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,6 +23,7 @@ from dsv4.config import ModelConfig
 from dsv4.model.layers import Linear, RMSNorm, check_numerics
 from dsv4.model.mhc import HyperConnection, HyperHead, expand_streams
 from dsv4.model.moe import Gate, MoE
+from dsv4.model.v41 import hc_final_collapse, identity_pre_mix, single_pass_block
 from dsv4.ops import get_ops
 
 log = logging.getLogger("dsv4")
@@ -103,28 +106,121 @@ class MTPBlock(Block):
         raise NotImplementedError("MTP stages are loaded but not run by this version of dsv4")
 
 
-class Transformer(nn.Module):
-    """DeepSeek-V4 (Flash / Flash-Base / Pro) text model.
+class BlockV41(nn.Module):
+    """One V4.1 block (spec §4.6, §4.7): the optional Engram on the streams, then the single-pass
+    mHC block whose attention collapses with the previous sublayer's pre-mix.
 
-    ``forward(ctx, cache) -> hidden [N, D]`` for the rows ``ctx.logits_indices`` (after
-    ``hc_head`` and the final norm); ``compute_logits(hidden) -> [N, vocab]`` fp32;
+    ``forward(x [T, n_hc, D], pre_mix [T, n_hc], ctx, cache, engram_rows, token_mask)
+    -> (x, pre_mix for the next block)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
+                 dtype: torch.dtype, moe_cfg: ModelConfig | None = None) -> None:
+        super().__init__()
+        from dsv4.model.attention import Attention
+        from dsv4.model.engram import Engram
+
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.ops = ops
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
+        self.hc_attn = HyperConnection(cfg, ops)
+        self.hc_ffn = HyperConnection(cfg, ops)
+        self.attn = Attention(cfg, layer_id, numerics, ops, dtype)
+        self.ffn = MoE(moe_cfg or cfg, layer_id, numerics, ops, dtype)
+        self.engram: Engram | None = None
+        if layer_id < cfg.n_layers and layer_id in cfg.engram_layer_ids:
+            self.engram = Engram(cfg, layer_id, numerics, ops, dtype)
+
+    def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx: Any, cache: Any,
+                engram_rows: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``engram_rows`` [T, n_engram_layers, cols] (all Engram layers' row ids of the step),
+        ``token_mask`` [T] bool (False on image tokens) or None (all text)."""
+        if self.engram is not None:
+            if engram_rows is None:
+                raise ValueError(f"BlockV41(layer {self.layer_id}): an Engram layer needs the "
+                                 f"step's Engram row ids")
+            x = self.engram(x, engram_rows[:, self.engram.index], token_mask)
+        image_mask = None if token_mask is None else ~token_mask
+
+        def attn(y: torch.Tensor) -> torch.Tensor:
+            return self.attn(self.attn_norm(y), ctx, cache)
+
+        def ffn(y: torch.Tensor) -> torch.Tensor:
+            return self.ffn(self.ffn_norm(y), ctx.input_ids, image_mask)
+
+        cfg = self.cfg
+        return single_pass_block(x, pre_mix, self.hc_attn, self.hc_ffn, attn, ffn, cfg.norm_eps,
+                                 cfg.hc_eps, cfg.hc_sinkhorn_iters, hc_post=self.ops.hc_post)
+
+
+class DSparkStage(BlockV41):
+    """V4.1 DSpark drafter stage ``mtp.{k}`` (spec §4.10): a ratio-0 block whose MoE has
+    ``dspark_n_routed_experts`` experts (top ``dspark_n_activated_experts``); stage 0 adds
+    ``main_proj`` / ``main_norm``, the last stage ``norm``, ``markov_head`` and
+    ``confidence_head``.  Loaded and validated; not run yet (speculative decoding comes later).
+    """
+
+    def __init__(self, cfg: ModelConfig, stage: int, numerics: str, ops: Any,
+                 dtype: torch.dtype) -> None:
+        moe_cfg = cfg.replace(
+            n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
+            n_activated_experts=cfg.dspark_n_activated_experts or cfg.n_activated_experts)
+        super().__init__(cfg, cfg.n_layers + stage, numerics, ops, dtype, moe_cfg=moe_cfg)
+        self.stage = stage
+        fmt = "fp8" if cfg.quantized else "bf16"
+        d = cfg.dim
+        if stage == 0:
+            self.main_proj = Linear(d * len(cfg.dspark_target_layer_ids), d, fmt=fmt,
+                                    block=cfg.weight_block_size, numerics=numerics, dtype=dtype)
+            self.main_norm = RMSNorm(d, cfg.norm_eps, ops)
+        if stage == cfg.n_mtp_layers - 1:
+            rank = cfg.dspark_markov_rank
+            self.norm = RMSNorm(d, cfg.norm_eps, ops)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = Embedding(cfg.vocab_size, rank, dtype)
+            self.markov_head.head = Linear(rank, cfg.vocab_size, fmt="bf16", numerics=numerics,
+                                           dtype=dtype)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = Linear(d + rank, 1, fmt="bf16", numerics=numerics,
+                                               dtype=dtype)
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("DSpark stages are loaded but not run by this version of dsv4")
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4 (Flash / Flash-Base / Pro) and V4.1-Flash text model.
+
+    ``forward(ctx, cache) -> hidden [N, D]`` for the rows ``ctx.logits_indices`` (after the final
+    stream collapse and norm); ``compute_logits(hidden) -> [N, vocab]`` fp32;
     ``forward_full(input_ids) -> [S, vocab]`` runs one sequence with a fresh cache.
+
+    V4.1 with Engram layers needs the tokenizer's compressed token map before the first forward
+    (``set_engram_token_map``; ``load_model`` does it from the checkpoint's tokenizer).
     """
 
     def __init__(self, cfg: ModelConfig, numerics: str = "bf16", backend: str = "torch",
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        if cfg.is_v41:
-            # V4.1 adds Engram, CSA2 layer roles and the single-pass mHC (spec §4): not built yet.
-            raise NotImplementedError(
-                "DeepSeek-V4.1 (model_type deepseek_v41) is not supported yet by "
-                "dsv4.model.transformer; only V4 (deepseek_v4) checkpoints load for now")
         self.cfg = cfg
         self.numerics = check_numerics(numerics)
         self.backend = backend
         self.dtype = dtype
         self.ops = get_ops(backend)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype)
+        self.engram_hasher: Any = None  # V4.1: set by set_engram_token_map
+        if cfg.is_v41:
+            # No hc_head in V4.1: the last pre-mix collapses the streams (spec §4.6).
+            self.layers = nn.ModuleList(
+                [BlockV41(cfg, i, numerics, self.ops, dtype) for i in range(cfg.n_layers)])
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
+            self.head = Head(cfg.vocab_size, cfg.dim)
+            self.mtp = nn.ModuleList([DSparkStage(cfg, k, numerics, self.ops, dtype)
+                                      for k in range(cfg.n_mtp_layers)])
+            return
         self.layers = nn.ModuleList(
             [Block(cfg, i, numerics, self.ops, dtype) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
@@ -133,15 +229,66 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(cfg, cfg.n_layers + k, numerics, self.ops, dtype)
                                   for k in range(cfg.n_mtp_layers)])
 
+    # ------------------------------------------------------------------------ V4.1 Engram
+    def set_engram_token_map(self, token_map: Sequence[int] | torch.Tensor,
+                             compressed_vocab_size: int | None = None) -> None:
+        """Install the Engram hash state machine from the tokenizer's compressed token map
+        (``dsv4.model.engram.build_compressed_token_map``).  ``compressed_vocab_size`` must equal
+        the config's ``engram_compressed_vocab_size`` (ValueError with both numbers)."""
+        from dsv4.model.engram import NgramHasher
+
+        if not self.cfg.is_v41 or not self.cfg.engram_layer_ids:
+            raise ValueError("set_engram_token_map: this model has no Engram layers")
+        self.engram_hasher = NgramHasher.from_config(self.cfg, token_map, compressed_vocab_size,
+                                                     device=self.embed.weight.device)
+
+    def _engram_rows(self, ctx: Any, cache: Any, token_mask: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+        """Row ids [T, n_engram_layers, cols] of the step; advances the slots' lookback."""
+        from dsv4.model.engram import DEAD
+
+        if not self.cfg.engram_layer_ids:
+            return None
+        if self.engram_hasher is None:
+            raise ValueError("V4.1 forward: the Engram token map is not set; load the model with "
+                             "load_model(path) or call model.set_engram_token_map(...)")
+        state = cache.engram_lookback
+        if state is None:
+            raise ValueError("V4.1 forward: the cache has no Engram lookback state (allocate it "
+                             "with this model's config)")
+        lookback = state[ctx.slots]
+        # A request at position 0 has nothing before it, whatever its slot held.
+        lookback = torch.where((ctx.start_pos == 0)[:, None], torch.full_like(lookback, DEAD),
+                               lookback)
+        rows, new_lookback = self.engram_hasher(ctx.input_ids, ctx.cu_seqlens, lookback,
+                                                token_mask)
+        state.index_copy_(0, ctx.slots, new_lookback.to(state.dtype))
+        return rows
+
     # ------------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, ctx: Any, cache: Any) -> torch.Tensor:
         """Run the step ``ctx`` against ``cache``; hidden states [N, D] of ctx.logits_indices."""
+        if self.cfg.is_v41:
+            return self._forward_v41(ctx, cache)
         x = expand_streams(self.embed(ctx.input_ids), self.cfg.hc_mult)
         for layer in self.layers:
             x = layer(x, ctx, cache)
         x = x[ctx.logits_indices]
         return self.norm(self.hc_head(x))
+
+    def _forward_v41(self, ctx: Any, cache: Any) -> torch.Tensor:
+        """V4.1 step (docs/V41.md "One step"): Engram rows once, blocks with the pre-mix carried
+        from block to block, the final collapse with the last pre-mix, norm."""
+        # Image-span tokens (token_types >= 0) are DEAD for Engram and route with bias_vl.
+        token_mask = None if ctx.token_types is None else ctx.token_types < 0
+        engram_rows = self._engram_rows(ctx, cache, token_mask)
+        x = expand_streams(self.embed(ctx.input_ids), self.cfg.hc_mult)
+        pre_mix = identity_pre_mix(self.cfg.hc_mult, x.shape[0], device=x.device)
+        for layer in self.layers:
+            x, pre_mix = layer(x, pre_mix, ctx, cache, engram_rows, token_mask)
+        rows = ctx.logits_indices
+        return self.norm(hc_final_collapse(x[rows], pre_mix[rows]))
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -165,9 +312,16 @@ class Transformer(nn.Module):
             raise ValueError(f"forward_full: token ids must be in 0..{self.cfg.vocab_size - 1}; "
                              f"found the range {lo}..{hi}")
         if token_types is not None:
-            raise ValueError("forward_full: token_types (image marks) are a V4.1 input; "
-                             "V4 models take None")
-        ctx = StepContext.single(ids, start_pos=0, page_size=DEFAULT_PAGE_SIZE, all_logits=True)
+            if not self.cfg.is_v41:
+                raise ValueError("forward_full: token_types (image marks) are a V4.1 input; "
+                                 "V4 models take None")
+            token_types = torch.as_tensor(token_types, dtype=torch.int64, device=device)
+            if tuple(token_types.shape) != tuple(ids.shape):
+                raise ValueError(f"forward_full: token_types has shape "
+                                 f"{tuple(token_types.shape)}; expected {tuple(ids.shape)} "
+                                 f"(one mark per token)")
+        ctx = StepContext.single(ids, start_pos=0, page_size=DEFAULT_PAGE_SIZE,
+                                 token_types=token_types, all_logits=True)
         cache = HybridCache.allocate(self.cfg, num_pages=pages_needed(ids.numel(),
                                                                       DEFAULT_PAGE_SIZE),
                                      num_slots=1, page_size=DEFAULT_PAGE_SIZE, dtype=self.dtype,
@@ -201,7 +355,10 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Gate):
                 module.check_tid2eid()
-        if self.cfg.n_mtp_layers:
+        if self.cfg.n_mtp_layers and self.cfg.is_v41:
+            log.info("dsv4: %d DSpark stage(s) loaded and validated; not run (no speculative "
+                     "decoding yet)", self.cfg.n_mtp_layers)
+        elif self.cfg.n_mtp_layers:
             log.info("dsv4: %d MTP stage(s) loaded and validated; not run (no speculative "
                      "decoding yet)", self.cfg.n_mtp_layers)
 
@@ -252,7 +409,9 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     """Build the model of the checkpoint at ``path`` and load every tensor.
 
     ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere. Raises ValueError on a
-    missing, unexpected or mis-shaped tensor and NotImplementedError for V4.1 checkpoints.
+    missing, unexpected or mis-shaped tensor.  V4.1 with Engram layers: the compressed token map
+    is built from the checkpoint's tokenizer; its size must equal
+    ``engram_compressed_vocab_size`` (ValueError with both numbers).
     """
     from dsv4.checkpoint import load_checkpoint  # owned by the checkpoint engineer
 
@@ -266,4 +425,11 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     # GPU kernels read the quantized weights; the torch path works on dense ones.
     tensors = load_checkpoint(path, cfg, device=dev, dtype=dtype, keep_quantized=dev.type != "cpu")
     model.load_tensors(tensors, consume=True)
+    if cfg.is_v41 and cfg.engram_layer_ids:
+        from dsv4.model.engram import build_compressed_token_map
+        from dsv4.tokenizer import load_tokenizer
+
+        ckpt_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        token_map, n_compressed = build_compressed_token_map(load_tokenizer(ckpt_dir))
+        model.set_engram_token_map(token_map, n_compressed)
     return model.eval()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsv4.formats import dequant_fp8_block, fake_quant_fp8
+from dsv4.formats import dequant_fp8_block, dequant_mxfp4, fake_quant_fp8
 
 # ---------------------------------------------------------------------------------------- mHC
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -119,23 +119,69 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
 
 
 # ------------------------------------------------------------------------------ routed experts
+EXPERT_FORMATS = ("dense", "fp4", "fp8")
+
+
 @dataclass
 class ExpertWeights:
-    """Stacked dense weights of the routed experts, as the grouped expert op sees them.
+    """Stacked weights of the routed experts, as the grouped expert op sees them.
 
-    w1 / w3: [E, I, D] (gate / up), w2: [E, D, I]. ``act_block``: when set, the expert inputs
-    (x before w1/w3, the activation before w2) are FP8 fake-quantized with that block, which is
-    what the reference does for quantized experts under official numerics (spec §2.5).
+    ``fmt`` says how ``w1`` / ``w3`` (gate / up, logical [E, I, D]) and ``w2`` (logical [E, D, I])
+    are stored:
+
+    * "dense": the tensors themselves, in the compute dtype;
+    * "fp4" (MXFP4): int8 [E, N, K/2] (two e2m1 codes per byte, low nibble = even k) with
+      ``s1`` / ``s3`` / ``s2`` e8m0 [E, N, K/32];
+    * "fp8" (the *-Base checkpoints): e4m3 [E, N, K] with block scales [E, ceil(N/B), ceil(K/B)]
+      (e8m0 or fp32), ``block`` = B.
+
+    ``act_block``: when set, the expert inputs (x before w1/w3, the activation before w2) are FP8
+    fake-quantized with that block, which is what the reference does for quantized experts under
+    official numerics (spec §2.5).
     """
 
     w1: torch.Tensor
     w3: torch.Tensor
     w2: torch.Tensor
     act_block: int | None = None
+    fmt: str = "dense"
+    s1: torch.Tensor | None = None
+    s3: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+    block: int = 128
+
+    def __post_init__(self) -> None:
+        if self.fmt not in EXPERT_FORMATS:
+            raise ValueError(f"ExpertWeights: fmt={self.fmt!r} is not supported; allowed: "
+                             f"{EXPERT_FORMATS}")
+        if self.fmt != "dense" and (self.s1 is None or self.s3 is None or self.s2 is None):
+            raise ValueError(f"ExpertWeights: fmt={self.fmt!r} needs the scales s1, s3 and s2")
 
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+    @property
+    def inter_dim(self) -> int:
+        return self.w1.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.w2.shape[1]
+
+    def matrix(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """The dense [N, K] matrix ``which`` ("w1", "w3", "w2") of expert ``e``.
+
+        Dense stacks are returned as stored; quantized ones are dequantized into ``dtype``
+        (exact for MXFP4 in bf16/fp32: an e2m1 value times a power of two).
+        """
+        w = getattr(self, which)[e]
+        if self.fmt == "dense":
+            return w
+        s = getattr(self, "s" + which[1])[e]
+        if self.fmt == "fp4":
+            return dequant_mxfp4(w, s, dtype)
+        return dequant_fp8_block(w, s, self.block, dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -152,8 +198,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     """Weighted sum of the routed experts picked per token (spec §3.9).
 
     x [T, D]; topk_ids [T, k] int (ids outside 0..E-1 are skipped: expert parallel shards);
-    topk_weights [T, k] fp32. Each pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))``;
-    the picks are summed in fp32. Returns fp32 [T, D] so the caller adds the shared expert
+    topk_weights [T, k] fp32; ``experts`` dense or quantized stacks (:class:`ExpertWeights`;
+    quantized matrices are dequantized into x.dtype per expert). Each pick computes
+    ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))``; the picks are summed in fp32. Returns fp32 [T, D] so the caller adds the shared expert
     before the final cast, as the reference does.
     """
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -178,10 +225,11 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             continue
         rows = tok[start:start + c]
         xe = xin[rows]
-        a = swiglu(F.linear(xe, experts.w1[e]), F.linear(xe, experts.w3[e]), swiglu_limit)
+        w1, w3 = experts.matrix(e, "w1", x.dtype), experts.matrix(e, "w3", x.dtype)
+        a = swiglu(F.linear(xe, w1), F.linear(xe, w3), swiglu_limit)
         a = (a * wts[start:start + c, None]).to(x.dtype)  # routing weight before w2
         if experts.act_block:
             a = fake_act_quant(a, experts.act_block)
-        out.index_add_(0, rows, F.linear(a, experts.w2[e]).float())
+        out.index_add_(0, rows, F.linear(a, experts.matrix(e, "w2", x.dtype)).float())
         start += c
     return out

@@ -273,16 +273,42 @@ def test_official_numerics_statistically(tiny_v4_path, tiny_v4_tokenizer) -> Non
     assert diff.max() < 3.0
 
 
-def test_v41_engine(tmp_path, tiny_v4_tokenizer) -> None:
+@pytest.fixture(scope="module")
+def tiny_v41(tmp_path_factory):
     from dsv4.model.transformer import load_model
     from dsv4.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path / "v41", variant="v41", seed=0)
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny41") / "v41", variant="v41", seed=0)
     try:
         model = load_model(path, device="cpu", dtype=torch.float32)
     except NotImplementedError as e:
         pytest.skip(f"the V4.1 model is not implemented yet: {e}")
-    prompt = rand_prompt(random.Random(11), 30)
-    eng = LLMEngine(path, device="cpu", model=model, max_model_len=256, max_num_batched_tokens=7)
-    eng.add_request("v", prompt, greedy(6, logprobs=0))
-    assert_matches_reference(model, prompt, run(eng)["v"])
+    return path, model
+
+
+def test_v41_mixed_chunked_batch(tiny_v41) -> None:
+    path, model = tiny_v41
+    rng = random.Random(11)
+    eng = LLMEngine(path, device="cpu", model=model, max_model_len=128, page_size=16,
+                    max_num_batched_tokens=7)
+    prompts = {f"v{i}": rand_prompt(rng, n) for i, n in enumerate((30, 3, 17))}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(6, logprobs=0))
+    outs = run(eng)
+    for rid, p in prompts.items():
+        assert_matches_reference(model, p, outs[rid])
+
+
+def test_v41_preemption(tiny_v41) -> None:
+    path, model = tiny_v41
+    rng = random.Random(12)
+    # 5 pages of 16 tokens; three requests grow from 1-2 pages to 3: someone is preempted.
+    eng = LLMEngine(path, device="cpu", model=model, max_model_len=48, page_size=16, num_pages=5,
+                    max_num_seqs=3)
+    prompts = {f"p{i}": rand_prompt(rng, 12 + 4 * i) for i in range(3)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(14))
+    outs = run(eng)
+    assert eng.get_stats()["num_preemptions"] > 0
+    for rid, p in prompts.items():
+        assert_matches_reference(model, p, outs[rid])

@@ -119,10 +119,7 @@ def test_stats_count_tokens_and_usage(tiny_v4_path, tiny_v4_model, tiny_v4_token
 
 
 def test_default_model_is_the_tiny_checkpoint(tmp_path, monkeypatch) -> None:
-    import dsv4.tiny
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delattr(dsv4.tiny, "default_checkpoint", raising=False)
     llm = LLM(device="cpu", dtype=torch.float32, max_model_len=64)
     assert llm.model_path.startswith(str(tmp_path))
     assert llm.engine.config.variant == "v4"

@@ -105,7 +105,7 @@ def test_v41_engram_lookback_per_slot() -> None:
     assert cache.engram_lookback.shape == (3, 2) and cache.engram_lookback.dtype == torch.int64
     cache.engram_lookback.fill_(7)
     cache.reset_slots([1])
-    assert cache.engram_lookback.tolist() == [[7, 7], [0, 0], [7, 7]]
+    assert cache.engram_lookback.tolist() == [[7, 7], [-1, -1], [7, 7]]  # DEAD (docs/V41.md)
     per_slot = HybridCache.bytes_per_slot(cfg, torch.float32)
     assert per_slot == 2 * cfg.window_size * cfg.head_dim * 4 + 2 * 8
     assert cache.memory_bytes() == 3 * per_slot

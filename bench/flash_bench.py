@@ -1,0 +1,451 @@
+"""V4-Flash-shaped end-to-end benchmark on one GPU: prefill throughput and decode step time of the
+dsv4 model (Triton backend, FP8 weights, MXFP4 experts kept quantized) against the hardware floor.
+
+    PYTHONPATH=. python bench/flash_bench.py --layers 4 --out flash.json
+
+The model has V4-Flash's real widths (D 4096, 64 heads × 512, q_lora 1024, o_groups 8,
+256 experts top-6 with I 2048, vocab 129280) and the first ``--layers`` layers of its schedule
+(L0-1 sliding window only, then CSA (ratio 4, indexer) / HCA (ratio 128) alternating; L0-2
+hash-routed).  Weights are random and made directly on the GPU in their checkpoint formats (no
+files).  The forward is driven directly: ``model.forward(StepContext, HybridCache)``.
+
+Reported, each with its floor and ratio = measured / floor:
+
+* prefill tokens/s of one request of S tokens (floor: FLOPs / 1459 TFLOP/s, the fp8 peak);
+* decode step time at batch B with ``--ctx``-token contexts (the context is built once by a
+  prefill and copied to the other requests' pages and slots), logits included (floor: bytes of
+  weights in checkpoint formats + KV read / 4.29 TB/s), eager and as a CUDA-graph replay of one
+  captured step;
+* the routed-expert op alone (graph replay) at the decode batches.
+
+Floors count the ideal bytes and FLOPs of the workload, not those of this implementation (which,
+e.g., holds the head and the compressor weights in fp32): see docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from dsv4.cache.tensors import HybridCache
+from dsv4.config import ModelConfig
+from dsv4.formats import QuantWeight
+from dsv4.model.context import StepContext, pages_needed
+from dsv4.model.layers import Linear
+from dsv4.model.moe import Experts
+from dsv4.model.transformer import Transformer
+
+BW = 4.29e12          # device copy bandwidth measured on the lent H200 (shared/GPU.md)
+PEAK_FP8 = 1459e12    # fp8 e4m3 dense GEMM
+PAGE = 256
+DEV = "cuda"
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]          # the 43 backbone layers of V4-Flash
+
+
+# ------------------------------------------------------------------------------ model
+def flash_config(layers: int) -> ModelConfig:
+    """V4-Flash's config.json with the first ``layers`` layers and no MTP stage."""
+    if not 1 <= layers <= 43:
+        raise ValueError(f"--layers must be in 1..43; got {layers}")
+    return ModelConfig.from_dict({
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": layers,
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+        "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 6, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0, "sliding_window": 128, "index_n_heads": 64,
+        "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 1048576, "num_nextn_predict_layers": 0,
+        "compress_ratios": FLASH_RATIOS[:layers],
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]},
+        "expert_dtype": "fp4", "bos_token_id": 0, "eos_token_id": 1,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    })
+
+
+def _e8m0(shape: tuple[int, ...], center: int, gen: torch.Generator) -> torch.Tensor:
+    """Random e8m0 scale bytes around 2^(center-127) (±1 octave)."""
+    b = torch.randint(center - 1, center + 2, shape, generator=gen, device=DEV)
+    return b.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+@torch.no_grad()
+def fill_random(model: Transformer, seed: int = 0) -> None:
+    """Random weights, made on the GPU in their checkpoint formats, with magnitudes that keep
+    the activations O(1) (FP8 Linears: |W| ~ 1/sqrt(K); MXFP4 experts likewise)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    done: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized_storage:
+            n, k, b = module.out_features, module.in_features, module.block
+            w8 = (torch.randn(n, k, generator=gen, device=DEV) * 64).clamp(-448, 448)
+            center = 127 - 6 - int(math.log2(math.sqrt(k)))
+            qw = QuantWeight(w8.to(torch.float8_e4m3fn), _e8m0((-(-n // b), -(-k // b)), center,
+                                                              gen), "fp8", b, (n, k))
+            module.load_weight(qw)
+            done.update(id(p) for p in module.parameters())
+        elif isinstance(module, Experts) and module.fmt == "fp4":
+            for name in ("w1", "w3", "w2"):
+                w = getattr(module, name)
+                w.copy_(torch.randint(-128, 128, w.shape, generator=gen, device=DEV,
+                                      dtype=torch.int8))
+                s = getattr(module, f"{name}_scale")
+                k = w.shape[-1] * 2
+                center = 127 - 2 - int(math.log2(math.sqrt(k)))
+                s.copy_(_e8m0(tuple(s.shape), center, gen))
+            done.update(id(p) for p in module.parameters())
+    for name, p in model.named_parameters():
+        if id(p) in done:
+            continue
+        if not p.is_floating_point():
+            continue
+        if name.endswith("norm.weight") or name.endswith("norm"):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen, device=DEV) * p.shape[-1] ** -0.5)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, device=DEV) * 0.1)
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            picks = torch.rand(buf.shape[0], model.cfg.n_routed_experts, generator=gen,
+                               device=DEV).topk(buf.shape[1], dim=-1).indices
+            buf.copy_(picks)
+
+
+def build_model(layers: int) -> Transformer:
+    cfg = flash_config(layers)
+    with torch.device(DEV):
+        model = Transformer(cfg, numerics="official", backend="triton", dtype=torch.bfloat16)
+    fill_random(model)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------ floors
+def _ckpt_bytes(name: str, p: torch.Tensor) -> int:
+    """Bytes of a dense parameter in the checkpoint (fp32 mHC/ape/sink; bf16 otherwise)."""
+    if p.dtype == torch.float32 and not any(s in name for s in ("hc_", "ape", "attn_sink")):
+        return p.numel() * 2
+    return p.numel() * p.element_size()
+
+
+def weight_bytes(model: Transformer, batch: int) -> dict[str, float]:
+    """Bytes of weights one decode step of ``batch`` tokens must read, in checkpoint formats."""
+    cfg = model.cfg
+    E, k = cfg.n_routed_experts, cfg.n_activated_experts
+    distinct = E * (1 - (1 - k / E) ** batch)
+    out = {"dense": 0.0, "experts": 0.0, "head": 0.0, "embed": 0.0}
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.holds_quantized:
+            out["dense"] += module.qweight.nbytes
+            seen.update(id(p) for p in module.parameters())
+        elif isinstance(module, Experts):
+            per_expert = sum(t[0].numel() * t.element_size() for t in module.parameters())
+            out["experts"] += per_expert * distinct
+            seen.update(id(p) for p in module.parameters())
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        if name.startswith("head."):
+            out["head"] += p.numel() * 2
+        elif name.startswith("embed."):
+            out["embed"] += batch * p.shape[1] * 2
+        else:
+            out["dense"] += _ckpt_bytes(name, p)
+    out["distinct_experts_per_layer"] = distinct
+    return out
+
+
+def kv_bytes(cfg: ModelConfig, ctx_len: int, batch: int) -> float:
+    """KV bytes one decode step reads (bf16 rows): window + selected/all compressed entries +
+    the indexer keys scored, per request, summed over layers."""
+    per = 0.0
+    for layer in range(cfg.n_layers):
+        r = cfg.ratio(layer)
+        per += min(cfg.window_size, ctx_len) * cfg.head_dim * 2
+        if r == 4:
+            n = ctx_len // 4
+            per += min(cfg.index_topk, n) * cfg.head_dim * 2 + n * cfg.index_head_dim * 2
+        elif r > 0:
+            per += (ctx_len // r) * cfg.head_dim * 2
+    return per * batch
+
+
+def prefill_flops(model: Transformer, S: int) -> float:
+    """FLOPs of a prefill of S tokens from position 0 (GEMMs with the active parameters, the
+    attention core over the attended rows, the indexer scores; last-token logits)."""
+    cfg = model.cfg
+    active = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            active += module.in_features * module.out_features
+    for layer in model.layers:
+        active += layer.ffn.gate.weight.numel()
+        active += cfg.n_activated_experts * 3 * cfg.moe_inter_dim * cfg.dim
+        active += layer.hc_attn.fn.numel() + layer.hc_ffn.fn.numel()
+    flops = 2.0 * active * S
+    pos = torch.arange(S, dtype=torch.float64) + 1
+    for layer in range(cfg.n_layers):
+        r = cfg.ratio(layer)
+        rows = torch.clamp(pos, max=cfg.window_size)
+        if r == 4:
+            rows = rows + torch.clamp(torch.floor(pos / 4), max=cfg.index_topk)
+            flops += float((2 * cfg.index_n_heads * cfg.index_head_dim * torch.floor(pos / 4))
+                           .sum())
+        elif r > 0:
+            rows = rows + torch.floor(pos / r)
+        flops += float((4 * cfg.n_heads * cfg.head_dim * rows).sum())
+    flops += 2.0 * cfg.dim * cfg.vocab_size
+    return flops
+
+
+# ------------------------------------------------------------------------------ helpers
+def sync_time(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls (synchronized)."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def graph_time(fn: Callable[[], Any], replays: int = 20) -> float:
+    """Median seconds of one replay of ``fn`` captured in a CUDA graph (fn already warmed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(times)
+
+
+def request_pages(req: int, pages_per_req: int) -> list[int]:
+    return list(range(req * pages_per_req, (req + 1) * pages_per_req))
+
+
+@torch.no_grad()
+def clone_request(cache: HybridCache, src_slot: int, src_pages: list[int], dst_slots: list[int],
+                  dst_pages: list[list[int]]) -> None:
+    """Copy one request's cache (pages of every pool, window ring, compressor carry-over) to
+    other requests, so a batch of long contexts costs one prefill."""
+    if not dst_slots:
+        return
+    src_p = torch.tensor(src_pages, device=DEV)
+    dst_p = torch.tensor([p for row in dst_pages for p in row], device=DEV)
+    n = len(dst_slots)
+    dst_s = torch.tensor(dst_slots, device=DEV)
+    for pool in list(cache.compressed.values()) + list(cache.index_keys.values()):
+        pool[dst_p] = pool[src_p].repeat(n, *([1] * (pool.dim() - 1)))
+    for ring in cache.window.values():
+        ring[dst_s] = ring[src_slot].expand(n, *ring.shape[1:])
+    for st in cache.states.values():
+        st.kv[dst_s] = st.kv[src_slot].expand(n, *st.kv.shape[1:])
+        st.score[dst_s] = st.score[src_slot].expand(n, *st.score.shape[1:])
+
+
+# ------------------------------------------------------------------------------ benches
+def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int) -> dict:
+    cfg = model.cfg
+    gen = torch.Generator(device=DEV).manual_seed(S)
+    ids = torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=DEV)
+    pages = list(range(pages_needed(S, PAGE)))
+
+    def step() -> torch.Tensor:
+        cache.reset_slots([0])
+        ctx = StepContext.build(ids, [S], [0], [0], [pages], device=DEV)
+        return model.compute_logits(model.forward(ctx, cache))
+
+    logits = step()  # warm-up (kernel compilation)
+    finite = bool(torch.isfinite(logits).all())
+    secs = statistics.median(sync_time(step, reps))
+    flops = prefill_flops(model, S)
+    floor = flops / PEAK_FP8
+    return {"S": S, "seconds": secs, "tokens_per_s": S / secs, "tflop": flops / 1e12,
+            "achieved_tflops": flops / secs / 1e12, "floor_s": floor, "ratio": secs / floor,
+            "finite": finite}
+
+
+def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, steps: int,
+                 pages_per_req: int, graphs: bool) -> dict:
+    cfg = model.cfg
+    gen = torch.Generator(device=DEV).manual_seed(B)
+    tables = [request_pages(r, pages_per_req) for r in range(B)]
+    # Build the context of request 0 by a real prefill, then copy it to the others.
+    cache.reset_slots(list(range(B)))
+    ids = torch.randint(0, cfg.vocab_size, (ctx_len,), generator=gen, device=DEV)
+    ctx = StepContext.build(ids, [ctx_len], [0], [0], [tables[0]], device=DEV)
+    model.forward(ctx, cache)
+    clone_request(cache, 0, tables[0], list(range(1, B)), tables[1:])
+    torch.cuda.synchronize()
+
+    def decode_ctx(pos: int) -> StepContext:
+        tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen, device=DEV)
+        return StepContext.build(tok, [1] * B, [pos] * B, list(range(B)), tables, device=DEV)
+
+    # Eager: real decoding, the position advancing each step (host planning included).
+    model.compute_logits(model.forward(decode_ctx(ctx_len), cache))   # warm-up
+    pos = [ctx_len + 1]
+
+    def eager_step() -> None:
+        c = decode_ctx(pos[0])
+        pos[0] += 1
+        model.compute_logits(model.forward(c, cache))
+
+    eager = statistics.median(sync_time(eager_step, steps))
+    wb = weight_bytes(model, B)
+    kvb = kv_bytes(cfg, ctx_len, B)
+    total = wb["dense"] + wb["experts"] + wb["head"] + wb["embed"] + kvb
+    floor = total / BW
+    out = {"B": B, "ctx": ctx_len, "eager_step_s": eager, "floor_s": floor,
+           "ratio_eager": eager / floor, "weight_bytes": wb, "kv_bytes": kvb,
+           "eager_tokens_per_s": B / eager}
+    if graphs:
+        # One step (fixed positions; its per-step plan memoized in the context) captured and
+        # replayed: the device time of a decode step without Python/launch overhead.
+        try:
+            c = decode_ctx(pos[0])
+            model.compute_logits(model.forward(c, cache))            # fills c.memo
+            g = graph_time(lambda: model.compute_logits(model.forward(c, cache)))
+            out.update({"graph_step_s": g, "ratio_graph": g / floor, "graph_tokens_per_s": B / g})
+        except Exception as e:  # report, keep the eager number
+            out["graph_error"] = f"{type(e).__name__}: {e}"[:400]
+    return out
+
+
+def bench_moe_only(model: Transformer, B: int) -> dict:
+    """The routed-expert op of one learned layer at a decode batch, as a graph replay, against
+    the bytes of the distinct experts it touches."""
+    layer = next(l for l in model.layers if not l.ffn.gate.is_hash)
+    ex = layer.ffn.experts.weights()
+    gen = torch.Generator(device=DEV).manual_seed(1000 + B)
+    x = torch.randn(B, model.cfg.dim, generator=gen, device=DEV).to(torch.bfloat16)
+    ids = torch.rand(B, 256, generator=gen, device=DEV).topk(6, dim=-1).indices
+    w = torch.rand(B, 6, generator=gen, device=DEV) / 4
+    fn = lambda: model.ops.moe_experts(x, ids, w, ex, model.cfg.swiglu_limit)  # noqa: E731
+    fn()
+    secs = graph_time(fn, 50)
+    distinct = int(torch.unique(ids).numel())
+    per_expert = sum(t[0].numel() * t.element_size() for t in layer.ffn.experts.parameters())
+    floor = distinct * per_expert / BW
+    return {"B": B, "graph_s": secs, "distinct_experts": distinct, "floor_s": floor,
+            "ratio": secs / floor, "GBps": distinct * per_expert / secs / 1e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prefill", default="1024,4096,8192", help="prompt lengths")
+    ap.add_argument("--decode-batches", default="1,16,64,256")
+    ap.add_argument("--ctx", type=int, default=8192, help="context length of decode requests")
+    ap.add_argument("--steps", type=int, default=5, help="timed eager decode steps")
+    ap.add_argument("--reps", type=int, default=3, help="timed prefill repetitions")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    results: dict[str, Any] = {"layers": args.layers, "device": torch.cuda.get_device_name(),
+                               "torch": torch.__version__, "prefill": [], "decode": [],
+                               "moe_only": [], "errors": []}
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+
+    model = build_model(args.layers)
+    results["gpu_mem_model_GB"] = torch.cuda.memory_allocated() / 1e9
+    log(f"model built: {args.layers} layers, {results['gpu_mem_model_GB']:.1f} GB on the GPU")
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    prefills = [int(s) for s in args.prefill.split(",") if s]
+    ppr = pages_needed(args.ctx + args.steps + 4, PAGE)
+    num_pages = max(max(batches) * ppr, pages_needed(max(prefills), PAGE))
+    cache = HybridCache.allocate(model.cfg, num_pages=num_pages, num_slots=max(batches),
+                                 page_size=PAGE, dtype=torch.bfloat16, device=DEV)
+    log(f"cache: {num_pages} pages, {max(batches)} slots, {cache.memory_bytes() / 1e9:.2f} GB")
+
+    for B in batches:
+        try:
+            r = bench_moe_only(model, B)
+            results["moe_only"].append(r)
+            log(f"moe B={B}: {r['graph_s'] * 1e6:.1f} us, floor {r['floor_s'] * 1e6:.1f} us "
+                f"(x{r['ratio']:.2f}, {r['GBps']:.0f} GB/s)")
+        except Exception as e:
+            results["errors"].append(f"moe B={B}: {traceback.format_exc()[-1500:]}")
+            log(f"moe B={B} failed: {e}")
+        save()
+    for S in prefills:
+        if time.time() - t_start > args.budget:
+            log(f"budget reached: prefill {S} skipped")
+            break
+        try:
+            r = bench_prefill(model, cache, S, args.reps)
+            results["prefill"].append(r)
+            log(f"prefill S={S}: {r['seconds'] * 1e3:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
+                f"floor {r['floor_s'] * 1e3:.2f} ms (x{r['ratio']:.2f}), finite={r['finite']}")
+        except Exception as e:
+            results["errors"].append(f"prefill {S}: {traceback.format_exc()[-1500:]}")
+            log(f"prefill {S} failed: {e}")
+        save()
+    for B in batches:
+        if time.time() - t_start > args.budget:
+            log(f"budget reached: decode B={B} skipped")
+            break
+        try:
+            r = bench_decode(model, cache, B, args.ctx, args.steps, ppr, not args.no_graphs)
+            results["decode"].append(r)
+            g = (f", graph {r['graph_step_s'] * 1e3:.2f} ms (x{r['ratio_graph']:.2f})"
+                 if "graph_step_s" in r else f", graph failed: {r.get('graph_error', 'off')}")
+            log(f"decode B={B} ctx={args.ctx}: eager {r['eager_step_s'] * 1e3:.2f} ms/step "
+                f"(x{r['ratio_eager']:.2f}){g}; floor {r['floor_s'] * 1e3:.3f} ms")
+        except Exception as e:
+            results["errors"].append(f"decode B={B}: {traceback.format_exc()[-1500:]}")
+            log(f"decode B={B} failed: {e}")
+        torch.cuda.empty_cache()
+        save()
+    save()
+    print(json.dumps({k: v for k, v in results.items() if k != "errors"}, indent=None)[:3000])
+    for e in results["errors"]:
+        print("ERROR", e[-800:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

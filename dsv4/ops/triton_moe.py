@@ -1,0 +1,418 @@
+"""Triton kernel of the routed experts (spec §3.9) on quantized stacks: MXFP4 (V4-Flash/Pro) or
+FP8 block (the *-Base checkpoints), and dense stacks.
+
+Same signature as the torch twin ``dsv4.ops.torch_dense.moe_experts``:
+
+1. plan (torch ops, no host sync, so a decode step can be captured in a CUDA graph): sort the
+   (token, pick) pairs by expert and lay them out in row blocks of BM, each block owned by one
+   expert (a static upper bound of blocks; unused blocks exit at once);
+2. ``_moe_up_kernel``: per (block, N tile) the gate and up GEMMs of that expert with the weights
+   dequantized in registers (e2m1 codes -> fp16 bits -> fp32 × 2^scale -> compute dtype, exact),
+   then the clamped SwiGLU times the routing weight, rounded to the compute dtype;
+3. ``_moe_down_kernel``: the w2 GEMM of the same blocks, one output row per pair;
+4. ``_moe_combine_kernel``: per token the fp32 sum of its picks (fixed order, no atomics).
+
+MXFP4 bytes pack k = 2j (low nibble) and k = 2j + 1 (high nibble): the kernels multiply the even
+and the odd columns of the activation by the two nibble planes separately, so the codes never need
+interleaving.  Under official numerics (``act_block``) the activations are FP8 fake-quantized in
+the kernels while loading, block by block (BK = act_block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.torch_dense import ExpertWeights
+from dsv4.ops.triton_dense import (INTERPRET, mma, pow2_from_exp, round_to_bf16, round_to_e4m3,
+                                   store_rne, torch_twin_off_gpu, ue8m0_exponent)
+
+__all__ = ["moe_experts", "moe_experts_with_config", "MoeConfig", "pick_moe_config", "moe_plan"]
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_FMT_CODE = {"dense": 0, "fp4": 1, "fp8": 2}
+
+
+# ------------------------------------------------------------------------------ jit helpers
+@triton.jit
+def _mxfp4_planes(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, OUT: tl.constexpr):
+    """Packed MXFP4 bytes [BN, BKH] (uint8) and their e8m0 exponents [BN, BKH // 16] (uint8)
+    -> (even-k plane, odd-k plane), each [BN, BKH] in ``OUT``, exactly.
+
+    A code's low 3 bits shifted into fp16's exponent/mantissa field give the e2m1 value × 2^-14
+    (its subnormal 0.5 lands on fp16's subnormal 2^-15, which converts to fp32 exactly); the
+    sign bit goes to bit 15.  The scale 2^(s-127) and the 2^14 fold into one fp32 power of two.
+    """
+    b = byte.to(tl.int32)
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    lo = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    f = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)      # 2^(s - 113)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+    return (lo * f).to(OUT), (hi * f).to(OUT)
+
+
+@triton.jit
+def _fake_quant_pair(a, b):
+    """FP8 fake quantization (spec §2.5: amax floor 1e-4, ue8m0 scale, e4m3 RNE) of the rows of
+    one activation block held as two halves a, b [R, C] (fp32); returns both halves dequantized."""
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)), 1e-4)
+    e = ue8m0_exponent(amax)
+    inv = pow2_from_exp(-e)[:, None]
+    s = pow2_from_exp(e)[:, None]
+    qa = round_to_e4m3(tl.clamp(a * inv, -448.0, 448.0)) * s
+    qb = round_to_e4m3(tl.clamp(b * inv, -448.0, 448.0)) * s
+    return qa, qb
+
+
+@triton.jit
+def _to_compute(v, OUT: tl.constexpr):
+    """fp32 -> the compute dtype with round-to-nearest-even (the interpreter's cast truncates)."""
+    if INTERPRET:
+        if OUT == tl.bfloat16:
+            v = round_to_bf16(v)
+    return v.to(OUT)
+
+
+@triton.jit
+def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
+                      stride_sn, FMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, OUT: tl.constexpr, SW_E8M0: tl.constexpr):
+    """One [BN, BK] weight tile of expert e at K offset k0, dequantized into ``OUT``.
+
+    FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2]; FMT 2 (fp8) and 0 (dense):
+    returns the tile twice (the second value unused)."""
+    if FMT == 1:
+        rj = tl.arange(0, BK // 2)
+        byte = tl.load(w_ptr + e * stride_we + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
+                       mask=n_mask[:, None], other=0)
+        rs = tl.arange(0, BK // 32)
+        sc = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (k0 // 32 + rs)[None, :],
+                     mask=n_mask[:, None], other=127)
+        lo, hi = _mxfp4_planes(byte, sc, BN, BK // 2, OUT)
+        return lo, hi
+    else:
+        rk = k0 + tl.arange(0, BK)
+        w = tl.load(w_ptr + e * stride_we + rn[:, None] * stride_wn + rk[None, :],
+                    mask=n_mask[:, None], other=0.0)
+        if FMT == 2:
+            # BK == SB: one scale per output row in this K step.
+            sp = s_ptr + e * stride_se + (rn // SB) * stride_sn + k0 // SB
+            if SW_E8M0:
+                sw = ((tl.load(sp, mask=n_mask, other=127).to(tl.int32)) << 23).to(
+                    tl.float32, bitcast=True)
+            else:
+                sw = tl.load(sp, mask=n_mask, other=1.0)
+            w = _to_compute(w.to(tl.float32) * sw[:, None], OUT)
+        else:
+            w = w.to(OUT)
+        return w, w
+
+
+@triton.jit
+def _load_act_tile(a_ptr, rows, m_mask, k0, stride_am, FMT: tl.constexpr, BK: tl.constexpr,
+                   QUANT: tl.constexpr, OUT: tl.constexpr):
+    """Activation rows [BM, BK] at K offset k0: fp4 weights want the (even, odd) column halves,
+    the others the tile itself (returned twice).  QUANT: FP8 fake quantization (BK = block)."""
+    if FMT == 1:
+        rj = tl.arange(0, BK // 2)
+        base = a_ptr + rows[:, None] * stride_am + (k0 + 2 * rj)[None, :]
+        ev = tl.load(base, mask=m_mask[:, None], other=0.0)
+        od = tl.load(base + 1, mask=m_mask[:, None], other=0.0)
+        if QUANT:
+            qe, qo = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
+            ev, od = qe.to(OUT), qo.to(OUT)
+        return ev, od
+    else:
+        rk = k0 + tl.arange(0, BK)
+        t = tl.load(a_ptr + rows[:, None] * stride_am + rk[None, :], mask=m_mask[:, None],
+                    other=0.0)
+        if QUANT:
+            tf = t.to(tl.float32)
+            q, _ = _fake_quant_pair(tf, tf)
+            t = q.to(OUT)
+        return t, t
+
+
+@triton.jit
+def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
+    """acc += A · Wᵀ for one K step (fp4: even and odd planes separately)."""
+    acc += mma(a_ev, tl.trans(w_ev), "ieee")
+    if FMT == 1:
+        acc += mma(a_od, tl.trans(w_od), "ieee")
+    return acc
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
+                   P, N, K, E, TOPK, stride_xm, stride_actm,
+                   stride_we, stride_wn, stride_se, stride_sn, limit,
+                   FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
+                   QUANT_X: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
+
+    Rows of ``act`` follow the padded sorted layout of the plan (row = block·BM + i)."""
+    blk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + blk)
+    if e < E:
+        rm = blk * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rm)
+        m_mask = pair < P
+        tok = pair // TOPK
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        OUT: tl.constexpr = x_ptr.dtype.element_ty
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x_ev, x_od = _load_act_tile(x_ptr, tok, m_mask, k0, stride_xm, FMT, BK, QUANT_X, OUT)
+            g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
+                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                           OUT, SW_E8M0)
+            acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
+            u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
+                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                           OUT, SW_E8M0)
+            acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
+        # The twin's w1/w3 GEMMs return the compute dtype: round there before the SwiGLU.
+        g = acc1
+        u = acc3
+        if OUT == tl.bfloat16:
+            g = round_to_bf16(g)
+            u = round_to_bf16(u)
+        if HAS_LIMIT:
+            u = tl.clamp(u, -limit, limit)
+            g = tl.minimum(g, limit)
+        wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
+        a = g * tl.sigmoid(g) * u * wt[:, None]
+        store_rne(act_ptr + rm[:, None] * stride_actm + rn[None, :], a,
+                  m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
+                     P, N, K, E, stride_actm, stride_ym,
+                     stride_we, stride_wn, stride_se, stride_sn,
+                     FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
+                     QUANT_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype)."""
+    blk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + blk)
+    if e < E:
+        rm = blk * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rm)
+        m_mask = pair < P
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        OUT: tl.constexpr = act_ptr.dtype.element_ty
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a_ev, a_od = _load_act_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK, QUANT_A,
+                                        OUT)
+            w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
+                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                           OUT, SW_E8M0)
+            acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
+        store_rne(y_ptr + pair[:, None] * stride_ym + rn[None, :], acc,
+                  m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: tl.constexpr):
+    """out[t] = Σ_j y[t·k + j] in fp32 over the picks j whose expert id is in 0..E-1."""
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_mask = rd < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + t * TOPK + j)
+        ok = (e >= 0) & (e < E)
+        v = tl.load(y_ptr + (t * TOPK + j) * D + rd, mask=d_mask & ok, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * D + rd, acc, mask=d_mask)
+
+
+# ------------------------------------------------------------------------------ host side
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile plan of one expert call: BM rows per block (each block one expert), N tiles of the
+    up (gate+up) and down GEMMs, K step (= the FP8 act-quant block under official numerics)."""
+
+    BM: int
+    BN_up: int
+    BN_down: int
+    BK: int = 128
+    warps_up: int = 4
+    warps_down: int = 4
+    stages: int = 3
+
+
+def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, block_k: int
+                    ) -> MoeConfig:
+    """Tile plan by the average rows per active expert (decode: ~1; 8K prefill: ~190).
+
+    Small blocks waste no MMA rows on decode; large ones re-read each weight tile (and redo its
+    in-register dequantization) fewer times in prefill."""
+    active = max(1, min(num_experts, num_pairs))
+    rows = num_pairs / active
+    if rows <= 16:
+        return MoeConfig(BM=16, BN_up=64, BN_down=64, BK=block_k, stages=4)
+    if rows <= 32:
+        return MoeConfig(BM=32, BN_up=64, BN_down=64, BK=block_k, stages=4)
+    if rows <= 64:
+        return MoeConfig(BM=64, BN_up=64, BN_down=128, BK=block_k, warps_down=8)
+    return MoeConfig(BM=128, BN_up=64, BN_down=128, BK=block_k, warps_up=8, warps_down=8)
+
+
+def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, pick) pairs by expert into row blocks of BM (torch ops, no host sync).
+
+    Returns ``pairs`` [nb·BM] int32 (pair index t·k + j, or P = T·k for padding) and
+    ``block_expert`` [nb] int32 (the block's expert, or E past the used blocks), with
+    nb = ceil(P / BM) + min(E, P), an upper bound of Σ_e ceil(count_e / BM).
+    Pairs whose id is outside 0..E-1 (other expert-parallel shards) are left out.
+    """
+    dev = topk_ids.device
+    E = num_experts
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    nb = triton.cdiv(P, BM) + min(E, P)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)
+    sorted_key, order = torch.sort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    counts.index_add_(0, key, torch.ones_like(key))
+    blocks = (counts[:E] + BM - 1) // BM
+    blk_end = torch.cumsum(blocks, 0)
+    first_row = (blk_end - blocks) * BM                                     # [E]
+    first_pair = torch.cumsum(counts, 0) - counts                           # [E+1]
+    rank = torch.arange(P, device=dev) - first_pair[sorted_key]
+    valid = sorted_key < E
+    dest = torch.where(valid, first_row[sorted_key.clamp(max=E - 1)] + rank, nb * BM)
+    pairs = torch.full((nb * BM + 1,), P, dtype=torch.int32, device=dev)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(blk_end, torch.arange(nb, device=dev), right=True)
+    return pairs[:-1], block_expert.to(torch.int32)
+
+
+def _check_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   experts: ExpertWeights) -> None:
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 \
+            or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts: expected x [T, D], topk_ids/topk_weights [T, k]; found "
+                         f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    E, inter = experts.num_experts, experts.inter_dim
+    D = x.shape[1]
+    packed = 2 if experts.fmt == "fp4" else 1
+    want = {"w1": (E, inter, D // packed), "w3": (E, inter, D // packed),
+            "w2": (E, D, inter // packed)}
+    for name, shape in want.items():
+        got = tuple(getattr(experts, name).shape)
+        if got != shape:
+            raise ValueError(f"moe_experts: {name} has shape {got}; expected {shape} for "
+                             f"{experts.fmt} experts and x of width {D}")
+    if experts.fmt == "fp4" and (D % 32 or inter % 32):
+        raise ValueError(f"moe_experts: MXFP4 experts need D and I multiples of 32; found "
+                         f"D={D}, I={inter}")
+
+
+def _weight_args(experts: ExpertWeights, which: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(weight, scale, scale-is-e8m0) as the kernels read them (uint8 views of byte formats)."""
+    w = getattr(experts, which)
+    if experts.fmt == "dense":
+        return w, w, False
+    s = getattr(experts, "s" + which[1])
+    if experts.fmt == "fp4":
+        w = w.view(torch.uint8)
+    if s.dtype == _E8M0:
+        return w, s.view(torch.uint8), True
+    if s.dtype == torch.uint8:
+        return w, s, True
+    return w, s.float(), False
+
+
+def _block_k(experts: ExpertWeights, D: int, inter: int) -> int:
+    """K step: the act-quant block when set, the FP8 weight block for fp8, else up to 128."""
+    if experts.act_block:
+        bk = experts.act_block
+    elif experts.fmt == "fp8":
+        bk = experts.block
+    else:
+        bk = 128
+        while bk > 32 and (D % bk or inter % bk):
+            bk //= 2
+    if experts.fmt == "fp8" and bk != experts.block:
+        raise ValueError(f"moe_experts: FP8 experts need the act block ({bk}) equal to the "
+                         f"weight block ({experts.block})")
+    if D % bk or inter % bk or bk < (32 if experts.fmt == "fp4" else 16):
+        raise ValueError(f"moe_experts: D={D} and I={inter} must be multiples of the K step "
+                         f"{bk} (>= 32 for MXFP4)")
+    return bk
+
+
+def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            experts: ExpertWeights, swiglu_limit: float,
+                            cfg: MoeConfig | None = None) -> torch.Tensor:
+    """:func:`moe_experts` with an explicit tile plan (``None``: :func:`pick_moe_config`)."""
+    _check_experts(x, topk_ids, topk_weights, experts)
+    T, D = x.shape
+    E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
+    bk = _block_k(experts, D, inter)
+    P = T * k
+    if cfg is None:
+        cfg = pick_moe_config(P, E, D, inter, bk)
+    if cfg.BK != bk:
+        cfg = MoeConfig(cfg.BM, cfg.BN_up, cfg.BN_down, bk, cfg.warps_up, cfg.warps_down,
+                        cfg.stages)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.reshape(-1).float().contiguous()
+    pairs, block_expert = moe_plan(ids, E, cfg.BM)
+    nb = block_expert.shape[0]
+    fmt = _FMT_CODE[experts.fmt]
+    quant = bool(experts.act_block)
+    w1, s1, e8m0 = _weight_args(experts, "w1")
+    w3, s3, _ = _weight_args(experts, "w3")
+    w2, s2, _ = _weight_args(experts, "w2")
+    sb = experts.block if experts.fmt == "fp8" else 32
+    act = torch.empty(nb * cfg.BM, inter, dtype=x.dtype, device=x.device)
+    _moe_up_kernel[(nb, triton.cdiv(inter, cfg.BN_up))](
+        x, w1, w3, s1, s3, pairs, block_expert, wts, act,
+        P, inter, D, E, k, x.stride(0), act.stride(0),
+        w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, QUANT_X=quant, HAS_LIMIT=swiglu_limit > 0,
+        BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up, num_stages=cfg.stages)
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
+        act, w2, s2, pairs, block_expert, y, P, D, inter, E, act.stride(0), y.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, QUANT_A=quant,
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down, num_stages=cfg.stages)
+    BD = min(1024, triton.next_power_of_2(D))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
+    return out
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
+    """Weighted sum of the routed experts picked per token (spec §3.9), fp32 [T, D].
+
+    x [T, D] (bf16 / fp32); topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights
+    [T, k] fp32; ``experts`` dense, MXFP4 or FP8-block stacks (:class:`ExpertWeights`).  Each
+    pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
+    the picks are summed in fp32.
+    """
+    return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None)

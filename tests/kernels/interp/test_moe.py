@@ -1,0 +1,170 @@
+"""The routed-expert Triton kernel (MXFP4 / FP8-block / dense stacks) against its torch twin, in
+the Triton interpreter at tiny shapes.
+
+Run with TRITON_INTERPRET=1 (tests/kernels/test_interpreter.py does that in a child process).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by conftest
+    pytest.skip("needs TRITON_INTERPRET=1", allow_module_level=True)
+
+from dsv4 import formats  # noqa: E402
+from dsv4.ops import torch_dense as ref  # noqa: E402
+from dsv4.ops import triton_moe as tri  # noqa: E402
+
+E8M0 = torch.float8_e8m0fnu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _stack(fmt: str, E: int, n: int, k: int, gen: torch.Generator, block: int = 128,
+           fp32_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random [E, n, k] expert matrix stack in ``fmt`` (codes and scales drawn directly)."""
+    if fmt == "fp4":
+        w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8).view(torch.int8)
+        s = torch.randint(120, 126, (E, n, k // 32), generator=gen).to(torch.uint8).view(E8M0)
+        return w, s
+    if fmt == "fp8":
+        w = (torch.randn(E, n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        shape = (E, -(-n // block), -(-k // block))
+        exps = torch.randint(116, 121, shape, generator=gen)
+        if fp32_scale:
+            return w, torch.exp2(exps.float() - 127) * (1 + torch.rand(shape, generator=gen))
+        return w, exps.to(torch.uint8).view(E8M0)
+    return torch.randn(E, n, k, generator=gen) * k ** -0.5, None
+
+
+def _experts(fmt: str, E: int, D: int, inter: int, gen: torch.Generator, act_block=None,
+             block: int = 128, fp32_scale: bool = False) -> ref.ExpertWeights:
+    w1, s1 = _stack(fmt, E, inter, D, gen, block, fp32_scale)
+    w3, s3 = _stack(fmt, E, inter, D, gen, block, fp32_scale)
+    w2, s2 = _stack(fmt, E, D, inter, gen, block, fp32_scale)
+    return ref.ExpertWeights(w1, w3, w2, act_block, fmt, s1, s3, s2, block)
+
+
+def _routing(T: int, E: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen) + 0.1
+    return ids, w / w.sum(-1, keepdim=True) * 1.5
+
+
+def test_e2m1_planes_decode_every_code_and_scale() -> None:
+    """Every byte value (both nibbles) with several scales decodes as formats.dequant_mxfp4."""
+    E, D, inter = 1, 512, 32
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+    w1 = codes.repeat(inter, 1).view(1, inter, D // 2)
+    s1 = torch.randint(100, 140, (1, inter, D // 32), generator=gen).to(torch.uint8).view(E8M0)
+    ex = _experts("fp4", E, D, inter, gen)
+    ex = ref.ExpertWeights(w1, w1.clone(), ex.w2, None, "fp4", s1, s1.clone(), ex.s2)
+    x = torch.randn(3, D, generator=gen)
+    ids = torch.zeros(3, 1, dtype=torch.int64)
+    w = torch.ones(3, 1)
+    y = tri.moe_experts(x, ids, w, ex, 0.0)
+    y_ref = ref.moe_experts(x, ids, w, ex, 0.0)
+    assert _rel(y, y_ref) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "dense"])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_moe_experts_matches_twin(fmt: str, T: int) -> None:
+    gen = torch.Generator().manual_seed(T * 3 + len(fmt))
+    E, D, inter, k = 8, 128, 128 if fmt == "fp8" else 64, 3
+    ex = _experts(fmt, E, D, inter, gen, fp32_scale=(T == 5))
+    x = torch.randn(T, D, generator=gen) * 2
+    ids, w = _routing(T, E, k, gen)
+    y = tri.moe_experts(x, ids, w, ex, 10.0)
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert y.shape == (T, D) and y.dtype == torch.float32
+    assert torch.isfinite(y).all()
+    assert _rel(y, y_ref) < 1e-5
+
+
+def test_moe_clamp_is_active_and_matches() -> None:
+    """Large activations: the SwiGLU clamp (u in ±limit, g <= limit) changes the result."""
+    gen = torch.Generator().manual_seed(11)
+    E, D, inter, k, T = 4, 64, 64, 2, 6
+    ex = _experts("fp4", E, D, inter, gen)
+    x = torch.randn(T, D, generator=gen) * 20
+    ids, w = _routing(T, E, k, gen)
+    y = tri.moe_experts(x, ids, w, ex, 1.0)
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 1.0)) < 1e-5
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 0.0)) > 1e-2
+
+
+def test_moe_official_act_quant_bf16_and_skipped_ids() -> None:
+    """bf16 compute, FP8 fake-quantized activations (act_block), ids of other shards (-1, E)."""
+    gen = torch.Generator().manual_seed(5)
+    E, D, inter, k, T = 6, 128, 128, 3, 9
+    ex = _experts("fp4", E, D, inter, gen, act_block=128)
+    x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16)
+    ids, w = _routing(T, E, k, gen)
+    ids[0, 1] = -1
+    ids[4, 0] = E
+    ids[4, 2] = E + 3
+    y = tri.moe_experts(x, ids, w, ex, 10.0)
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert torch.isfinite(y).all()
+    # bf16 intermediates: a one-ulp difference in one activation moves the output by ~4e-3 rel.
+    assert _rel(y, y_ref) < 1e-2
+    no_quant = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, None, "fp4", ex.s1, ex.s3, ex.s2)
+    assert _rel(y, ref.moe_experts(x, ids, w, no_quant, 10.0)) > _rel(y, y_ref)
+
+
+def test_moe_fp8_official_block_scales() -> None:
+    gen = torch.Generator().manual_seed(9)
+    E, D, inter, k, T = 4, 256, 128, 2, 7
+    ex = _experts("fp8", E, D, inter, gen, act_block=128, fp32_scale=True)
+    x = torch.randn(T, D, generator=gen)
+    ids, w = _routing(T, E, k, gen)
+    y = tri.moe_experts(x, ids, w, ex, 10.0)
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
+
+
+def test_moe_plan_blocks_cover_every_pair_once() -> None:
+    gen = torch.Generator().manual_seed(2)
+    T, E, k, BM = 40, 8, 3, 16
+    ids, _ = _routing(T, E, k, gen)
+    ids[3, 0] = -1
+    pairs, bexp = tri.moe_plan(ids, E, BM)
+    P = T * k
+    assert pairs.shape == (bexp.shape[0] * BM,)
+    real = pairs[pairs < P].long()
+    flat = ids.reshape(-1)
+    want = torch.nonzero((flat >= 0) & (flat < E)).squeeze(1)
+    assert torch.equal(real.sort().values, want)
+    # Every row of a block belongs to the block's expert; unused blocks are marked E.
+    for b in range(bexp.shape[0]):
+        rows = pairs[b * BM:(b + 1) * BM].long()
+        rows = rows[rows < P]
+        if int(bexp[b]) == E:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and bool((flat[rows] == int(bexp[b])).all())
+
+
+def test_moe_rejects_bad_shapes() -> None:
+    gen = torch.Generator().manual_seed(1)
+    ex = _experts("fp4", 4, 64, 64, gen)
+    ids, w = _routing(2, 4, 2, gen)
+    with pytest.raises(ValueError, match="w1"):
+        tri.moe_experts(torch.randn(2, 128), ids, w, ex, 10.0)
+    with pytest.raises(ValueError, match="topk_ids"):
+        tri.moe_experts(torch.randn(2, 64), ids[:1], w, ex, 10.0)
+
+
+def test_dequant_reference_is_exact_for_bf16() -> None:
+    """The twin's bf16 dequantization of MXFP4 loses nothing (the kernel relies on it)."""
+    gen = torch.Generator().manual_seed(4)
+    w, s = _stack("fp4", 1, 16, 64, gen)
+    assert torch.equal(formats.dequant_mxfp4(w[0], s[0], torch.bfloat16).float(),
+                       formats.dequant_mxfp4(w[0], s[0], torch.float32))
