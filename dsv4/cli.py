@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -30,24 +31,47 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Stream each continuation to the terminal, then report tokens/s."""
+    import time
+
     from dsv4 import LLM, SamplingParams
 
+    if args.model is not None and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model!r} is not a directory")
     llm = LLM(model=args.model, **engine_kwargs(args))
+    engine = llm.engine
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
-    prompts = args.prompt or ["The quick brown fox"]
-    if args.chat:
-        outs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0]
-                for p in prompts]
-    else:
-        outs = llm.generate(prompts, params)
-    for out in outs:
+    prompts = ([args.prompt_opt] if args.prompt_opt else []) + list(args.prompt)
+    prompts = prompts or ["The quick brown fox"]
+    for i, prompt in enumerate(prompts):
+        if args.chat:
+            from dsv4.chat.encoding import encode_messages
+
+            prompt = encode_messages([{"role": "user", "content": prompt}],
+                                     variant=engine.config.variant)
+        request_id = f"cli-{i}"
+        engine.add_request(request_id, prompt, params)
+        start, shown, out = time.perf_counter(), 0, None
+        if not args.json:
+            print(prompts[i], end="", flush=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                if not args.json:
+                    print(text[shown:], end="", flush=True)
+                shown = len(text)
+        elapsed = time.perf_counter() - start
+        result = out.outputs[0]
+        n = len(result.token_ids)
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
-                              "token_ids": out.outputs[0].token_ids,
-                              "finish_reason": out.outputs[0].finish_reason}))
+            print(json.dumps({"prompt": prompts[i], "text": result.text,
+                              "token_ids": list(result.token_ids),
+                              "finish_reason": result.finish_reason,
+                              "tokens_per_s": n / elapsed if elapsed > 0 else None}))
         else:
-            print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
+            print(f"\n[{n} tokens in {elapsed:.2f} s, {n / max(elapsed, 1e-9):.1f} tokens/s, "
+                  f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -72,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text offline")
     add_engine_args(g)
     g.add_argument("prompt", nargs="*", help="prompts (default: one example prompt)")
+    g.add_argument("--prompt", dest="prompt_opt", default=None, help="a prompt (as TEXT)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -1,0 +1,49 @@
+"""The ``dsv4`` command line: generate on the tiny checkpoint, clear errors, help."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4.cli import main
+
+
+def test_generate_streams_and_reports(capsys):
+    assert main(["generate", "Hello", "--max-tokens", "5", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hello")
+    assert "5 tokens in" in err and "tokens/s" in err
+
+
+def test_generate_json_is_greedy_and_reproducible(capsys):
+    args = ["generate", "--prompt", "abc", "--max-tokens", "4", "--json", "--device", "cpu",
+            "--dtype", "float32"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 4
+    assert first["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("make", ["missing", "no_config", "bad_config"])
+def test_bad_model_dir_is_a_message_not_a_traceback(tmp_path, capsys, make):
+    path = tmp_path / "model"
+    if make != "missing":
+        path.mkdir()
+    if make == "bad_config":
+        (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["generate", "--model", str(path), "x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4: error:") and "Traceback" not in err
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("generate", "serve", "make-tiny"):
+        assert cmd in out
