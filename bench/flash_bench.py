@@ -39,7 +39,7 @@ from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.formats import QuantWeight
 from dsv4.model.context import StepContext, pages_needed
-from dsv4.model.layers import Linear
+from dsv4.model.layers import Linear, quantized_storage
 from dsv4.model.moe import Experts
 from dsv4.model.transformer import Transformer
 
@@ -51,11 +51,17 @@ FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]          # the 43 backbone layers of
 
 
 # ------------------------------------------------------------------------------ model
-def flash_config(layers: int) -> ModelConfig:
+# --tiny: the same schedule and formats at toy widths (a CPU smoke run of this script).
+TINY = {"vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 128,
+        "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128, "moe_intermediate_size": 128,
+        "n_routed_experts": 16, "index_n_heads": 4, "index_topk": 8, "sliding_window": 16}
+
+
+def flash_config(layers: int, tiny: bool = False) -> ModelConfig:
     """V4-Flash's config.json with the first ``layers`` layers and no MTP stage."""
     if not 1 <= layers <= 43:
         raise ValueError(f"--layers must be in 1..43; got {layers}")
-    return ModelConfig.from_dict({
+    d = {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
         "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": layers,
         "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
@@ -76,7 +82,10 @@ def flash_config(layers: int) -> ModelConfig:
                                 "weight_block_size": [128, 128]},
         "expert_dtype": "fp4", "bos_token_id": 0, "eos_token_id": 1,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    })
+    }
+    if tiny:
+        d.update(TINY)
+    return ModelConfig.from_dict(d)
 
 
 def _e8m0(shape: tuple[int, ...], center: int, gen: torch.Generator) -> torch.Tensor:
@@ -128,9 +137,10 @@ def fill_random(model: Transformer, seed: int = 0) -> None:
             buf.copy_(picks)
 
 
-def build_model(layers: int) -> Transformer:
-    cfg = flash_config(layers)
-    with torch.device(DEV):
+def build_model(layers: int, tiny: bool = False) -> Transformer:
+    """The benchmark model on DEV, quantized storage (also on CPU, through the torch twins)."""
+    cfg = flash_config(layers, tiny)
+    with torch.device(DEV), quantized_storage():
         model = Transformer(cfg, numerics="official", backend="triton", dtype=torch.bfloat16)
     fill_random(model)
     return model.eval()
@@ -216,14 +226,19 @@ def prefill_flops(model: Transformer, S: int) -> float:
 
 
 # ------------------------------------------------------------------------------ helpers
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def sync_time(fn: Callable[[], Any], reps: int) -> list[float]:
     """Seconds of each of ``reps`` calls (synchronized)."""
     out = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -271,10 +286,10 @@ def clone_request(cache: HybridCache, src_slot: int, src_pages: list[int], dst_s
     for pool in list(cache.compressed.values()) + list(cache.index_keys.values()):
         pool[dst_p] = pool[src_p].repeat(n, *([1] * (pool.dim() - 1)))
     for ring in cache.window.values():
-        ring[dst_s] = ring[src_slot].expand(n, *ring.shape[1:])
+        ring[dst_s] = ring[src_slot].clone().expand(n, *ring.shape[1:])
     for st in cache.states.values():
-        st.kv[dst_s] = st.kv[src_slot].expand(n, *st.kv.shape[1:])
-        st.score[dst_s] = st.score[src_slot].expand(n, *st.score.shape[1:])
+        st.kv[dst_s] = st.kv[src_slot].clone().expand(n, *st.kv.shape[1:])
+        st.score[dst_s] = st.score[src_slot].clone().expand(n, *st.score.shape[1:])
 
 
 # ------------------------------------------------------------------------------ benches
@@ -310,7 +325,7 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
     ctx = StepContext.build(ids, [ctx_len], [0], [0], [tables[0]], device=DEV)
     model.forward(ctx, cache)
     clone_request(cache, 0, tables[0], list(range(1, B)), tables[1:])
-    torch.cuda.synchronize()
+    _sync()
 
     def decode_ctx(pos: int) -> StepContext:
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen, device=DEV)
@@ -333,7 +348,7 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
     out = {"B": B, "ctx": ctx_len, "eager_step_s": eager, "floor_s": floor,
            "ratio_eager": eager / floor, "weight_bytes": wb, "kv_bytes": kvb,
            "eager_tokens_per_s": B / eager}
-    if graphs:
+    if graphs and DEV == "cuda":
         # One step (fixed positions; its per-step plan memoized in the context) captured and
         # replayed: the device time of a decode step without Python/launch overhead.
         try:
@@ -353,11 +368,12 @@ def bench_moe_only(model: Transformer, B: int) -> dict:
     ex = layer.ffn.experts.weights()
     gen = torch.Generator(device=DEV).manual_seed(1000 + B)
     x = torch.randn(B, model.cfg.dim, generator=gen, device=DEV).to(torch.bfloat16)
-    ids = torch.rand(B, 256, generator=gen, device=DEV).topk(6, dim=-1).indices
-    w = torch.rand(B, 6, generator=gen, device=DEV) / 4
+    E, k = model.cfg.n_routed_experts, model.cfg.n_activated_experts
+    ids = torch.rand(B, E, generator=gen, device=DEV).topk(k, dim=-1).indices
+    w = torch.rand(B, k, generator=gen, device=DEV) / 4
     fn = lambda: model.ops.moe_experts(x, ids, w, ex, model.cfg.swiglu_limit)  # noqa: E731
     fn()
-    secs = graph_time(fn, 50)
+    secs = graph_time(fn, 50) if DEV == "cuda" else statistics.median(sync_time(fn, 3))
     distinct = int(torch.unique(ids).numel())
     per_expert = sum(t[0].numel() * t.element_size() for t in layer.ffn.experts.parameters())
     floor = distinct * per_expert / BW
@@ -376,9 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="toy widths (smoke test)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny (smoke test)")
     args = ap.parse_args(argv)
+    global DEV
+    DEV = args.device
     t_start = time.time()
-    results: dict[str, Any] = {"layers": args.layers, "device": torch.cuda.get_device_name(),
+    name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
+    results: dict[str, Any] = {"layers": args.layers, "device": name, "tiny": args.tiny,
                                "torch": torch.__version__, "prefill": [], "decode": [],
                                "moe_only": [], "errors": []}
 
@@ -390,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
-    model = build_model(args.layers)
-    results["gpu_mem_model_GB"] = torch.cuda.memory_allocated() / 1e9
+    model = build_model(args.layers, args.tiny)
+    results["gpu_mem_model_GB"] = torch.cuda.memory_allocated() / 1e9 if DEV == "cuda" else 0.0
     log(f"model built: {args.layers} layers, {results['gpu_mem_model_GB']:.1f} GB on the GPU")
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     prefills = [int(s) for s in args.prefill.split(",") if s]
@@ -401,6 +422,23 @@ def main(argv: list[str] | None = None) -> int:
                                  page_size=PAGE, dtype=torch.bfloat16, device=DEV)
     log(f"cache: {num_pages} pages, {max(batches)} slots, {cache.memory_bytes() / 1e9:.2f} GB")
 
+    try:  # the expert kernel against its torch twin on this model's weights
+        layer = next(l for l in model.layers if not l.ffn.gate.is_hash)
+        gen = torch.Generator(device=DEV).manual_seed(7)
+        x = torch.randn(8, model.cfg.dim, generator=gen, device=DEV).to(torch.bfloat16)
+        w, ids = layer.ffn.gate(x.float(), torch.zeros(8, dtype=torch.int64, device=DEV))
+        from dsv4.ops import torch_dense
+        ex = layer.ffn.experts.weights()
+        y = model.ops.moe_experts(x, ids, w, ex, model.cfg.swiglu_limit)
+        y_ref = torch_dense.moe_experts(x, ids, w, ex, model.cfg.swiglu_limit)
+        results["moe_check_rel_err"] = float((y - y_ref).double().norm()
+                                             / y_ref.double().norm())
+        log(f"moe kernel vs twin: rel err {results['moe_check_rel_err']:.2e}")
+    except Exception:
+        results["errors"].append(f"moe check: {traceback.format_exc()[-1500:]}")
+        from dsv4.ops import torch_dense
+        model.ops.moe_experts = torch_dense.moe_experts
+        log("moe kernel failed: the torch twin runs the experts in this run")
     for B in batches:
         try:
             r = bench_moe_only(model, B)
@@ -438,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             results["errors"].append(f"decode B={B}: {traceback.format_exc()[-1500:]}")
             log(f"decode B={B} failed: {e}")
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
         save()
     save()
     print(json.dumps({k: v for k, v in results.items() if k != "errors"}, indent=None)[:3000])

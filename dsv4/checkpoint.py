@@ -13,6 +13,7 @@ import json
 import os
 import struct
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,9 @@ from torch import Tensor
 from dsv4.config import ModelConfig
 from dsv4.formats import FP4_BLOCK, MX_BLOCK, QuantWeight, dequant_fp8_block
 
-__all__ = ["TensorSpec", "expected_tensors", "checkpoint_entries", "load_checkpoint",
-           "read_safetensors_header", "is_ignored_tensor", "SAFETENSORS_DTYPES"]
+__all__ = ["TensorSpec", "TensorShard", "expected_tensors", "checkpoint_entries",
+           "load_checkpoint", "read_safetensors_header", "is_ignored_tensor",
+           "SAFETENSORS_DTYPES"]
 
 # safetensors dtype strings <-> torch dtypes (those the family uses, plus common ones so a wrong
 # dtype is reported by name).
@@ -70,6 +72,16 @@ class TensorSpec:
         if self.scale_shape is not None:
             s += f" + scale {_ST_NAME[self.scale_dtype]} {list(self.scale_shape)}"
         return s
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """The part ``[start, stop)`` along logical dim ``dim`` (0 rows, 1 columns) of a tensor that
+    one rank of a tensor / expert parallel launch loads (``dsv4.dist.sharding``)."""
+
+    dim: int
+    start: int
+    stop: int
 
 
 def _scale_name(name: str) -> str:
@@ -466,7 +478,9 @@ class _Bar:
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     keep_quantized: bool = False, strict_mtp: bool = True,
-                    progress: bool = True) -> dict[str, Tensor | QuantWeight]:
+                    progress: bool = True,
+                    shard_plan: Mapping[str, TensorShard | None] | None = None
+                    ) -> dict[str, Tensor | QuantWeight]:
     """Load and validate an official-format checkpoint (directory or single .safetensors file).
 
     Returns official names (no ``.scale`` entries).  A quantized weight (fp8 / fp4) becomes a
@@ -478,6 +492,12 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     ``tid2eid`` int64.  ``strict_mtp=False`` lets ``mtp.*`` tensors be absent (those present are
     still checked).  Every check (files, headers, names, dtypes, shapes, scales) runs before any
     tensor is read; problems raise ``ValueError`` / ``FileNotFoundError`` naming the tensor or file.
+
+    ``shard_plan`` (tensor / expert parallel, ``dsv4.dist.sharding.shard_plan``): a name mapped to
+    a :class:`TensorShard` is read only in that slice (safetensors ``get_slice``: the other rows
+    are never read); a name mapped to None is not loaded.  A quantized slice keeps its format
+    when it starts and ends on the format's scale blocks; otherwise the covering blocks are read
+    and dequantized (a ValueError when ``keep_quantized`` asks for the quantized format).
     """
     path = os.fspath(path)
     ckpt_dir, files, weight_map = _shard_files(path)
@@ -486,6 +506,8 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     entries = _scan(files, weight_map, ckpt_dir)
     specs = expected_tensors(cfg)
     to_load = _validate(entries, specs, cfg, strict_mtp)
+    plan = _check_plan(shard_plan or {}, specs)
+    to_load = [spec for spec in to_load if plan.get(spec.name, True) is not None]
 
     device = torch.device(device)
     out: dict[str, Tensor | QuantWeight] = {}
@@ -493,7 +515,12 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     bar = _progress(len(to_load), progress)
     try:
         for spec in sorted(to_load, key=lambda s: entries[s.name].file):  # one shard at a time
-            out[spec.name] = _convert(spec, shards, entries, device, dtype, keep_quantized)
+            piece = plan.get(spec.name)
+            if piece is None:
+                out[spec.name] = _convert(spec, shards, entries, device, dtype, keep_quantized)
+            else:
+                out[spec.name] = _convert_shard(spec, piece, shards, entries, device, dtype,
+                                                keep_quantized)
             bar.update()
     finally:
         bar.close()
@@ -508,12 +535,20 @@ class _Shards:
     def __init__(self) -> None:
         self.handles: dict[str, object] = {}
 
-    def read(self, entry: _Entry, name: str, device: torch.device) -> Tensor:
+    def read(self, entry: _Entry, name: str, device: torch.device,
+             part: tuple[int, int, int] | None = None) -> Tensor:
+        """The tensor ``name``, or only ``[lo, hi)`` along dim d of its stored shape when
+        ``part = (d, lo, hi)`` (memory-mapped: the rest is never read)."""
         h = self.handles.get(entry.file)
         if h is None:
             from safetensors import safe_open
             h = self.handles[entry.file] = safe_open(entry.file, framework="pt", device="cpu")
-        return h.get_tensor(name).to(device)  # type: ignore[attr-defined]
+        if part is None:
+            return h.get_tensor(name).to(device)  # type: ignore[attr-defined]
+        d, lo, hi = part
+        sl = h.get_slice(name)  # type: ignore[attr-defined]
+        t = sl[lo:hi] if d == 0 else sl[:, lo:hi]
+        return t.to(device)
 
     def close(self) -> None:
         self.handles.clear()
@@ -533,3 +568,75 @@ def _convert(spec: TensorSpec, shards: _Shards, entries: dict[str, _Entry], devi
         return dequant_fp8_block(t, scale, spec.block, dtype)
     qw = QuantWeight(t, scale, spec.fmt, spec.block, spec.shape)  # type: ignore[arg-type]
     return qw if keep_quantized or spec.fmt == "mxfp8" else qw.dequantize(dtype)
+
+
+# ---------------------------------------------------------------------------------- shards
+def _check_plan(plan: Mapping[str, TensorShard | None], specs: dict[str, TensorSpec]
+                ) -> dict[str, TensorShard | None]:
+    """Raise ValueError for a plan entry naming no tensor or outside its tensor's shape."""
+    for name, piece in plan.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise ValueError(f"shard plan: tensor {name!r} is not in this checkpoint's layout")
+        if piece is None:
+            continue
+        if not 0 <= piece.dim < len(spec.shape):
+            raise ValueError(f"shard plan: tensor {name!r} has {len(spec.shape)} dims; the shard "
+                             f"splits dim {piece.dim}")
+        size = spec.shape[piece.dim]
+        if not 0 <= piece.start <= piece.stop <= size:
+            raise ValueError(f"shard plan: tensor {name!r}: [{piece.start}, {piece.stop}) is not "
+                             f"a range of its dim {piece.dim} of size {size}")
+    return dict(plan)
+
+
+def _granularity(spec: TensorSpec, dim: int) -> int:
+    """Logical elements per scale along ``dim`` of a quantized spec."""
+    if spec.fmt == "fp8":
+        return spec.block
+    return 1 if dim == 0 else spec.block  # fp4 / mxfp8: one scale per row and 32 columns
+
+
+def _convert_shard(spec: TensorSpec, piece: TensorShard, shards: _Shards,
+                   entries: dict[str, _Entry], device: torch.device, dtype: torch.dtype,
+                   keep_quantized: bool) -> Tensor | QuantWeight:
+    """The slice ``piece`` of ``spec`` (as :func:`_convert` returns whole tensors)."""
+    d, lo, hi = piece.dim, piece.start, piece.stop
+    if spec.scale_name is None:
+        t = shards.read(entries[spec.name], spec.name, device, (d, lo, hi))
+        return t.to(dtype) if spec.fmt == "bf16" else t
+    g = _granularity(spec, d)
+    size = spec.shape[d]
+    aligned = lo % g == 0 and (hi % g == 0 or hi == size)
+    # fp8 rows / columns inside one block keep that block's scale.
+    one_block = spec.fmt == "fp8" and hi > lo and lo // g == (hi - 1) // g
+    is_wo_a = spec.name.endswith("attn.wo_a.weight")
+    if aligned or one_block:
+        qw = _read_quant(spec, shards, entries, device, d, lo, hi)
+        if is_wo_a:
+            return qw.dequantize(dtype)
+        return qw if keep_quantized or spec.fmt == "mxfp8" else qw.dequantize(dtype)
+    if (keep_quantized and not is_wo_a) or spec.fmt == "mxfp8":
+        raise ValueError(f"tensor {spec.name!r}: the shard [{lo}, {hi}) of dim {d} does not "
+                         f"fall on its {spec.fmt} scale blocks of {g}; a quantized shard needs "
+                         f"block-aligned bounds (use another tensor_parallel_size)")
+    # Read the covering blocks, dequantize, cut: the torch path holds dense weights anyway.
+    lo0, hi0 = lo // g * g, min(size, -(-hi // g) * g)
+    dense = _read_quant(spec, shards, entries, device, d, lo0, hi0).dequantize(dtype)
+    return dense.narrow(d, lo - lo0, hi - lo).contiguous()
+
+
+def _read_quant(spec: TensorSpec, shards: _Shards, entries: dict[str, _Entry],
+                device: torch.device, d: int, lo: int, hi: int) -> QuantWeight:
+    """A QuantWeight of logical ``[lo, hi)`` along ``d`` (bounds on scale blocks, or inside
+    one fp8 block)."""
+    g = _granularity(spec, d)
+    packed = spec.fmt == "fp4" and d == 1  # two e2m1 codes per byte along K
+    wpart = (d, lo // 2, hi // 2) if packed else (d, lo, hi)
+    spart = (d, lo // g, -(-hi // g))
+    sname: str = spec.scale_name  # type: ignore[assignment]
+    w = shards.read(entries[spec.name], spec.name, device, wpart)
+    scale = shards.read(entries[sname], sname, device, spart)
+    shape = list(spec.shape)
+    shape[d] = hi - lo
+    return QuantWeight(w, scale, spec.fmt, spec.block, tuple(shape))  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,24 +22,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="processes (one GPU each) sharing the model; launch with torchrun "
+                        "--nproc-per-node N (default 1)")
+    p.add_argument("--enable-expert-parallel", dest="expert_parallel", action="store_true",
+                   help="split the routed experts by expert over the ranks instead of each "
+                        "expert's intermediate dim (default off)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options of ``args`` that were set."""
     names = ("device", "dtype", "numerics", "kv_cache_dtype", "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "seed")
+             "max_num_batched_tokens", "max_model_len", "seed", "tensor_parallel_size",
+             "expert_parallel")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def _generate(args: argparse.Namespace) -> int:
     """Stream each continuation to the terminal, then report tokens/s."""
-    import time
-
-    from dsv4 import LLM, SamplingParams
+    from dsv4 import LLM
 
     if args.model is not None and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is not a directory")
     llm = LLM(model=args.model, **engine_kwargs(args))
+    if not llm.is_driver:
+        return 0  # a tensor parallel worker: rank 0 has finished and released it
+    try:
+        return _generate_on(llm, args)
+    finally:
+        llm.shutdown()
+
+
+def _generate_on(llm: Any, args: argparse.Namespace) -> int:
+    import time
+
+    from dsv4 import SamplingParams
+
     engine = llm.engine
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)

@@ -195,8 +195,17 @@ def e2m1_codes(x: Tensor) -> Tensor:
     return mag | sign
 
 
+_E2M1_TABLES: dict[str, Tensor] = {}
+
+
 def _e2m1_table(device: torch.device) -> Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    # Cached per device: building it is a host-to-device copy, which a CUDA graph capture of a
+    # step that fake-quantizes to FP4 (official numerics) cannot contain.
+    key = str(torch.device(device))
+    table = _E2M1_TABLES.get(key)
+    if table is None:
+        table = _E2M1_TABLES[key] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return table
 
 
 def pack_e2m1(codes: Tensor) -> Tensor:

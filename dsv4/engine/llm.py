@@ -29,11 +29,26 @@ class LLM:
 
     Args:
         model: checkpoint directory; None uses the embedded tiny V4 checkpoint.
+        tensor_parallel_size: processes (one GPU each) sharing the model, default 1.  Launch
+            the script with ``torchrun --nproc-per-node N`` (``--nnodes`` for several hosts):
+            every rank constructs the LLM; rank 0 (``is_driver``) generates, while on the other
+            ranks the constructor runs the worker loop and returns only when rank 0 calls
+            :meth:`shutdown` (or exits).
+        expert_parallel: split the routed experts by expert over the ranks instead of splitting
+            each expert's intermediate dim (default False).
         device, dtype, kv_cache_dtype, max_num_batched_tokens, max_num_seqs, max_model_len,
         seed, **engine_options: passed to :class:`LLMEngine` (see ``EngineOptions``).
+
+    A script for one or several GPUs::
+
+        llm = LLM(path, tensor_parallel_size=2)   # ranks > 0 return from here at shutdown
+        if llm.is_driver:
+            print(llm.generate(["Hello"])[0].outputs[0].text)
+        llm.shutdown()
     """
 
-    def __init__(self, model: str | None = None, *, device: str | None = None,
+    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False, device: str | None = None,
                  dtype: Any = None, kv_cache_dtype: str = "auto",
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
                  max_model_len: int | None = None, seed: int = 0, **engine_options: Any) -> None:
@@ -46,8 +61,21 @@ class LLM:
                                 kv_cache_dtype=kv_cache_dtype,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                seed=seed, **engine_options)
+                                seed=seed, tensor_parallel_size=tensor_parallel_size,
+                                expert_parallel=expert_parallel, **engine_options)
         self._ids = itertools.count()
+        if not self.engine.is_driver:
+            self.engine.run_worker()
+
+    @property
+    def is_driver(self) -> bool:
+        """True on the process that generates (rank 0; always without parallelism)."""
+        return self.engine.is_driver
+
+    def shutdown(self) -> None:
+        """Rank 0 of a parallel launch: release the workers (their constructors return) and
+        leave the process group.  Idempotent; a no-op otherwise."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -126,6 +154,10 @@ class LLM:
     def _run(self, items: list[dict], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        if not engine.is_driver:
+            raise RuntimeError("LLM.generate: only rank 0 of a tensor parallel launch generates; "
+                               "this worker's LLM returned because rank 0 shut down (guard the "
+                               "call with `if llm.is_driver:`)")
         ids: list[str] = []
         try:
             for item, p in zip(items, params):

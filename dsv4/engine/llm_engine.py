@@ -12,6 +12,7 @@ An aborted request is freed at once and produces no further output.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import logging
@@ -24,6 +25,7 @@ import torch
 
 from dsv4.cache.manager import CacheManager
 from dsv4.config import ModelConfig
+from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from dsv4.engine.runner import (ModelRunner, StepResult, profile_peak_bytes, resolve_cache_dtype,
                                size_cache)
@@ -47,6 +49,9 @@ class EngineOptions:
     CPU and bfloat16 on CUDA; ``backend`` None means "torch" on CPU and "triton" on CUDA;
     ``max_model_len`` None means min(config max, 8192).  Cache size: ``num_pages``, or
     ``kv_cache_memory`` bytes, or (CUDA) ``gpu_memory_utilization``.
+    ``tensor_parallel_size`` (default 1): processes (one GPU each) of a ``torchrun`` launch that
+    split attention heads and the MoE; ``expert_parallel`` (default False) splits the routed
+    experts by expert instead of by intermediate dim (see ``dsv4.dist``).
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks).
     """
 
@@ -64,6 +69,8 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
     model: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
 
@@ -89,6 +96,10 @@ class EngineOptions:
         if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
             raise ValueError(f"engine option dtype={self.dtype!r} is invalid; allowed: "
                              f"{sorted(_DTYPES)}")
+        self.parallel_config()  # validates tensor_parallel_size / expert_parallel
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.expert_parallel)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineOptions":
@@ -168,9 +179,14 @@ class LLMEngine:
             raise ValueError("engine option device='cuda' but CUDA is not available")
         dtype = opts.torch_dtype(device)
         cache_dtype = resolve_cache_dtype(opts.kv_cache_dtype, dtype, device)
-        self.device = device
         self.config: ModelConfig = ModelConfig.from_file(model_path)
         cfg = self.config
+        pconf = opts.parallel_config()
+        pconf.check_model(cfg)  # before any process group or weight
+        self.parallel: Parallel = init_parallel(pconf, device)
+        if self.parallel.enabled and device.type == "cuda":
+            device = torch.device("cuda", self.parallel.local_rank)  # one GPU per process
+        self.device = device
         max_model_len = opts.max_model_len or min(cfg.max_position_embeddings, 8192)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -187,8 +203,9 @@ class LLMEngine:
         else:
             from dsv4.model.transformer import load_model
             backend = opts.backend or ("torch" if device.type == "cpu" else "triton")
+            extra = {"parallel": self.parallel} if self.parallel.enabled else {}
             self.model = load_model(model_path, device=device, dtype=dtype,
-                                    numerics=opts.numerics, backend=backend)
+                                    numerics=opts.numerics, backend=backend, **extra)
 
         profile = None
         if device.type == "cuda":
@@ -204,12 +221,15 @@ class LLMEngine:
             max_num_seqs=opts.max_num_seqs, num_pages=opts.num_pages,
             kv_cache_memory=opts.kv_cache_memory,
             gpu_memory_utilization=opts.gpu_memory_utilization, profile=profile)
+        # Every rank holds the same page ids: the smallest count any rank can afford.
+        num_pages = self.parallel.min_int(num_pages)
         self.manager = CacheManager(num_pages, opts.page_size, opts.max_num_seqs)
         self.scheduler = Scheduler(self.manager, opts.max_num_batched_tokens, opts.max_num_seqs,
                                    max_model_len)
         self.runner = ModelRunner(self.model, cfg, device=device, cache_dtype=cache_dtype,
                                   num_pages=num_pages, num_slots=opts.max_num_seqs,
-                                  page_size=opts.page_size, seed=opts.seed)
+                                  page_size=opts.page_size, seed=opts.seed,
+                                  parallel=self.parallel)
         self.eos_token_id = cfg.eos_token_id
         self._token_text = TokenTextCache(self.tokenizer)
         self._requests: dict[str, _Request] = {}
@@ -220,6 +240,45 @@ class LLMEngine:
                         "requests_aborted": 0, "steps": 0}
         log.info("dsv4 engine: %d pages x %d tokens, %d slots, max_model_len %d, cache %s",
                  num_pages, opts.page_size, opts.max_num_seqs, max_model_len, cache_dtype)
+        self._shut_down = False
+        if self.parallel.enabled and self.parallel.is_driver:
+            # A script that never calls shutdown() must not leave the workers waiting forever.
+            atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ parallel launch
+    @property
+    def is_driver(self) -> bool:
+        """True on the process that schedules and samples (always, without parallelism)."""
+        return self.parallel.is_driver
+
+    def run_worker(self) -> int:
+        """Ranks > 0: run the driver's steps until it shuts down (returns the steps run), then
+        leave the process group."""
+        from dsv4.dist.worker import run_worker
+
+        try:
+            steps = run_worker(self.runner)
+            self.parallel.barrier()
+        finally:
+            self._shut_down = True
+            self.parallel.close()
+        return steps
+
+    @_locked
+    def shutdown(self) -> None:
+        """Driver: release the workers (their ``run_worker`` returns) and leave the process
+        group.  Idempotent; a no-op without parallelism and on workers."""
+        if self._shut_down or not self.parallel.enabled or not self.parallel.is_driver:
+            return
+        from dsv4.dist.worker import stop_workers
+
+        self._shut_down = True
+        atexit.unregister(self.shutdown)
+        try:
+            stop_workers(self.parallel)
+            self.parallel.barrier()
+        finally:
+            self.parallel.close()
 
     # ------------------------------------------------------------------ requests
     @_locked
@@ -306,6 +365,11 @@ class LLMEngine:
     @_locked
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that produced a token or finished in it."""
+        if not self.is_driver:
+            raise RuntimeError(f"LLMEngine.step: this process is {self.parallel.describe()}; only "
+                               "rank 0 runs the engine (the others call run_worker())")
+        if self._shut_down:
+            raise RuntimeError("LLMEngine.step: the engine was shut down (its workers are gone)")
         out = self.scheduler.schedule()
         if out.is_empty:
             return []

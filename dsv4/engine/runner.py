@@ -15,6 +15,7 @@ import torch
 
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
+from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.engine.sampler import RowLogprobs, Sampler, SamplingRow
 from dsv4.engine.scheduler import SchedulerOutput
 from dsv4.engine.sequence import SeqKey, Sequence
@@ -32,6 +33,22 @@ class StepResult:
     logprobs: dict[SeqKey, RowLogprobs] = field(default_factory=dict)
     # (prompt position, logprob info of the prompt token at that position)
     prompt_logprobs: dict[SeqKey, list[tuple[int, RowLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepPlan:
+    """One forward step in plain Python lists: what rank 0 broadcasts to the tensor / expert
+    parallel workers (pickled), and what every rank turns into the same :class:`StepContext`.
+    ``reset_slots``: state slots cleared before the step (sequences (re)admitted)."""
+
+    input_ids: list[int]
+    seqlens: list[int]
+    start_pos: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]
+    token_types: list[int] | None = None
+    reset_slots: list[int] = field(default_factory=list)
 
 
 def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
@@ -124,9 +141,12 @@ class ModelRunner:
 
     def __init__(self, model: Any, cfg: ModelConfig, *, device: torch.device,
                  cache_dtype: torch.dtype, num_pages: int, num_slots: int, page_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, parallel: Parallel = SINGLE) -> None:
         self.model = model
         self.cfg = cfg
+        # Under tensor / expert parallelism the driver (rank 0) broadcasts each StepPlan before
+        # running it; the workers run the same plans (dsv4.dist.worker.run_worker).
+        self.parallel = parallel
         self.device = device
         self.page_size = page_size
         self.cache = HybridCache.allocate(cfg, num_pages=num_pages, num_slots=num_slots,
@@ -153,6 +173,19 @@ class ModelRunner:
     def build_context(self, out: SchedulerOutput) -> tuple[StepContext, list[int], list[list[int]]]:
         """The step's StepContext, plus per scheduled sequence the logits row it samples from
         (−1 when it does not sample) and the chunk positions whose prompt logprobs it wants."""
+        plan, sample_rows, prompt_positions = self.plan_step(out)
+        return self.context(plan), sample_rows, prompt_positions
+
+    def context(self, plan: StepPlan) -> StepContext:
+        """The StepContext of ``plan`` on this runner's device."""
+        return StepContext.build(plan.input_ids, plan.seqlens, plan.start_pos, plan.slots,
+                                 plan.block_tables, logits_indices=plan.logits_indices,
+                                 token_types=plan.token_types, device=self.device)
+
+    def plan_step(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[list[int]]]:
+        """The step's :class:`StepPlan`, plus per scheduled sequence the logits row it samples
+        from (−1 when it does not sample) and the chunk positions whose prompt logprobs it
+        wants."""
         ids: list[int] = []
         types: list[int] = []
         seqlens, starts, slots, tables = [], [], [], []
@@ -185,9 +218,23 @@ class ModelRunner:
             else:
                 sample_rows.append(-1)
             logits_rows += rows
-        ctx = StepContext.build(ids, seqlens, starts, slots, tables, logits_indices=logits_rows,
-                                token_types=types if self.cfg.is_v41 else None, device=self.device)
-        return ctx, sample_rows, prompt_positions
+        if not logits_rows:
+            # Only partial prefill chunks: the step fills the cache and needs no logits; ask
+            # for one row anyway so the model never sees an empty selection.
+            logits_rows = [len(ids) - 1]
+        plan = StepPlan(ids, seqlens, starts, slots, [list(t) for t in tables], logits_rows,
+                        types if self.cfg.is_v41 else None,
+                        [s.slot for s in out.scheduled if s.reset_slot])
+        return plan, sample_rows, prompt_positions
+
+    def run_plan(self, plan: StepPlan) -> torch.Tensor:
+        """Reset the plan's slots and run the model forward: hidden [N, D] of its logits rows.
+        The driver of a parallel launch first broadcasts the plan to the workers."""
+        if self.parallel.enabled and self.parallel.is_driver:
+            self.parallel.broadcast_object(plan)
+        if plan.reset_slots:
+            self.cache.reset_slots(plan.reset_slots)
+        return self.model.forward(self.context(plan), self.cache)
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -195,17 +242,12 @@ class ModelRunner:
         result = StepResult()
         if out.is_empty:
             return result
-        resets = [s.slot for s in out.scheduled if s.reset_slot]
-        if resets:
-            self.cache.reset_slots(resets)
-        ctx, sample_rows, prompt_positions = self.build_context(out)
-        if ctx.logits_indices.numel() == 0:
-            # Only partial prefill chunks: the step fills the cache and needs no logits; ask
-            # for one row anyway so the model never sees an empty selection.
-            ctx.logits_indices = ctx.logits_indices.new_tensor([ctx.num_tokens - 1])
-            self.model.forward(ctx, self.cache)
-            return result
-        logits = self.model.compute_logits(self.model.forward(ctx, self.cache))
+        plan, sample_rows, prompt_positions = self.plan_step(out)
+        hidden = self.run_plan(plan)
+        if all(r < 0 for r in sample_rows) and not any(prompt_positions):
+            return result  # partial prefill chunks only: the cache is filled, no logits needed
+        # The head is replicated: only the driver computes logits (the workers skip it).
+        logits = self.model.compute_logits(hidden)
 
         rows: list[SamplingRow] = []
         keys: list[SeqKey] = []

@@ -79,9 +79,22 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port: expected 1-65535, found {args.port}")
-    app = build_server(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    from dsv4.cli import engine_kwargs
+    from dsv4.engine.llm_engine import LLMEngine
+
+    path = args.model or default_model_path()
+    log.info("loading %s", path)
+    engine = LLMEngine(path, **engine_kwargs(args))
+    if not engine.is_driver:
+        # Tensor parallel ranks > 0 (torchrun): run rank 0's steps until it shuts down.
+        engine.run_worker()
+        return 0
+    try:
+        app = build_server(args, engine)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    finally:
+        engine.shutdown()
     return 0
 
 

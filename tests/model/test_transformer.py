@@ -130,5 +130,3 @@ def test_bad_inputs_and_unsupported_variants(tiny_paths: dict[str, str]) -> None
         model.forward_full([1, 2], token_types=[-1, -1])
     with pytest.raises(ValueError, match="numerics"):
         Transformer(model.cfg, numerics="fp8")
-    with pytest.raises(NotImplementedError, match="V4.1"):
-        Transformer(ModelConfig.from_dict(tiny_config("v41")))

@@ -14,6 +14,7 @@ import tempfile
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+import pytest
 import torch
 
 from dsv4.cache.tensors import HybridCache
@@ -104,6 +105,15 @@ class AttendRecorder:
 
 
 # ------------------------------------------------------------------ checks of the helpers
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny GEMMs: one thread is faster and immune to CPU oversubscription.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_tiny_v41_schedule_is_what_the_tests_assume() -> None:
     cfg = v41_model().cfg
     assert cfg.is_v41 and cfg.window_size == WINDOW and cfg.index_topk == 4

@@ -1,0 +1,13 @@
+"""Fixtures of the tensor / expert parallel tests: tiny V4 and V4.1 checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from dsv4.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("dist-tiny")
+    return {v: str(make_tiny_checkpoint(root / v, variant=v, seed=0)) for v in ("v4", "v41")}

@@ -1,0 +1,91 @@
+"""One rank of the tensor / expert parallel tests, launched by ``torchrun --nproc-per-node 2``.
+
+For each ``variant:mode`` argument (mode ``tp`` or ``ep``) every rank builds an ``LLM`` with
+``tensor_parallel_size=WORLD_SIZE``; rank 0 generates the prompts of ``prompts.json`` and writes
+``<variant>-<mode>.json`` (tokens, logprobs, prompt logprobs) into the output directory, then
+shuts the workers down.  The first LLM creates the process group itself (as under a plain
+torchrun launch); later ones reuse a group created here, as a user script may.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def _outputs(outs: list) -> list[dict]:
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append({
+            "token_ids": list(c.token_ids),
+            "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs],
+            "prompt_logprobs": [None if pos is None else {str(t): lp.logprob
+                                                          for t, lp in pos.items()}
+                                for pos in (o.prompt_logprobs or [])],
+        })
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--paths", required=True, help="JSON {variant: checkpoint dir}")
+    ap.add_argument("runs", nargs="+", help="variant:mode, mode tp or ep")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("MKL_CBWR", "AVX2")
+
+    from dsv4.engine.llm import LLM
+    from dsv4.engine.sampling_params import SamplingParams
+
+    paths = json.loads(args.paths)
+    with open(os.path.join(args.out, "prompts.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    world = int(os.environ["WORLD_SIZE"])
+    for i, run in enumerate(args.runs):
+        variant, mode = run.split(":")
+        if i == 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+        llm = LLM(paths[variant], tensor_parallel_size=world, expert_parallel=mode == "ep",
+                  device="cpu", dtype=torch.float32, **spec["engine"])
+        if llm.is_driver:
+            params = [SamplingParams(**p) for p in spec["params"]]
+            outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,
+                                use_tqdm=False)
+            llm.engine.check_idle()
+            with open(os.path.join(args.out, f"{variant}-{mode}.json"), "w",
+                      encoding="utf-8") as f:
+                json.dump(_outputs(outs), f)
+            llm.shutdown()
+        else:
+            # The constructor ran rank 0's steps and returned at its shutdown.
+            with pytest_free_raises(RuntimeError):
+                llm.generate([[5, 6, 7]], use_tqdm=False)
+    return 0
+
+
+class pytest_free_raises:
+    """``with pytest_free_raises(E):`` fails unless the block raises E (no pytest here)."""
+
+    def __init__(self, exc: type[BaseException]) -> None:
+        self.exc = exc
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type | None, ev: BaseException | None, tb: object) -> bool:
+        if et is None:
+            raise AssertionError(f"expected {self.exc.__name__}")
+        return issubclass(et, self.exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
