@@ -244,7 +244,10 @@ def sync_time(fn: Callable[[], Any], reps: int) -> list[float]:
 
 
 def graph_time(fn: Callable[[], Any], replays: int = 20) -> float:
-    """Median seconds of one replay of ``fn`` captured in a CUDA graph (fn already warmed)."""
+    """Median seconds of one replay of ``fn`` captured in a CUDA graph (fn already warmed);
+    off the GPU (smoke runs) the median of plain calls."""
+    if DEV != "cuda":
+        return statistics.median(sync_time(fn, 2))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -358,6 +361,7 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
             out.update({"graph_step_s": g, "ratio_graph": g / floor, "graph_tokens_per_s": B / g})
         except Exception as e:  # report, keep the eager number
             out["graph_error"] = f"{type(e).__name__}: {e}"[:400]
+            out["graph_traceback"] = traceback.format_exc()[-2500:]
     return out
 
 
@@ -381,6 +385,119 @@ def bench_moe_only(model: Transformer, B: int) -> dict:
             "ratio": secs / floor, "GBps": distinct * per_expert / secs / 1e9}
 
 
+MOE_DECODE_PLANS = [(64, 64, 4, 4), (32, 32, 4, 4), (32, 64, 4, 3), (16, 32, 2, 4),
+                    (32, 32, 2, 4), (64, 128, 4, 3), (128, 128, 4, 3)]
+MOE_PREFILL_PLANS = [(64, 64, 128, 4, 8, 3), (128, 64, 128, 8, 8, 3), (128, 128, 128, 8, 8, 3),
+                     (64, 128, 128, 4, 4, 3), (128, 64, 64, 8, 4, 4)]
+
+
+def sweep_moe(model: Transformer, batches: list[int], prefill_tokens: int, log) -> dict:
+    """Time expert tile plans (graph replays) at decode batches and one prefill size; returns
+    {tokens: (best MoeConfig fields, us)} and every timing."""
+    from dsv4.ops import triton_moe as tm
+    layer = next(l for l in model.layers if not l.ffn.gate.is_hash)
+    ex = layer.ffn.experts.weights()
+    cfg = model.cfg
+    E, k, D, inter = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    out: dict[str, Any] = {"runs": [], "best": {}}
+    for T in batches + [prefill_tokens]:
+        gen = torch.Generator(device=DEV).manual_seed(T)
+        x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+        ids = torch.rand(T, E, generator=gen, device=DEV).topk(k, dim=-1).indices
+        w = torch.rand(T, k, generator=gen, device=DEV) / 4
+        if T == prefill_tokens:
+            plans = [tm.MoeConfig(bm, bu, bd, 128, wu, wd, st)
+                     for bm, bu, bd, wu, wd, st in MOE_PREFILL_PLANS]
+        else:
+            plans = [tm.MoeConfig(16, bu, bd, 128, wa, wa, st) for bu, bd, wa, st in
+                     MOE_DECODE_PLANS]
+            plan_s = graph_time(lambda: tm.moe_plan(ids, E, 16), 30)
+            out["runs"].append({"T": T, "plan_only_us": plan_s * 1e6})
+        best = None
+        for p in plans:
+            try:
+                fn = lambda p=p: tm.moe_experts_with_config(x, ids, w, ex, 10.0, p)  # noqa
+                fn()
+                us = graph_time(fn, 20 if T == prefill_tokens else 40) * 1e6
+            except Exception as e:
+                out["runs"].append({"T": T, "plan": p.__dict__, "error": str(e)[:200]})
+                continue
+            out["runs"].append({"T": T, "plan": p.__dict__, "us": us})
+            if best is None or us < best[1]:
+                best = (p, us)
+        if best is not None:
+            out["best"][T] = best
+            log(f"moe sweep T={T}: best {best[0]} {best[1]:.1f} us; " + ", ".join(
+                f"{r['plan']['BN_up']}/{r['plan']['BN_down']}/{r['plan']['BM']}/"
+                f"w{r['plan']['warps_up']}:{r['us']:.0f}" for r in out["runs"]
+                if r.get("T") == T and "us" in r))
+    return out
+
+
+def install_best_moe_plans(best: dict) -> None:
+    """Make the expert op use the swept plans: nearest swept token count by pairs/expert."""
+    from dsv4.ops import triton_moe as tm
+    default = tm.pick_moe_config
+    table = sorted(best.items())
+
+    def pick(num_pairs: int, num_experts: int, dim: int, inter: int, block_k: int):
+        T = max(1, num_pairs // 6)
+        if not table:
+            return default(num_pairs, num_experts, dim, inter, block_k)
+        t_best = min(table, key=lambda kv: abs(math.log(kv[0]) - math.log(T)))
+        if T > 1024 and t_best[0] <= 1024:
+            return default(num_pairs, num_experts, dim, inter, block_k)
+        return t_best[1][0]
+    tm.pick_moe_config = pick
+
+
+def profile_steps(model: Transformer, cache: HybridCache, ctx_len: int, path: str, log) -> None:
+    """torch.profiler tables (device time per op/kernel) of a prefill of ctx_len tokens and of
+    eager decode steps at batch 1 and 64 on ctx_len contexts."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = model.cfg
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    ppr = pages_needed(ctx_len + 8, PAGE)
+    tables = [request_pages(r, ppr) for r in range(64)]
+    ids = torch.randint(0, cfg.vocab_size, (ctx_len,), generator=gen, device=DEV)
+    report = []
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+
+    def run(name: str, fn: Callable[[], Any]) -> None:
+        fn()
+        _sync()
+        with profile(activities=acts) as prof:
+            fn()
+            _sync()
+        ka = prof.key_averages()
+        for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+            try:
+                tab = ka.table(sort_by=key, row_limit=30, max_name_column_width=60)
+                break
+            except Exception:
+                tab = None
+        report.append(f"===== {name}\n{tab}")
+        log(f"profile {name}:\n" + "\n".join((tab or "").splitlines()[:22]))
+
+    def prefill() -> None:
+        cache.reset_slots([0])
+        c = StepContext.build(ids, [ctx_len], [0], [0], [tables[0]], device=DEV)
+        model.compute_logits(model.forward(c, cache))
+
+    run(f"prefill {ctx_len}", prefill)
+    clone_request(cache, 0, tables[0], list(range(1, 64)), tables[1:])
+    for B in (1, 64):
+        def dec(B: int = B) -> None:
+            tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen, device=DEV)
+            c = StepContext.build(tok, [1] * B, [ctx_len] * B, list(range(B)), tables[:B],
+                                  device=DEV)
+            model.compute_logits(model.forward(c, cache))
+        run(f"decode B={B}", dec)
+    with open(path, "w") as f:
+        f.write("\n\n".join(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -393,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="toy widths (smoke test)")
+    ap.add_argument("--sweep-moe", action="store_true",
+                    help="time expert tile plans first and use the best ones")
+    ap.add_argument("--sweep-prefill", type=int, default=8192, help="prefill tokens swept")
+    ap.add_argument("--profile", default=None, help="write torch.profiler tables here")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny (smoke test)")
     args = ap.parse_args(argv)
     global DEV
@@ -439,6 +560,15 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4.ops import torch_dense
         model.ops.moe_experts = torch_dense.moe_experts
         log("moe kernel failed: the torch twin runs the experts in this run")
+    if args.sweep_moe:
+        try:
+            sw = sweep_moe(model, batches, args.sweep_prefill, log)
+            results["moe_sweep"] = {"runs": sw["runs"], "best": {
+                str(t): [b[0].__dict__, b[1]] for t, b in sw["best"].items()}}
+            install_best_moe_plans(sw["best"])
+        except Exception:
+            results["errors"].append(f"moe sweep: {traceback.format_exc()[-1500:]}")
+        save()
     for B in batches:
         try:
             r = bench_moe_only(model, B)
@@ -449,6 +579,11 @@ def main(argv: list[str] | None = None) -> int:
             results["errors"].append(f"moe B={B}: {traceback.format_exc()[-1500:]}")
             log(f"moe B={B} failed: {e}")
         save()
+    if args.profile:
+        try:
+            profile_steps(model, cache, args.ctx, args.profile, log)
+        except Exception:
+            results["errors"].append(f"profile: {traceback.format_exc()[-1500:]}")
     for S in prefills:
         if time.time() - t_start > args.budget:
             log(f"budget reached: prefill {S} skipped")

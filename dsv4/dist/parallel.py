@@ -16,6 +16,7 @@ them unconditionally.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -57,7 +58,7 @@ class ParallelConfig:
         if n == 1:
             return
         need = [("num_attention_heads", cfg.n_heads), ("o_groups", cfg.o_groups),
-                ("moe_intermediate_size (shared expert)", cfg.moe_inter_dim)]
+                ("moe_intermediate_size", cfg.moe_inter_dim)]
         if self.expert_parallel:
             need.append(("n_routed_experts", cfg.n_routed_experts))
             if cfg.is_v41 and cfg.n_mtp_layers and cfg.dspark_n_routed_experts:
@@ -67,6 +68,17 @@ class ParallelConfig:
                 how = "expert_parallel" if name.endswith("experts") else "tensor parallel"
                 raise ValueError(f"tensor_parallel_size={n}: the model's {name}={value} is not "
                                  f"a multiple of {n} ({how} splits it evenly over the ranks)")
+        if not self.expert_parallel and cfg.quantized:
+            # Each rank keeps its slice of every routed expert in the checkpoint format: the
+            # slice must hold whole scale blocks.
+            part = cfg.moe_inter_dim // n
+            block = 32 if cfg.expert_dtype == "fp4" else cfg.weight_block_size
+            if part % block:
+                raise ValueError(f"tensor_parallel_size={n}: each rank's slice of the routed "
+                                 f"experts (moe_intermediate_size {cfg.moe_inter_dim} / {n} = "
+                                 f"{part}) is not a multiple of their {cfg.expert_dtype} scale "
+                                 f"block {block}; use expert_parallel=True "
+                                 f"(--enable-expert-parallel) or another size")
 
 
 def launch_env() -> dict[str, int] | None:
@@ -93,15 +105,14 @@ class Parallel:
     collectives over them.  Every collective is a no-op when ``world_size == 1``."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 expert_parallel: bool = False, group: Any = None, control_group: Any = None,
-                 owns_process_group: bool = False) -> None:
+                 expert_parallel: bool = False, group: Any = None,
+                 control_group: Any = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.expert_parallel = expert_parallel and world_size > 1
         self.group = group
         self.control_group = control_group
-        self.owns_process_group = owns_process_group
         self.closed = False
 
     # ------------------------------------------------------------------ facts
@@ -188,14 +199,17 @@ class Parallel:
             dist.barrier(group=self.control_group)
 
     def close(self) -> None:
-        """Destroy the process group when this object created it (idempotent)."""
+        """Leave this engine's control group (idempotent).  The default process group stays:
+        a later engine of the same launch reuses it (torchrun's store cannot host a second
+        one); when this module created it, it is destroyed at interpreter exit."""
         if self.closed or self.world_size == 1:
             return
         self.closed = True
         import torch.distributed as dist
 
-        if self.owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.control_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.control_group)
+            self.control_group = None
 
     def __repr__(self) -> str:
         return (f"Parallel(rank={self.rank}, world_size={self.world_size}, "
@@ -211,8 +225,8 @@ def init_parallel(config: ParallelConfig, device: torch.device | str | None = No
     ``tensor_parallel_size == 1`` outside a multi-process launch gives :data:`SINGLE`.
     Otherwise the process must run under ``torchrun`` with ``WORLD_SIZE`` equal to
     ``tensor_parallel_size``; the default process group is created (NCCL when ``device`` is
-    CUDA, gloo else) unless one already exists, which is then reused (and not destroyed by
-    :meth:`Parallel.close`).  On CUDA the process uses GPU ``LOCAL_RANK``.
+    CUDA, gloo else; destroyed at exit) unless one already exists, which is then reused.
+    On CUDA the process uses GPU ``LOCAL_RANK``.
     """
     env = launch_env()
     tp = config.tensor_parallel_size
@@ -231,7 +245,6 @@ def init_parallel(config: ParallelConfig, device: torch.device | str | None = No
     dev = torch.device(device) if device is not None else torch.device("cpu")
     rank, local = env["rank"], env["local_rank"]
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    owns = False
     if dist.is_initialized():
         if dist.get_world_size() != world or dist.get_rank() != rank:
             raise ValueError(f"an existing process group has rank {dist.get_rank()} of "
@@ -247,12 +260,19 @@ def init_parallel(config: ParallelConfig, device: torch.device | str | None = No
             kwargs["device_id"] = torch.device("cuda", local)
         dist.init_process_group(backend=backend, init_method="env://", rank=rank,
                                 world_size=world, **kwargs)
-        owns = True
+        atexit.register(_destroy_default_group)
     if backend == "nccl":
         torch.cuda.set_device(local)
     # new_group is collective: every rank creates the control group in the same order.
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     par = Parallel(rank, world, local, config.expert_parallel, group=dist.group.WORLD,
-                   control_group=control, owns_process_group=owns)
+                   control_group=control)
     log.info("dsv4: %s, backend %s", par.describe(), backend)
     return par
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -6,10 +6,13 @@ Tensor parallel attention (every backbone layer and MTP / DSpark stage): query h
 partial outputs are summed by an all-reduce).  ``wq_a``, ``wkv``, the norms, the compressor and
 the indexer are replicated: the latents and the caches are the same on every rank.
 
-MoE: the shared expert is always split along its intermediate dim (``w1``/``w3`` rows, ``w2``
-columns).  Routed experts: with ``expert_parallel`` rank r holds whole experts
+MoE: the shared expert is split along its intermediate dim (``w1``/``w3`` rows, ``w2``
+columns) when the slices fall on its FP8 scale blocks (so each rank keeps FP8 weights and the
+activation blocks of the reference); otherwise rank 0 holds it whole and the other ranks add
+nothing.  Routed experts: with ``expert_parallel`` rank r holds whole experts
 ``[r·E/n, (r+1)·E/n)`` and loads no other expert; without it, every expert is split along its
-intermediate dim like the shared expert.  One all-reduce sums routed + shared partials.
+intermediate dim (``ParallelConfig.check_model`` requires block-aligned slices).  One
+all-reduce sums routed + shared partials.
 
 V4.1 Engram tables: rows ``[r·c, (r+1)·c)`` with ``c = ceil(rows/n)``; a lookup of a row held
 elsewhere gives zeros, and an all-reduce completes the rows.
@@ -26,7 +29,7 @@ from dsv4.checkpoint import TensorShard, expected_tensors
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel
 
-__all__ = ["shard_plan", "moe_expert_count"]
+__all__ = ["shard_plan", "moe_expert_count", "splits_shared_expert"]
 
 _ATTN = re.compile(r"^(?:layers|mtp)\.\d+\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)$")
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -41,6 +44,13 @@ def moe_expert_count(cfg: ModelConfig, is_mtp: bool) -> int:
     return cfg.n_routed_experts
 
 
+def splits_shared_expert(cfg: ModelConfig, world_size: int) -> bool:
+    """True when the shared expert is split over ``world_size`` ranks, False when rank 0
+    holds it whole (its slices would cut FP8 scale blocks)."""
+    part = cfg.moe_inter_dim // world_size
+    return not cfg.quantized or part % cfg.weight_block_size == 0
+
+
 def shard_plan(cfg: ModelConfig, par: Parallel) -> dict[str, TensorShard | None]:
     """Official tensor name -> the slice this rank loads (logical coordinates), or None for a
     tensor it does not load at all (another rank's experts).  Names not in the plan load whole.
@@ -53,6 +63,7 @@ def shard_plan(cfg: ModelConfig, par: Parallel) -> dict[str, TensorShard | None]
     i_lo, i_hi = par.split(cfg.moe_inter_dim, "moe_intermediate_size")
     engram_rows = dict(zip((f"layers.{layer}.engram.embed.weight" for layer in
                             cfg.engram_layer_ids), cfg.engram_num_embeddings))
+    split_shared = splits_shared_expert(cfg, par.world_size)
     plan: dict[str, TensorShard | None] = {}
     for name in expected_tensors(cfg):
         m = _ATTN.match(name)
@@ -79,7 +90,10 @@ def shard_plan(cfg: ModelConfig, par: Parallel) -> dict[str, TensorShard | None]
             continue
         m = _SHARED.match(name)
         if m:
-            plan[name] = _inter_split(m.group(1), i_lo, i_hi)
+            if split_shared:
+                plan[name] = _inter_split(m.group(1), i_lo, i_hi)
+            elif not par.is_driver:
+                plan[name] = None
             continue
         if _ENGRAM.match(name):
             lo, hi = par.split_ceil(engram_rows[name])

@@ -126,11 +126,11 @@ class Attention(nn.Module):
     def _init_v41_roles(self, cfg: ModelConfig, layer_id: int, numerics: str,
                         ops: SimpleNamespace, dtype: torch.dtype) -> None:
         """V4.1: compressor on KV sources, indexer v2 on index sources; checks the sources."""
-        # The reference's published top-k addresses the source pool by entry id; a source of
-        # another ratio would address other entries.
         self.topk_source = -1
         if self.ratio == 0:
             return
+        # A published top-k holds entry ids of the source's pool: a source of another ratio
+        # would number its entries differently.
         for what, src in (("KV source", cfg.kv_source_of(layer_id)),
                           ("index source", cfg.index_source_of(layer_id))):
             if src < 0 or cfg.ratio(src) != self.ratio:

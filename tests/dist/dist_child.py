@@ -3,8 +3,8 @@
 For each ``variant:mode`` argument (mode ``tp`` or ``ep``) every rank builds an ``LLM`` with
 ``tensor_parallel_size=WORLD_SIZE``; rank 0 generates the prompts of ``prompts.json`` and writes
 ``<variant>-<mode>.json`` (tokens, logprobs, prompt logprobs) into the output directory, then
-shuts the workers down.  The first LLM creates the process group itself (as under a plain
-torchrun launch); later ones reuse a group created here, as a user script may.
+shuts the workers down.  The first LLM creates the process group (as under a plain torchrun
+launch); the later ones reuse it.
 """
 
 from __future__ import annotations
@@ -47,13 +47,11 @@ def main() -> int:
     with open(os.path.join(args.out, "prompts.json"), encoding="utf-8") as f:
         spec = json.load(f)
     world = int(os.environ["WORLD_SIZE"])
-    for i, run in enumerate(args.runs):
+    for run in args.runs:
         variant, mode = run.split(":")
-        if i == 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
+        if variant == "cli":
+            _cli(paths[mode], args.out)
+            continue
         llm = LLM(paths[variant], tensor_parallel_size=world, expert_parallel=mode == "ep",
                   device="cpu", dtype=torch.float32, **spec["engine"])
         if llm.is_driver:
@@ -63,13 +61,41 @@ def main() -> int:
             llm.engine.check_idle()
             with open(os.path.join(args.out, f"{variant}-{mode}.json"), "w",
                       encoding="utf-8") as f:
-                json.dump(_outputs(outs), f)
+                json.dump({"outputs": _outputs(outs), "shapes": _shapes(llm)}, f)
             llm.shutdown()
         else:
             # The constructor ran rank 0's steps and returned at its shutdown.
             with pytest_free_raises(RuntimeError):
                 llm.generate([[5, 6, 7]], use_tqdm=False)
     return 0
+
+
+def _shapes(llm: object) -> dict[str, int]:
+    """What this rank holds of layer 0: heads, experts, expert intermediate dim."""
+    engine = llm.engine  # type: ignore[attr-defined]
+    cfg, layer = engine.config, engine.model.layers[0]
+    w1 = layer.ffn.experts.w1
+    return {"heads": cfg.n_heads, "local_heads": int(layer.attn.attn_sink.shape[0]),
+            "experts": cfg.n_routed_experts, "local_experts": int(w1.shape[0]),
+            "inter": cfg.moe_inter_dim, "local_inter": int(w1.shape[1])}
+
+
+def _cli(path: str, out_dir: str) -> None:
+    """``dsv4 generate --json -tp WORLD_SIZE`` on every rank; rank 0's stdout to cli.out."""
+    import contextlib
+
+    from dsv4.cli import main as cli_main
+
+    argv = ["generate", "--model", path, "--device", "cpu", "--dtype", "float32", "--json",
+            "--max-tokens", "5", "--tensor-parallel-size", os.environ["WORLD_SIZE"]]
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(out_dir, "cli.out"), "w", encoding="utf-8") as f:
+            with contextlib.redirect_stdout(f):
+                rc = cli_main(argv)
+    else:
+        rc = cli_main(argv)
+    if rc != 0:
+        raise SystemExit(f"dsv4 generate returned {rc}")
 
 
 class pytest_free_raises:

@@ -227,3 +227,32 @@ def test_a_consumer_without_its_source_in_the_step_is_an_error() -> None:
     with pytest.raises(ValueError, match="candidate source layer 4 has not run"):
         model.layers[REINDEX].attn(x, ctx, cache)
     assert PAGE % 2 == 0
+
+
+@pytest.mark.parametrize("numerics", ["bf16", "official"])
+def test_cache_formats_follow_the_numerics(numerics) -> None:
+    """"official": the window ring is on the FP8 block-32 grid (all channels), compressed entries
+    on the FP4 block-16 e4m3-scale grid, index keys on the FP4 block-32 e8m0 grid, and the
+    quantized GEMMs take FP8 block-32 activations; "bf16": none of it."""
+    from dsv4.formats import fake_quant_fp4, fake_quant_fp8
+
+    model = v41_model(numerics)
+    cfg = model.cfg
+    _, cache, _, _ = _prefill(model, prompt(15))
+    official = numerics == "official"
+    ring = cache.window_ring(FULL2)[0]
+    entries = cache.compressed[FULL1].view(-1, cfg.head_dim)[:S]
+    keys = cache.index_keys[FULL2].view(-1, cfg.index_head_dim)[:S // 2]
+    for t, q in ((ring, fake_quant_fp8(ring, 32)),
+                 (entries, fake_quant_fp4(entries, 16, scale_dtype="e4m3")),
+                 (keys, fake_quant_fp4(keys, 32, scale_dtype="e8m0"))):
+        assert torch.equal(t, q) == official
+    # a coarser grid than the official one would also pass the checks above: not this one
+    if official:
+        assert not torch.equal(entries, fake_quant_fp4(entries, 16, scale_dtype="e8m0"))
+    att = model.layers[REINDEX].attn
+    for lin in (att.wq_a, att.wq_b, att.wkv, att.wo_b, att.indexer.wq_b,
+                model.layers[1].engram.wkv, model.layers[0].ffn.shared_experts.w1):
+        assert lin.block == 32 and lin.quantizes_input == official
+    assert not att.wo_a.quantizes_input and not att.indexer.weights_proj.quantizes_input
+    assert model.layers[0].ffn.experts.act_block == (32 if official else None)
