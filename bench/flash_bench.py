@@ -59,6 +59,11 @@ TINY = {"vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4, "head_d
 
 def flash_config(layers: int, tiny: bool = False) -> ModelConfig:
     """V4-Flash's config.json with the first ``layers`` layers and no MTP stage."""
+    return ModelConfig.from_dict(flash_config_dict(layers, tiny))
+
+
+def flash_config_dict(layers: int, tiny: bool = False) -> dict:
+    """The official config.json keys of :func:`flash_config`."""
     if not 1 <= layers <= 43:
         raise ValueError(f"--layers must be in 1..43; got {layers}")
     d = {
@@ -85,7 +90,7 @@ def flash_config(layers: int, tiny: bool = False) -> ModelConfig:
     }
     if tiny:
         d.update(TINY)
-    return ModelConfig.from_dict(d)
+    return d
 
 
 def _e8m0(shape: tuple[int, ...], center: int, gen: torch.Generator) -> torch.Tensor:
@@ -366,23 +371,75 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
 
 
 def bench_moe_only(model: Transformer, B: int) -> dict:
-    """The routed-expert op of one learned layer at a decode batch, as a graph replay, against
-    the bytes of the distinct experts it touches."""
+    """The routed-expert op of one learned layer at B tokens (decode batch or prefill chunk),
+    as a graph replay, against max(bytes of the distinct experts touched / BW, FLOPs / fp8
+    peak)."""
     layer = next(l for l in model.layers if not l.ffn.gate.is_hash)
     ex = layer.ffn.experts.weights()
+    cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(1000 + B)
-    x = torch.randn(B, model.cfg.dim, generator=gen, device=DEV).to(torch.bfloat16)
-    E, k = model.cfg.n_routed_experts, model.cfg.n_activated_experts
+    x = torch.randn(B, cfg.dim, generator=gen, device=DEV).to(torch.bfloat16)
+    E, k = cfg.n_routed_experts, cfg.n_activated_experts
     ids = torch.rand(B, E, generator=gen, device=DEV).topk(k, dim=-1).indices
     w = torch.rand(B, k, generator=gen, device=DEV) / 4
-    fn = lambda: model.ops.moe_experts(x, ids, w, ex, model.cfg.swiglu_limit)  # noqa: E731
+    fn = lambda: model.ops.moe_experts(x, ids, w, ex, cfg.swiglu_limit)  # noqa: E731
     fn()
-    secs = graph_time(fn, 50) if DEV == "cuda" else statistics.median(sync_time(fn, 3))
+    # Prefill-sized calls are timed eagerly (launch overhead is noise there).
+    secs = graph_time(fn, 50) if B <= 256 else statistics.median(sync_time(fn, 5))
     distinct = int(torch.unique(ids).numel())
     per_expert = sum(t[0].numel() * t.element_size() for t in layer.ffn.experts.parameters())
-    floor = distinct * per_expert / BW
+    flops = 2.0 * B * k * 3 * cfg.moe_inter_dim * cfg.dim
+    floor = max(distinct * per_expert / BW, flops / PEAK_FP8)
     return {"B": B, "graph_s": secs, "distinct_experts": distinct, "floor_s": floor,
-            "ratio": secs / floor, "GBps": distinct * per_expert / secs / 1e9}
+            "ratio": secs / floor, "GBps": distinct * per_expert / secs / 1e9,
+            "tflops": flops / secs / 1e12}
+
+
+@torch.no_grad()
+def bench_transformers(layers: int, tiny: bool, prefill: int, decode: list[tuple[int, int]],
+                       log) -> dict:
+    """The same shapes through transformers' DeepseekV4ForCausalLM in bf16 (random weights made
+    on the device): prefill of ``prefill`` tokens, and decode steps at (batch, context) pairs
+    (time per step after a prefill of the context, with its KV cache)."""
+    import transformers
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    d = flash_config_dict(layers, tiny)
+    d.pop("quantization_config", None)
+    d.pop("expert_dtype", None)
+    cfg = DeepseekV4Config.from_dict(d)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            model = DeepseekV4ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    model.to(torch.bfloat16)
+    out: dict[str, Any] = {"transformers": transformers.__version__, "decode": []}
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    ids = torch.randint(0, d["vocab_size"], (1, prefill), generator=gen, device=DEV)
+    model(ids[:, :64])                                                 # warm-up
+    secs = statistics.median(sync_time(lambda: model(ids, use_cache=False), 2))
+    out["prefill"] = {"S": prefill, "seconds": secs, "tokens_per_s": prefill / secs}
+    log(f"transformers prefill S={prefill}: {secs * 1e3:.1f} ms")
+    for B, ctx_len in decode:
+        ctx_ids = torch.randint(0, d["vocab_size"], (B, ctx_len), generator=gen, device=DEV)
+        res = model(ctx_ids, use_cache=True)
+        past = res.past_key_values
+        tok = res.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(3):
+            _sync()
+            t0 = time.perf_counter()
+            res = model(tok, past_key_values=past, use_cache=True)
+            _sync()
+            times.append(time.perf_counter() - t0)
+            past, tok = res.past_key_values, res.logits[:, -1:].argmax(-1)
+        r = {"B": B, "ctx": ctx_len, "step_s": statistics.median(times)}
+        out["decode"].append(r)
+        log(f"transformers decode B={B} ctx={ctx_len}: {r['step_s'] * 1e3:.1f} ms/step")
+    del model
+    return out
 
 
 MOE_DECODE_PLANS = [(64, 64, 4, 4), (32, 32, 4, 4), (32, 64, 4, 3), (16, 32, 2, 4),
@@ -458,7 +515,8 @@ def profile_steps(model: Transformer, cache: HybridCache, ctx_len: int, path: st
     cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(3)
     ppr = pages_needed(ctx_len + 8, PAGE)
-    tables = [request_pages(r, ppr) for r in range(64)]
+    nreq = max(1, min(64, cache.num_slots, cache.num_pages // ppr))
+    tables = [request_pages(r, ppr) for r in range(nreq)]
     ids = torch.randint(0, cfg.vocab_size, (ctx_len,), generator=gen, device=DEV)
     report = []
 
@@ -486,8 +544,8 @@ def profile_steps(model: Transformer, cache: HybridCache, ctx_len: int, path: st
         model.compute_logits(model.forward(c, cache))
 
     run(f"prefill {ctx_len}", prefill)
-    clone_request(cache, 0, tables[0], list(range(1, 64)), tables[1:])
-    for B in (1, 64):
+    clone_request(cache, 0, tables[0], list(range(1, nreq)), tables[1:])
+    for B in sorted({1, nreq}):
         def dec(B: int = B) -> None:
             tok = torch.randint(0, cfg.vocab_size, (B,), generator=gen, device=DEV)
             c = StepContext.build(tok, [1] * B, [ctx_len] * B, list(range(B)), tables[:B],
@@ -512,8 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy widths (smoke test)")
     ap.add_argument("--sweep-moe", action="store_true",
                     help="time expert tile plans first and use the best ones")
+    ap.add_argument("--moe-tokens", default="", help="extra token counts for the expert-op "
+                    "timing (prefill chunks), e.g. 2048,8192")
     ap.add_argument("--sweep-prefill", type=int, default=8192, help="prefill tokens swept")
     ap.add_argument("--profile", default=None, help="write torch.profiler tables here")
+    ap.add_argument("--hf", default=None,
+                    help="also run transformers: 'S;B:ctx,B:ctx' e.g. '4096;1:4096,16:1024'")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny (smoke test)")
     args = ap.parse_args(argv)
     global DEV
@@ -569,12 +631,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             results["errors"].append(f"moe sweep: {traceback.format_exc()[-1500:]}")
         save()
-    for B in batches:
+    for B in batches + [int(t) for t in args.moe_tokens.split(",") if t]:
         try:
             r = bench_moe_only(model, B)
             results["moe_only"].append(r)
             log(f"moe B={B}: {r['graph_s'] * 1e6:.1f} us, floor {r['floor_s'] * 1e6:.1f} us "
-                f"(x{r['ratio']:.2f}, {r['GBps']:.0f} GB/s)")
+                f"(x{r['ratio']:.2f}, {r['GBps']:.0f} GB/s, {r['tflops']:.0f} TFLOP/s)")
         except Exception as e:
             results["errors"].append(f"moe B={B}: {traceback.format_exc()[-1500:]}")
             log(f"moe B={B} failed: {e}")
@@ -614,6 +676,18 @@ def main(argv: list[str] | None = None) -> int:
         if DEV == "cuda":
             torch.cuda.empty_cache()
         save()
+    if args.hf and time.time() - t_start < args.budget + 60:
+        del model, cache
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            s_part, d_part = args.hf.split(";")
+            pairs = [tuple(int(v) for v in p.split(":")) for p in d_part.split(",") if p]
+            results["transformers"] = bench_transformers(args.layers, args.tiny, int(s_part),
+                                                         pairs, log)
+        except Exception:
+            results["errors"].append(f"transformers: {traceback.format_exc()[-1500:]}")
+            log("transformers run failed (see errors)")
     save()
     print(json.dumps({k: v for k, v in results.items() if k != "errors"}, indent=None)[:3000])
     for e in results["errors"]:

@@ -167,8 +167,9 @@ class Parallel:
             return t
         import torch.distributed as dist
 
-        t = t.contiguous()
-        out = torch.empty((self.world_size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        t = t.contiguous().reshape(1, *t.shape)  # rank-major along a new leading dim
+        out = torch.empty((self.world_size,) + tuple(t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
         dist.all_gather_into_tensor(out, t, group=self.group)
         return torch.cat(out.unbind(0), dim=dim)
 
@@ -267,7 +268,7 @@ def init_parallel(config: ParallelConfig, device: torch.device | str | None = No
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     par = Parallel(rank, world, local, config.expert_parallel, group=dist.group.WORLD,
                    control_group=control)
-    log.info("dsv4: %s, backend %s", par.describe(), backend)
+    log.info("dsv4 parallel: %s, backend %s", par.describe(), backend)
     return par
 
 

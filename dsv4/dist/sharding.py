@@ -31,7 +31,8 @@ from dsv4.dist.parallel import Parallel
 
 __all__ = ["shard_plan", "moe_expert_count", "splits_shared_expert"]
 
-_ATTN = re.compile(r"^(?:layers|mtp)\.\d+\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)$")
+_ATTN = re.compile(r"^(?:layers|mtp)\.\d+\.attn\."
+                   r"(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)$")
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _SHARED = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.shared_experts\.(w1|w2|w3)\.weight$")
 _ENGRAM = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")

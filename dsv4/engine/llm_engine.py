@@ -277,6 +277,8 @@ class LLMEngine:
         try:
             stop_workers(self.parallel)
             self.parallel.barrier()
+        except Exception as e:  # noqa: BLE001 - e.g. torchrun already stopped the workers
+            log.warning("dsv4 engine: could not stop the workers cleanly: %s", e)
         finally:
             self.parallel.close()
 

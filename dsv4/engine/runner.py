@@ -227,6 +227,7 @@ class ModelRunner:
                         [s.slot for s in out.scheduled if s.reset_slot])
         return plan, sample_rows, prompt_positions
 
+    @torch.no_grad()
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Reset the plan's slots and run the model forward: hidden [N, D] of its logits rows.
         The driver of a parallel launch first broadcasts the plan to the workers."""

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dsv4.cache.tensors import HybridCache, compressor_specs
 from dsv4.config import ModelConfig
+from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.model.compressor import Compressor, CompressorV2, entry_pool_rows, write_entries
 from dsv4.model.context import StepContext
 from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
@@ -81,7 +82,8 @@ class Attention(nn.Module):
     """One attention layer; parameter paths equal the official names under ``attn.``."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str = "bf16",
-                 ops: SimpleNamespace | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 ops: SimpleNamespace | None = None, dtype: torch.dtype = torch.bfloat16,
+                 parallel: Parallel | None = None) -> None:
         super().__init__()
         if ops is None:
             from dsv4.ops import get_ops
@@ -93,11 +95,16 @@ class Attention(nn.Module):
         self.dtype = dtype
         self.mode = cfg.attn_mode(layer_id)
         self.ratio = cfg.ratio(layer_id)
-        self.n_heads = H = cfg.n_heads
+        # Tensor parallel: this rank's query heads and output groups (all of them on one
+        # process); wo_b's partial outputs are summed over the ranks (dsv4.dist.sharding).
+        self.parallel = parallel or SINGLE
+        h_lo, h_hi = self.parallel.split(cfg.n_heads, "num_attention_heads")
+        g_lo, g_hi = self.parallel.split(cfg.o_groups, "o_groups")
+        self.n_heads = H = h_hi - h_lo
         self.head_dim = hd = cfg.head_dim
         self.rope_dim = cfg.rope_head_dim
         self.window = cfg.window_size
-        self.n_groups = cfg.o_groups
+        self.n_groups = g_hi - g_lo
         self.o_lora = cfg.o_lora_rank
         self.scale = hd ** -0.5
         qfmt = "fp8" if cfg.quantized else "bf16"
@@ -108,8 +115,8 @@ class Attention(nn.Module):
         self.wkv = Linear(cfg.dim, hd, fmt=qfmt, **lin)
         self.kv_norm = RMSNorm(hd, cfg.norm_eps, ops)
         # wo_a is dequantized by the loader (spec §2.4 item 1): a dense GEMM, no act quant.
-        self.wo_a = Linear(H * hd // self.n_groups, self.n_groups * self.o_lora, fmt="bf16",
-                           **lin)
+        self.wo_a = Linear(cfg.n_heads * hd // cfg.o_groups, self.n_groups * self.o_lora,
+                           fmt="bf16", **lin)
         self.wo_b = Linear(self.n_groups * self.o_lora, cfg.dim, fmt=qfmt, **lin)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | CompressorV2 | None = None
@@ -257,4 +264,4 @@ class Attention(nn.Module):
         G = self.n_groups
         wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
         u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
-        return self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype))
+        return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype)))

@@ -448,8 +448,9 @@ class Engram(nn.Module):
 
     def __init__(self, cfg: Any, layer_id: int, numerics: str = "bf16", ops: Any = None,
                  dtype: torch.dtype = torch.bfloat16,
-                 table_device: torch.device | str | None = None) -> None:
+                 table_device: torch.device | str | None = None, parallel: Any = None) -> None:
         super().__init__()
+        from dsv4.dist.parallel import SINGLE
         from dsv4.model.layers import Linear, check_numerics
 
         if layer_id not in cfg.engram_layer_ids:
@@ -463,7 +464,10 @@ class Engram(nn.Module):
         self.hc_mult = cfg.hc_mult
         self.eps = cfg.norm_eps
         self.n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-        self.embed = EngramTable(cfg.engram_num_embeddings[self.index], cfg.engram_head_dim,
+        # Several ranks: this rank holds table rows [row_lo, row_hi) (dsv4.dist.sharding).
+        self.parallel = parallel or SINGLE
+        self.row_lo, row_hi = self.parallel.split_ceil(cfg.engram_num_embeddings[self.index])
+        self.embed = EngramTable(row_hi - self.row_lo, cfg.engram_head_dim,
                                  quantized=cfg.quantized, dtype=dtype, device=table_device)
         fmt = "fp8" if cfg.quantized else "bf16"
         self.wkv = Linear(self.n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), fmt=fmt,
@@ -474,6 +478,21 @@ class Engram(nn.Module):
                                      requires_grad=False)
 
     def _gather(self, row_ids: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.parallel.enabled:
+            # Rows held elsewhere read as zeros here; the sum over ranks completes every row
+            # (one rank holds it, the others add exact zeros).
+            local = row_ids - self.row_lo
+            held = (local >= 0) & (local < self.embed.num_rows)
+            if self.embed.num_rows:
+                rows = self._gather_local(local.clamp(0, self.embed.num_rows - 1), dtype)
+                rows = rows.masked_fill(~held[..., None], 0)
+            else:
+                rows = torch.zeros(*row_ids.shape, self.embed.head_dim, dtype=dtype,
+                                   device=row_ids.device)
+            return self.parallel.all_reduce(rows)
+        return self._gather_local(row_ids, dtype)
+
+    def _gather_local(self, row_ids: Tensor, dtype: torch.dtype) -> Tensor:
         op = getattr(self.ops, "engram_gather", None) if self.ops is not None else None
         if op is not None and self.embed.scale is not None:
             return op(self.embed.weight, self.embed.scale, row_ids, dtype)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import ModelConfig
+from dsv4.dist.parallel import SINGLE, Parallel
+from dsv4.dist.sharding import splits_shared_expert
 from dsv4.formats import FP4_BLOCK
 from dsv4.model.layers import Linear, check_numerics, keeps_quantized
 from dsv4.ops.torch_dense import ExpertWeights, swiglu
@@ -109,9 +111,19 @@ class Experts(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, act_block: int | None, dtype: torch.dtype,
-                 keep_quantized: bool | None = None) -> None:
+                 keep_quantized: bool | None = None, parallel: Parallel | None = None) -> None:
         super().__init__()
         e, i, d = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+        # Several ranks: expert parallel holds experts [lo, hi) whole; tensor parallel holds a
+        # slice of every expert's intermediate dim (dsv4.dist.sharding).
+        par = parallel or SINGLE
+        self.expert_offset = 0
+        if par.expert_parallel:
+            self.expert_offset, hi = par.split(e, "n_routed_experts")
+            e = hi - self.expert_offset
+        else:
+            i_lo, i_hi = par.split(i, "moe_intermediate_size")
+            i = i_hi - i_lo
         self.num_experts = e
         self.act_block = act_block
         self.block = cfg.weight_block_size
@@ -149,7 +161,7 @@ class Experts(nn.Module):
         out: dict[str, Callable[[Any], None]] = {}
         for e in range(self.num_experts):
             for which in ("w1", "w2", "w3"):
-                out[f"{prefix}{e}.{which}.weight"] = (
+                out[f"{prefix}{self.expert_offset + e}.{which}.weight"] = (
                     lambda v, e=e, which=which: self.load_expert(e, which, v))
         return out
 
@@ -195,9 +207,13 @@ class SharedExpert(nn.Module):
     """The always-on expert: FP8 ``w1``/``w3`` [I, D], ``w2`` [D, I], SwiGLU with the clamp
     (the current V4 release clamps the shared expert too, spec §6.1)."""
 
-    def __init__(self, cfg: ModelConfig, fmt: str, numerics: str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, fmt: str, numerics: str, dtype: torch.dtype,
+                 parallel: Parallel | None = None) -> None:
         super().__init__()
-        b, d, i = cfg.weight_block_size, cfg.dim, cfg.moe_inter_dim
+        b, d = cfg.weight_block_size, cfg.dim
+        # Tensor parallel (with or without expert parallel): a slice of the intermediate dim.
+        i_lo, i_hi = (parallel or SINGLE).split(cfg.moe_inter_dim, "moe_intermediate_size")
+        i = i_hi - i_lo
         self.swiglu_limit = cfg.swiglu_limit
         self.w1 = Linear(d, i, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
         self.w2 = Linear(i, d, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
@@ -215,9 +231,10 @@ class MoE(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: Parallel | None = None) -> None:
         super().__init__()
         check_numerics(numerics)
+        self.parallel = parallel or SINGLE
         if cfg.n_shared_experts != 1:
             raise ValueError(f"MoE: n_shared_experts must be 1; found {cfg.n_shared_experts}")
         self.layer_id = layer_id
@@ -228,8 +245,15 @@ class MoE(nn.Module):
         # Under official numerics a quantized expert GEMM sees FP8 fake-quantized inputs (§2.5).
         act_block = cfg.weight_block_size if numerics == "official" and expert_quantized else None
         self.gate = Gate(cfg, layer_id)
-        self.experts = Experts(cfg, act_block, dtype)
-        self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype)
+        self.experts = Experts(cfg, act_block, dtype, parallel=self.parallel)
+        # Several ranks: the shared expert is split, or held whole by rank 0 when its slices
+        # would cut FP8 scale blocks (None on the other ranks; dsv4.dist.sharding).
+        self.shared_experts: SharedExpert | None = None
+        par = self.parallel
+        if not par.enabled or splits_shared_expert(cfg, par.world_size):
+            self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype, par)
+        elif par.is_driver:
+            self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,5 +262,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: expected x [T, D] and input_ids [T]; found {tuple(x.shape)} "
                              f"and {tuple(input_ids.shape)}")
         weights, ids = self.gate(x, input_ids, image_mask)
+        if self.experts.expert_offset:
+            ids = ids - self.experts.expert_offset  # local ids; other ranks' experts are skipped
         routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x).float()
+        # Several ranks: fp32 partial sums (routed + shared) are summed over the ranks.
+        return self.parallel.all_reduce(routed).to(x.dtype)

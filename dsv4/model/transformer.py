@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import ModelConfig
+from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.model.layers import Linear, RMSNorm, check_numerics
 from dsv4.model.mhc import HyperConnection, HyperHead, expand_streams
 from dsv4.model.moe import Gate, MoE
@@ -61,7 +62,7 @@ class Block(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: Parallel | None = None) -> None:
         super().__init__()
         from dsv4.model.attention import Attention  # owned by the attention engineer
 
@@ -70,8 +71,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.hc_attn = HyperConnection(cfg, ops)
         self.hc_ffn = HyperConnection(cfg, ops)
-        self.attn = Attention(cfg, layer_id, numerics, ops, dtype)
-        self.ffn = MoE(cfg, layer_id, numerics, ops, dtype)
+        self.attn = Attention(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
+        self.ffn = MoE(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
 
     def forward(self, x: torch.Tensor, ctx: Any, cache: Any) -> torch.Tensor:
         residual = x
@@ -91,8 +92,8 @@ class MTPBlock(Block):
     Loaded and validated; not run yet (speculative decoding comes later)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
-                 dtype: torch.dtype) -> None:
-        super().__init__(cfg, layer_id, numerics, ops, dtype)
+                 dtype: torch.dtype, parallel: Parallel | None = None) -> None:
+        super().__init__(cfg, layer_id, numerics, ops, dtype, parallel)
         fmt = "fp8" if cfg.quantized else "bf16"
         b, d = cfg.weight_block_size, cfg.dim
         self.e_proj = Linear(d, d, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
@@ -115,7 +116,8 @@ class BlockV41(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
-                 dtype: torch.dtype, moe_cfg: ModelConfig | None = None) -> None:
+                 dtype: torch.dtype, moe_cfg: ModelConfig | None = None,
+                 parallel: Parallel | None = None) -> None:
         super().__init__()
         from dsv4.model.attention import Attention
         from dsv4.model.engram import Engram
@@ -127,11 +129,11 @@ class BlockV41(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.hc_attn = HyperConnection(cfg, ops)
         self.hc_ffn = HyperConnection(cfg, ops)
-        self.attn = Attention(cfg, layer_id, numerics, ops, dtype)
-        self.ffn = MoE(moe_cfg or cfg, layer_id, numerics, ops, dtype)
+        self.attn = Attention(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
+        self.ffn = MoE(moe_cfg or cfg, layer_id, numerics, ops, dtype, parallel=parallel)
         self.engram: Engram | None = None
         if layer_id < cfg.n_layers and layer_id in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, layer_id, numerics, ops, dtype)
+            self.engram = Engram(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
 
     def forward(self, x: torch.Tensor, pre_mix: torch.Tensor, ctx: Any, cache: Any,
                 engram_rows: torch.Tensor | None = None,
@@ -164,11 +166,12 @@ class DSparkStage(BlockV41):
     """
 
     def __init__(self, cfg: ModelConfig, stage: int, numerics: str, ops: Any,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: Parallel | None = None) -> None:
         moe_cfg = cfg.replace(
             n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
             n_activated_experts=cfg.dspark_n_activated_experts or cfg.n_activated_experts)
-        super().__init__(cfg, cfg.n_layers + stage, numerics, ops, dtype, moe_cfg=moe_cfg)
+        super().__init__(cfg, cfg.n_layers + stage, numerics, ops, dtype, moe_cfg=moe_cfg,
+                         parallel=parallel)
         self.stage = stage
         fmt = "fp8" if cfg.quantized else "bf16"
         d = cfg.dim
@@ -203,9 +206,11 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, numerics: str = "bf16", backend: str = "torch",
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, parallel: Parallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        # Tensor / expert parallel rank (dsv4.dist); embedding, mHC and head are replicated.
+        self.parallel = par = parallel or SINGLE
         self.numerics = check_numerics(numerics)
         self.backend = backend
         self.dtype = dtype
@@ -215,18 +220,19 @@ class Transformer(nn.Module):
         if cfg.is_v41:
             # No hc_head in V4.1: the last pre-mix collapses the streams (spec §4.6).
             self.layers = nn.ModuleList(
-                [BlockV41(cfg, i, numerics, self.ops, dtype) for i in range(cfg.n_layers)])
+                [BlockV41(cfg, i, numerics, self.ops, dtype, parallel=par)
+                 for i in range(cfg.n_layers)])
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
             self.head = Head(cfg.vocab_size, cfg.dim)
-            self.mtp = nn.ModuleList([DSparkStage(cfg, k, numerics, self.ops, dtype)
+            self.mtp = nn.ModuleList([DSparkStage(cfg, k, numerics, self.ops, dtype, par)
                                       for k in range(cfg.n_mtp_layers)])
             return
         self.layers = nn.ModuleList(
-            [Block(cfg, i, numerics, self.ops, dtype) for i in range(cfg.n_layers)])
+            [Block(cfg, i, numerics, self.ops, dtype, par) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
         self.head = Head(cfg.vocab_size, cfg.dim)
         self.hc_head = HyperHead(cfg, self.ops)
-        self.mtp = nn.ModuleList([MTPBlock(cfg, cfg.n_layers + k, numerics, self.ops, dtype)
+        self.mtp = nn.ModuleList([MTPBlock(cfg, cfg.n_layers + k, numerics, self.ops, dtype, par)
                                   for k in range(cfg.n_mtp_layers)])
 
     # ------------------------------------------------------------------------ V4.1 Engram
@@ -405,25 +411,31 @@ def _collect_targets(module: nn.Module, prefix: str, out: dict[str, Callable[[An
 
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               numerics: str = "bf16", backend: str = "torch") -> Transformer:
+               numerics: str = "bf16", backend: str = "torch",
+               parallel: Parallel | None = None) -> Transformer:
     """Build the model of the checkpoint at ``path`` and load every tensor.
 
     ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere. Raises ValueError on a
     missing, unexpected or mis-shaped tensor.  V4.1 with Engram layers: the compressed token map
     is built from the checkpoint's tokenizer; its size must equal
-    ``engram_compressed_vocab_size`` (ValueError with both numbers).
+    ``engram_compressed_vocab_size`` (ValueError with both numbers).  ``parallel`` (a rank of
+    a tensor / expert parallel launch, ``dsv4.dist``): the model holds and reads from the files
+    only this rank's shard (``dsv4.dist.sharding``).
     """
     from dsv4.checkpoint import load_checkpoint  # owned by the checkpoint engineer
+    from dsv4.dist.sharding import shard_plan
 
     cfg = ModelConfig.from_file(path)
     dev = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     check_numerics(numerics)
+    par = parallel or SINGLE
     with dev:
-        model = Transformer(cfg, numerics=numerics, backend=backend, dtype=dtype)
+        model = Transformer(cfg, numerics=numerics, backend=backend, dtype=dtype, parallel=par)
     # GPU kernels read the quantized weights; the torch path works on dense ones.
-    tensors = load_checkpoint(path, cfg, device=dev, dtype=dtype, keep_quantized=dev.type != "cpu")
+    tensors = load_checkpoint(path, cfg, device=dev, dtype=dtype, keep_quantized=dev.type != "cpu",
+                              shard_plan=shard_plan(cfg, par))
     model.load_tensors(tensors, consume=True)
     if cfg.is_v41 and cfg.engram_layer_ids:
         from dsv4.model.engram import build_compressed_token_map

@@ -12,6 +12,10 @@ Same signature as the torch twin ``dsv4.ops.torch_dense.moe_experts``:
 3. ``_moe_down_kernel``: the w2 GEMM of the same blocks, one output row per pair;
 4. ``_moe_combine_kernel``: per token the fp32 sum of its picks (fixed order, no atomics).
 
+Large calls (prefill: at least ``DEQUANT_GEMM_MIN_ROWS`` pairs per expert on average; off by
+default until measured on the GPU) can take :func:`moe_experts_grouped` instead: every expert dequantized once by ``_dequant_experts_kernel``
+into a scratch, then ``torch._grouped_mm`` (cuBLAS) for the two GEMMs, the same combine.
+
 MXFP4 bytes pack k = 2j (low nibble) and k = 2j + 1 (high nibble): the kernels multiply the even
 and the odd columns of the activation by the two nibble planes separately, so the codes never need
 interleaving.  Under official numerics (``act_block``) the activations are FP8 fake-quantized in
@@ -30,7 +34,8 @@ from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (INTERPRET, mma, pow2_from_exp, round_to_bf16, round_to_e4m3,
                                    store_rne, torch_twin_off_gpu, ue8m0_exponent)
 
-__all__ = ["moe_experts", "moe_experts_with_config", "MoeConfig", "pick_moe_config", "moe_plan"]
+__all__ = ["moe_experts", "moe_experts_with_config", "moe_experts_grouped", "dequant_experts",
+           "MoeConfig", "pick_moe_config", "moe_plan", "DEQUANT_GEMM_MIN_ROWS"]
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _FMT_CODE = {"dense": 0, "fp4": 1, "fp8": 2}
@@ -86,6 +91,9 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
 
     FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2]; FMT 2 (fp8) and 0 (dense):
     returns the tile twice (the second value unused)."""
+    # 64-bit expert offsets: E × (N·K) passes 2^31 elements for V4-Pro stacks and for the
+    # bf16 w1|w3 scratch of V4-Flash (255 × 16.8M).
+    e = e.to(tl.int64)
     if FMT == 1:
         rj = tl.arange(0, BK // 2)
         byte = tl.load(w_ptr + e * stride_we + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
@@ -222,7 +230,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0)
             acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
-        store_rne(y_ptr + pair[:, None] * stride_ym + rn[None, :], acc,
+        store_rne(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc,
                   m_mask[:, None] & n_mask[None, :])
 
 
@@ -236,9 +244,32 @@ def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: t
     for j in tl.static_range(TOPK):
         e = tl.load(ids_ptr + t * TOPK + j)
         ok = (e >= 0) & (e < E)
-        v = tl.load(y_ptr + (t * TOPK + j) * D + rd, mask=d_mask & ok, other=0.0)
+        v = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + rd, mask=d_mask & ok, other=0.0)
         acc += v.to(tl.float32)
-    tl.store(out_ptr + t * D + rd, acc, mask=d_mask)
+    tl.store(out_ptr + t.to(tl.int64) * D + rd, acc, mask=d_mask)
+
+
+@triton.jit
+def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stride_se,
+                            stride_sn, stride_oe, stride_on, FMT: tl.constexpr,
+                            SB: tl.constexpr, SW_E8M0: tl.constexpr, BR: tl.constexpr,
+                            BK: tl.constexpr):
+    """out[e, n, k] = the dequantized weight (exact for MXFP4) for one [BR, BK] tile."""
+    rn = tl.program_id(0) * BR + tl.arange(0, BR)
+    k0 = tl.program_id(1) * BK
+    e = tl.program_id(2)
+    n_mask = rn < N
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    e = e.to(tl.int64)
+    ev, od = _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
+                               stride_sn, FMT, SB, BR, BK, OUT, SW_E8M0)
+    base = out_ptr + e * stride_oe + rn[:, None] * stride_on
+    if FMT == 1:
+        rj = tl.arange(0, BK // 2)
+        tl.store(base + (k0 + 2 * rj)[None, :], ev, mask=n_mask[:, None])
+        tl.store(base + (k0 + 2 * rj + 1)[None, :], od, mask=n_mask[:, None])
+    else:
+        tl.store(base + (k0 + tl.arange(0, BK))[None, :], ev, mask=n_mask[:, None])
 
 
 # ------------------------------------------------------------------------------ host side
@@ -260,17 +291,19 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
                     ) -> MoeConfig:
     """Tile plan by the average rows per active expert (decode: ~1; 8K prefill: ~190).
 
-    Small blocks waste no MMA rows on decode; large ones re-read each weight tile (and redo its
-    in-register dequantization) fewer times in prefill."""
+    From the H200 sweep (docs/PERFORMANCE.md, V4-Flash shapes): 16-row blocks for decode with
+    wide N tiles (64/128 at one token, 128/128 from 16 tokens up), 64-row blocks with 128-wide
+    tiles and 4 warps beyond (the kernel path of prefill; large calls take
+    :func:`moe_experts_grouped` by default)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:
-        return MoeConfig(BM=16, BN_up=64, BN_down=64, BK=block_k, stages=4)
+        if num_pairs <= 8:
+            return MoeConfig(BM=16, BN_up=64, BN_down=128, BK=block_k, stages=3)
+        return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3)
     if rows <= 32:
-        return MoeConfig(BM=32, BN_up=64, BN_down=64, BK=block_k, stages=4)
-    if rows <= 64:
-        return MoeConfig(BM=64, BN_up=64, BN_down=128, BK=block_k, warps_down=8)
-    return MoeConfig(BM=128, BN_up=64, BN_down=128, BK=block_k, warps_up=8, warps_down=8)
+        return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
+    return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
 
 
 def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
@@ -359,6 +392,90 @@ def _block_k(experts: ExpertWeights, D: int, inter: int) -> int:
     return bk
 
 
+# Rows per active expert from which a call dequantizes every expert once into a bf16 scratch and
+# runs cuBLAS grouped GEMMs (prefill) instead of dequantizing tiles inside the grouped kernel.
+# None: off.  Its first GPU run (2026-11-29) hit an illegal address from 32-bit offsets in the
+# dequant kernel (fixed since: 64-bit expert offsets); it is not re-measured on the GPU yet, so
+# it stays off by default (docs/PERFORMANCE.md; 48 is the intended threshold).
+DEQUANT_GEMM_MIN_ROWS: int | None = None
+
+
+def dequant_experts(experts: ExpertWeights, which: str, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize the stack ``which`` ("w1", "w3", "w2") into ``out`` [E, N, K] (any row
+    stride; exact for MXFP4, the twin's rounding for FP8 with fp32 scales)."""
+    w, s, e8m0 = _weight_args(experts, which)
+    E, N = w.shape[0], w.shape[1]
+    K = out.shape[2]
+    if experts.fmt == "dense":
+        return out.copy_(w)
+    if experts.fmt == "fp8":
+        bk = experts.block
+        if K % bk:
+            raise ValueError(f"dequant_experts: K={K} is not a multiple of the FP8 block {bk}")
+    else:
+        bk = 128
+        while K % bk and bk > 32:
+            bk //= 2
+        if K % bk:
+            raise ValueError(f"dequant_experts: K={K} is not a multiple of 32")
+    BR = 64
+    _dequant_experts_kernel[(triton.cdiv(N, BR), K // bk, E)](
+        w, s, out, N, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        out.stride(0), out.stride(1), FMT=_FMT_CODE[experts.fmt],
+        SB=experts.block if experts.fmt == "fp8" else 32, SW_E8M0=e8m0, BR=BR, BK=bk,
+        num_warps=4)
+    return out
+
+
+def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
+    """The prefill path: every expert dequantized once into a scratch of x.dtype (w1|w3 stacked,
+    then w2), the pairs sorted by expert, and ``torch._grouped_mm`` for the two GEMMs.
+
+    Same rounding points as the twin (GEMM outputs in x.dtype, SwiGLU in fp32, activation
+    rounded to x.dtype before w2).  Pairs whose id is outside 0..E-1 run through expert 0
+    with weight 0 and are left out of the sum (no host sync to count them).
+    Scratch: (3·I·D + the pair rows) elements of x.dtype (12.9 GB at V4-Flash widths).
+    """
+    from dsv4.formats import fake_quant_fp8
+    from dsv4.ops.torch_dense import swiglu
+
+    _check_experts(x, topk_ids, topk_weights, experts)
+    T, D = x.shape
+    E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
+    ids = topk_ids.contiguous()
+    flat = ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < E)
+    key = torch.where(valid, flat, 0)
+    wts = torch.where(valid, topk_weights.reshape(-1).float(), 0.0)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    counts.index_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xin = fake_quant_fp8(x, experts.act_block) if experts.act_block else x
+    xs = xin[order // k]
+    w13 = torch.empty(E, 2 * inter, D, dtype=x.dtype, device=x.device)
+    dequant_experts(experts, "w1", w13[:, :inter])
+    dequant_experts(experts, "w3", w13[:, inter:])
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    del w13, xs
+    a = (swiglu(h[:, :inter], h[:, inter:], swiglu_limit) * wts[order, None]).to(x.dtype)
+    del h
+    if experts.act_block:
+        a = fake_quant_fp8(a, experts.act_block)
+    w2 = dequant_experts(experts, "w2", torch.empty(E, D, inter, dtype=x.dtype,
+                                                    device=x.device))
+    y_sorted = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+    del w2, a
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    BD = min(1024, triton.next_power_of_2(D))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
+    return out
+
+
 def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             experts: ExpertWeights, swiglu_limit: float,
                             cfg: MoeConfig | None = None) -> torch.Tensor:
@@ -415,4 +532,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
     the picks are summed in fp32.
     """
+    pairs = topk_ids.numel()
+    if (DEQUANT_GEMM_MIN_ROWS is not None and experts.fmt != "dense"
+            and hasattr(torch, "_grouped_mm")
+            and pairs >= DEQUANT_GEMM_MIN_ROWS * experts.num_experts):
+        return moe_experts_grouped(x, topk_ids, topk_weights, experts, swiglu_limit)
     return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None)

@@ -67,7 +67,25 @@ def main() -> int:
             # The constructor ran rank 0's steps and returned at its shutdown.
             with pytest_free_raises(RuntimeError):
                 llm.generate([[5, 6, 7]], use_tqdm=False)
+    _collectives(args.out)
     return 0
+
+
+def _collectives(out_dir: str) -> None:
+    """The Parallel helpers over the launch's process group (left by the engines)."""
+    import torch.distributed as dist
+
+    from dsv4.dist.parallel import Parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    par = Parallel(rank, world, rank, group=dist.group.WORLD, control_group=dist.group.WORLD)
+    got = {"all_gather": par.all_gather(torch.tensor([[rank, 10.0]]), dim=1).tolist(),
+           "all_reduce": par.all_reduce(torch.tensor([rank + 1.0])).tolist(),
+           "min_int": par.min_int(5 - rank),
+           "broadcast": par.broadcast_object({"from": rank})}
+    if rank == 0:
+        with open(os.path.join(out_dir, "collectives.json"), "w", encoding="utf-8") as f:
+            json.dump(got, f)
 
 
 def _shapes(llm: object) -> dict[str, int]:

@@ -13,7 +13,10 @@ from dsv4.formats import QuantWeight
 
 
 def _dense(v: object) -> torch.Tensor:
-    return v.dequantize(torch.float32) if isinstance(v, QuantWeight) else v  # type: ignore[union-attr]
+    if isinstance(v, QuantWeight):
+        return v.dequantize(torch.float32)
+    assert isinstance(v, torch.Tensor)
+    return v
 
 
 def _same(a: object, b: object) -> bool:

@@ -100,6 +100,10 @@ def test_tp_and_ep_match_one_process(tiny_paths: dict[str, str], tmp_path) -> No
                 assert meta["local_experts"] == meta["experts"], meta
                 assert meta["local_inter"] * 2 == meta["inter"], meta
             _compare(result["outputs"], want, f"{variant} {mode}")
+    world = 2
+    assert json.loads((tmp_path / "collectives.json").read_text()) == {
+        "all_gather": [[0.0, 10.0, 1.0, 10.0]], "all_reduce": [world * (world + 1) / 2],
+        "min_int": 5 - (world - 1), "broadcast": {"from": 0}}
     cli = [json.loads(line) for line in (tmp_path / "cli.out").read_text().splitlines()
            if line.startswith("{")]
     assert [c["prompt"] for c in cli] == ["The quick brown fox"]

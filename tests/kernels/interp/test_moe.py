@@ -168,3 +168,58 @@ def test_dequant_reference_is_exact_for_bf16() -> None:
     w, s = _stack("fp4", 1, 16, 64, gen)
     assert torch.equal(formats.dequant_mxfp4(w[0], s[0], torch.bfloat16).float(),
                        formats.dequant_mxfp4(w[0], s[0], torch.float32))
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_dequant_experts_is_the_twins_dequantization(fmt: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    ex = _experts(fmt, 3, 256, 128, gen, fp32_scale=True)
+    for which, (n, k) in (("w1", (128, 256)), ("w2", (256, 128))):
+        for dtype in (torch.float32, torch.bfloat16):
+            out = tri.dequant_experts(ex, which, torch.full((3, n, k), float("nan"), dtype=dtype))
+            for e in range(3):
+                assert torch.equal(out[e], ex.matrix(e, which, dtype)), (which, dtype, e)
+
+
+@pytest.mark.parametrize("fmt,act_block", [("fp4", None), ("fp4", 128), ("fp8", 128)])
+def test_grouped_prefill_path_matches_twin(fmt: str, act_block) -> None:
+    """The dequantize + grouped-GEMM path (large calls) against the twin; an id of another
+    shard is skipped; moe_experts dispatches there above DEQUANT_GEMM_MIN_ROWS pairs/expert."""
+    gen = torch.Generator().manual_seed(21)
+    E, D, inter, k, T = 4, 128, 128, 2, 30
+    ex = _experts(fmt, E, D, inter, gen, act_block=act_block)
+    x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
+    ids, w = _routing(T, E, k, gen)
+    ids[2, 1] = -1
+    y = tri.moe_experts_grouped(x, ids, w, ex, 10.0)
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert torch.isfinite(y).all()
+    assert _rel(y, y_ref) < 1e-2
+    y32 = tri.moe_experts_grouped(x.float(), ids, w, ex, 10.0)
+    assert _rel(y32, ref.moe_experts(x.float(), ids, w, ex, 10.0)) < 1e-5
+    old = tri.DEQUANT_GEMM_MIN_ROWS
+    try:
+        tri.DEQUANT_GEMM_MIN_ROWS = 10  # 60 pairs over 4 experts: the grouped path
+        assert torch.equal(tri.moe_experts(x.float(), ids, w, ex, 10.0), y32)
+    finally:
+        tri.DEQUANT_GEMM_MIN_ROWS = old
+
+
+@pytest.mark.parametrize("plan", [(16, 64, 128), (16, 128, 128), (32, 128, 128), (64, 128, 128)])
+def test_moe_tile_plans_of_the_defaults(plan) -> None:
+    """Every tile plan pick_moe_config chooses (decode to prefill), forced at a small shape."""
+    bm, bn_up, bn_down = plan
+    gen = torch.Generator().manual_seed(bm + bn_up)
+    E, D, inter, k, T = 4, 128, 128, 2, 40
+    ex = _experts("fp4", E, D, inter, gen, act_block=128)
+    x = torch.randn(T, D, generator=gen)
+    ids, w = _routing(T, E, k, gen)
+    cfg = tri.MoeConfig(BM=bm, BN_up=bn_up, BN_down=bn_down)
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
+
+
+def test_pick_moe_config_regimes() -> None:
+    assert tri.pick_moe_config(6, 256, 4096, 2048, 128).BM == 16        # decode, one token
+    assert tri.pick_moe_config(384, 256, 4096, 2048, 128).BN_up == 128  # decode, batch 64
+    assert tri.pick_moe_config(49152, 256, 4096, 2048, 128).BM == 64    # 8K prefill
