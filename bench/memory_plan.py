@@ -93,7 +93,6 @@ KIND_TITLES = {k: t for k, _, t in WEIGHT_KINDS}
 _COMPRESSOR_PROJ = r"\.compressor\.(wkv|wgate)\.weight$"
 HELD_AS: tuple[tuple[str, int, str], ...] = (
     (r"\.attn\.wo_a\.weight$", 2, "wo_a dequantized to bf16 (reference convert.py)"),
-    (r"^head\.weight$", 4, "head held in fp32 (logits in fp32)"),
     (_COMPRESSOR_PROJ, 4,
      "pooling compressor projections promoted to fp32 (not the V4.1 ratio-1 one)"),
     (r"\.ffn\.gate\.weight$", 4, "router gate weight held in fp32"),
@@ -179,6 +178,25 @@ def loaded_bytes(spec: TensorSpec, piece: TensorShard | None, kind: str) -> int:
     return stored_bytes(spec, piece)
 
 
+def streamed_copy_bytes(cfg: ModelConfig, spec: TensorSpec, piece: TensorShard | None,
+                        kind: str) -> int:
+    """Device bytes of ``spec`` (or its slice) as ``load_model`` streams it that live next to
+    the model while it is put in place: 0 when the model adopts the value (FP8 ``Linear``
+    weights, Engram tables, tensors held in their checkpoint dtype), the value itself when it
+    is copied into a routed-expert stack or widened to fp32; for ``wo_a`` the FP8 value plus
+    the fp32 temporaries of its block dequantization (weight, expanded scales, product)."""
+    if kind == "routed_experts":
+        return stored_bytes(spec, piece)
+    if spec.name.endswith("attn.wo_a.weight"):
+        numel = math.prod(spec.shape)
+        if piece is not None:
+            numel = numel * (piece.stop - piece.start) // spec.shape[piece.dim]
+        return stored_bytes(spec, piece) + 12 * numel
+    if spec.fmt == "bf16" and held_elem_bytes(cfg, spec.name) is not None:
+        return stored_bytes(spec, piece)
+    return 0
+
+
 @dataclass
 class WeightPlan:
     """Checkpoint totals by kind and, per rank, the bytes each kind holds there."""
@@ -195,6 +213,8 @@ class WeightPlan:
     # rank -> bytes load_checkpoint returns onto the device that the model copies (rather than
     # adopts) into storage it allocated first: today's load_model holds both at once.
     load_copied: list[int] = field(default_factory=list)
+    # rank -> the largest streamed_copy_bytes of one tensor on that rank.
+    stream_extra: list[int] = field(default_factory=list)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -212,6 +232,11 @@ class WeightPlan:
         storage plus every loaded tensor it copies from (all read before any is copied)."""
         return self.rank_held(rank) + self.load_copied[rank]
 
+    def stream_peak(self, rank: int) -> int:
+        """Device bytes at the peak of ``load_model`` (a model built on ``meta``, the checkpoint
+        streamed one tensor at a time): the held bytes plus the largest tensor not adopted."""
+        return self.rank_held(rank) + self.stream_extra[rank]
+
 
 def weight_plan(cfg: ModelConfig, world_size: int = 1, expert_parallel: bool = False
                 ) -> WeightPlan:
@@ -225,6 +250,9 @@ def weight_plan(cfg: ModelConfig, world_size: int = 1, expert_parallel: bool = F
     checkpoint, held_total = dict(zero), dict(zero)
     full: dict[str, tuple[int, int, int]] = {}  # name -> (stored, held, load-copied) bytes
     mtp_total = copied_total = 0
+    extra = {name: streamed_copy_bytes(cfg, spec, None, kinds[name])
+             for name, spec in specs.items()}
+    by_extra = sorted(extra, key=extra.__getitem__, reverse=True)
     for name, spec in specs.items():
         full[name] = (stored_bytes(spec), held_bytes(cfg, spec),
                       loaded_bytes(spec, None, kinds[name]))
@@ -237,13 +265,19 @@ def weight_plan(cfg: ModelConfig, world_size: int = 1, expert_parallel: bool = F
     per_held: list[dict[str, int]] = []
     mtp_held: list[int] = []
     load_copied: list[int] = []
+    stream_extra: list[int] = []
     split_kinds: dict[str, set[str]] = {k: set() for k in KIND_TITLES}
     for rank in range(world_size):
         plan = shard_plan(cfg, Parallel(rank=rank, world_size=world_size,
                                         expert_parallel=expert_parallel))
         # Start from the whole model and take off what the plan slices or drops.
         st, he, mtp, copied = dict(checkpoint), dict(held_total), mtp_total, copied_total
+        # Largest whole tensor this rank loads (the first one the plan leaves whole), then the
+        # slices.
+        biggest = next((extra[n] for n in by_extra if n not in plan), 0)
         for name, piece in plan.items():
+            if piece is not None:
+                biggest = max(biggest, streamed_copy_bytes(cfg, specs[name], piece, kinds[name]))
             kind, spec = kinds[name], specs[name]
             split_kinds[kind].add("dropped" if piece is None else "sliced")
             s_full, h_full, c_full = full[name]
@@ -260,10 +294,11 @@ def weight_plan(cfg: ModelConfig, world_size: int = 1, expert_parallel: bool = F
         per_held.append(he)
         mtp_held.append(mtp)
         load_copied.append(copied)
+        stream_extra.append(biggest)
     sharding = {k: _describe_split(k, split_kinds[k], cfg, world_size, expert_parallel)
                 for k in KIND_TITLES}
     return WeightPlan(cfg, world_size, expert_parallel, checkpoint, held_total, per_stored,
-                      per_held, sharding, mtp_held, load_copied)
+                      per_held, sharding, mtp_held, load_copied, stream_extra)
 
 
 def _describe_split(kind: str, how: set[str], cfg: ModelConfig, n: int, ep: bool) -> str:
@@ -519,14 +554,13 @@ def report(cfg: ModelConfig, label: str, world_size: int, ep: bool, context: int
         w(f"Ranks differ by at most {spread:,} bytes (shared expert / Engram row remainders).")
     widened = sum(wp.held_total.values()) - wp.checkpoint_bytes
     w("")
-    w(f"Held wider than stored (+{_g(widened)} GiB over the whole model): wo_a bf16, head fp32, "
-      f"pooling compressor projections fp32, gate weights and norms fp32.")
-    peak = max(wp.load_peak(r) for r in range(world_size))
+    w(f"Held wider than stored (+{_g(widened)} GiB over the whole model): wo_a bf16, "
+      f"pooling compressor projections fp32, gate weights and norms fp32 (the head stays bf16).")
+    peak = max(wp.stream_peak(r) for r in range(world_size))
     verdict = ("fits under" if peak <= total_bytes else "**exceeds**")
-    w(f"Load peak of today's `load_model` (model storage allocated first, then every tensor read "
-      f"onto the GPU before the copies): {_g(peak)} GiB on the worst rank, which {verdict} the "
-      f"device's {_g(total_bytes)} GiB; a streamed load (host reads, one copy at a time) peaks "
-      f"at the held bytes plus one tensor.")
+    w(f"Load peak of `load_model` (model built on `meta`, checkpoint streamed one tensor at a "
+      f"time): {_g(peak)} GiB on the worst rank (held + {_g(max(wp.stream_extra))} GiB), which "
+      f"{verdict} the device's {_g(total_bytes)} GiB.")
     w("")
     w(f"Cache per GPU (every rank holds the whole cache: one KV latent shared by all heads). "
       f"Records: {cp.fmt.note}; page = {page_size} tokens.")

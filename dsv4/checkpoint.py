@@ -4,7 +4,8 @@
 logical shape, storage dtype, format and the companion ``.scale``.  ``load_checkpoint`` reads the
 safetensors headers of every shard first, checks them against that list (names, dtypes, shapes,
 scales, shard files and their sizes) and only then reads the data, memory-mapped, each tensor
-once.
+once.  ``open_checkpoint`` streams the tensors one at a time (what ``load_model`` uses: the
+peak is the model plus one tensor); ``load_checkpoint`` returns them all in a dict.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,8 @@ from dsv4.config import ModelConfig
 from dsv4.formats import FP4_BLOCK, MX_BLOCK, QuantWeight, dequant_fp8_block
 
 __all__ = ["TensorSpec", "TensorShard", "expected_tensors", "checkpoint_entries",
-           "load_checkpoint", "read_safetensors_header", "is_ignored_tensor",
-           "SAFETENSORS_DTYPES"]
+           "load_checkpoint", "open_checkpoint", "CheckpointReader", "read_safetensors_header",
+           "is_ignored_tensor", "SAFETENSORS_DTYPES"]
 
 # safetensors dtype strings <-> torch dtypes (those the family uses, plus common ones so a wrong
 # dtype is reported by name).
@@ -475,6 +476,90 @@ class _Bar:
             self.bar.close()
 
 
+class CheckpointReader:
+    """A validated checkpoint whose tensors are read one at a time (:func:`open_checkpoint`).
+
+    ``names`` lists the official names it yields, in read order (shard by shard).  Iterating
+    yields ``(name, value)`` pairs: each value is read from the memory-mapped file on the host,
+    moved to ``device`` and converted there, and the reader drops its reference before it reads
+    the next, so a consumer that puts each value in place before asking for the next never
+    holds more than one tensor outside its own storage (spec §2.2; docs/MEMORY_PLAN.md
+    finding 1).  One pass: a second iteration raises.
+    """
+
+    def __init__(self, cfg: ModelConfig, specs: list[TensorSpec],
+                 plan: Mapping[str, TensorShard | None], entries: dict[str, _Entry],
+                 device: torch.device, dtype: torch.dtype, keep_quantized: bool,
+                 progress: bool) -> None:
+        self.cfg = cfg
+        self._specs = specs
+        self._plan = plan
+        self._entries = entries
+        self.device = device
+        self.dtype = dtype
+        self.keep_quantized = keep_quantized
+        self._progress = progress
+        self._used = False
+        self.names: list[str] = [spec.name for spec in specs]
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor | QuantWeight]]:
+        if self._used:
+            raise ValueError("CheckpointReader: the tensors were already read (one pass only); "
+                             "open the checkpoint again")
+        self._used = True
+        return self._read()
+
+    def _read(self) -> Iterator[tuple[str, Tensor | QuantWeight]]:
+        shards = _Shards()
+        bar = _progress(len(self._specs), self._progress)
+        try:
+            for spec in self._specs:
+                piece = self._plan.get(spec.name)
+                if piece is None:
+                    value = _convert(spec, shards, self._entries, self.device, self.dtype,
+                                     self.keep_quantized)
+                else:
+                    value = _convert_shard(spec, piece, shards, self._entries, self.device,
+                                           self.dtype, self.keep_quantized)
+                bar.update()
+                yield spec.name, value
+                del value  # the consumer has it now; never two values alive here
+        finally:
+            bar.close()
+            shards.close()
+
+
+def open_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
+                    device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    keep_quantized: bool = False, strict_mtp: bool = True,
+                    progress: bool = True,
+                    shard_plan: Mapping[str, TensorShard | None] | None = None
+                    ) -> CheckpointReader:
+    """Validate a checkpoint (every check of :func:`load_checkpoint`, before any tensor is read)
+    and return a :class:`CheckpointReader` that streams its tensors one at a time.
+
+    The arguments mean what they mean for :func:`load_checkpoint`.  Use it to put each tensor
+    in place as it arrives (``dsv4.model.transformer.load_model``): the peak is then the
+    consumer's own storage plus one tensor, where ``load_checkpoint`` holds them all at once.
+    """
+    path = os.fspath(path)
+    ckpt_dir, files, weight_map = _shard_files(path)
+    if cfg is None:
+        cfg = ModelConfig.from_file(ckpt_dir)
+    entries = _scan(files, weight_map, ckpt_dir)
+    specs = expected_tensors(cfg)
+    to_load = _validate(entries, specs, cfg, strict_mtp)
+    plan = _check_plan(shard_plan or {}, specs)
+    to_load = [spec for spec in to_load if plan.get(spec.name, True) is not None]
+    # One shard file at a time (stable: official order inside a file).
+    to_load.sort(key=lambda s: entries[s.name].file)
+    return CheckpointReader(cfg, to_load, plan, entries, torch.device(device), dtype,
+                            keep_quantized, progress)
+
+
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                     keep_quantized: bool = False, strict_mtp: bool = True,
@@ -498,35 +583,15 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     are never read); a name mapped to None is not loaded.  A quantized slice keeps its format
     when it starts and ends on the format's scale blocks; otherwise the covering blocks are read
     and dequantized (a ValueError when ``keep_quantized`` asks for the quantized format).
-    """
-    path = os.fspath(path)
-    ckpt_dir, files, weight_map = _shard_files(path)
-    if cfg is None:
-        cfg = ModelConfig.from_file(ckpt_dir)
-    entries = _scan(files, weight_map, ckpt_dir)
-    specs = expected_tensors(cfg)
-    to_load = _validate(entries, specs, cfg, strict_mtp)
-    plan = _check_plan(shard_plan or {}, specs)
-    to_load = [spec for spec in to_load if plan.get(spec.name, True) is not None]
 
-    device = torch.device(device)
-    out: dict[str, Tensor | QuantWeight] = {}
-    shards = _Shards()
-    bar = _progress(len(to_load), progress)
-    try:
-        for spec in sorted(to_load, key=lambda s: entries[s.name].file):  # one shard at a time
-            piece = plan.get(spec.name)
-            if piece is None:
-                out[spec.name] = _convert(spec, shards, entries, device, dtype, keep_quantized)
-            else:
-                out[spec.name] = _convert_shard(spec, piece, shards, entries, device, dtype,
-                                                keep_quantized)
-            bar.update()
-    finally:
-        bar.close()
-        shards.close()
+    Every tensor is held at once: to fill a model use :func:`open_checkpoint`, which streams.
+    """
+    reader = open_checkpoint(path, cfg, device=device, dtype=dtype,
+                             keep_quantized=keep_quantized, strict_mtp=strict_mtp,
+                             progress=progress, shard_plan=shard_plan)
+    out = dict(reader)
     # Keep the official order (the files' order is arbitrary).
-    return {name: out[name] for name in specs if name in out}
+    return {name: out[name] for name in expected_tensors(reader.cfg) if name in out}
 
 
 class _Shards:

@@ -21,6 +21,12 @@ Fixed-size per-request state, indexed by slot:
 Layers that read another layer's pools (V4.1 reuse/reindex roles) look them up by the source
 layer: ``compressed_pool(layer)`` / ``index_key_pool(layer)`` resolve the source through the
 config.
+
+Storage: with a float ``dtype`` every pool holds rows of that dtype.  ``dtype=RECORD_DTYPE``
+(``torch.float8_e4m3fn``, kv_cache_dtype "fp8") stores the window rings, compressed pools and
+index keys as uint8 records in the official formats (``dsv4.cache.formats``): the pools' last dim
+is then the record width, ``window_format`` / ``compressed_format`` / ``index_key_format`` say
+how to encode (``encode_rows``) and read (``rows_view``) them, and are None for float pools.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from dsv4.cache.formats import CacheFormats, RecordFormat, cache_formats, is_record_dtype
 from dsv4.config import ModelConfig
 
 __all__ = ["HybridCache", "CompressorSpec", "CompressorState", "compressor_specs"]
@@ -126,7 +133,14 @@ class HybridCache:
             if not 0 <= layer < n_total:
                 raise ValueError(f"HybridCache: layer id {layer} out of range 0..{n_total - 1}")
         W, hd = cfg.window_size, cfg.head_dim
-        kw = dict(dtype=dtype, device=self.device)
+        # Record pools: uint8 rows of each kind's record width; else rows of `dtype`.
+        self.formats: CacheFormats | None = cache_formats(cfg) if is_record_dtype(dtype) else None
+        fm = self.formats
+        pool_dtype = torch.uint8 if fm is not None else dtype
+        w_width = fm.window.record_bytes if fm else hd
+        c_width = fm.compressed.record_bytes if fm else hd
+        k_width = fm.index_keys.record_bytes if fm else cfg.index_head_dim
+        kw = dict(dtype=pool_dtype, device=self.device)
         self.window: dict[int, Tensor] = {}
         self.compressed: dict[int, Tensor] = {}
         self.index_keys: dict[int, Tensor] = {}
@@ -137,13 +151,13 @@ class HybridCache:
                                               _ENGRAM_DEAD, dtype=torch.int64,
                                               device=self.device)
         for layer in self.layers:
-            self.window[layer] = torch.zeros(num_slots, W, hd, **kw)
+            self.window[layer] = torch.zeros(num_slots, W, w_width, **kw)
             r = cfg.compressor_ratio(layer)
             if r > 0:
-                self.compressed[layer] = torch.zeros(num_pages, page_size // r, hd, **kw)
+                self.compressed[layer] = torch.zeros(num_pages, page_size // r, c_width, **kw)
                 if _owns_index_keys(cfg, layer):
-                    self.index_keys[layer] = torch.zeros(num_pages, page_size // r,
-                                                         cfg.index_head_dim, **kw)
+                    self.index_keys[layer] = torch.zeros(num_pages, page_size // r, k_width,
+                                                         **kw)
             for spec in compressor_specs(cfg, layer):
                 shape = (num_slots, spec.state_rows, spec.state_width)
                 self.states[(layer, spec.name)] = CompressorState(
@@ -156,33 +170,47 @@ class HybridCache:
     def allocate(cls, cfg: ModelConfig, num_pages: int, num_slots: int, page_size: int = 256,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                  layers: Iterable[int] | None = None) -> "HybridCache":
-        """Allocate every pool and state tensor (zeros; compressor scores −inf)."""
+        """Allocate every pool and state tensor (zeros; compressor scores −inf).
+
+        ``dtype``: the rows' dtype, or ``RECORD_DTYPE`` (float8_e4m3fn) for the official record
+        formats (kv_cache_dtype "fp8")."""
         return cls(cfg, num_pages, num_slots, page_size, dtype, device, layers)
+
+    @staticmethod
+    def _row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int, int]:
+        """Bytes of one (window row, compressed entry, index key) in ``dtype``."""
+        if is_record_dtype(dtype):
+            fm = cache_formats(cfg)
+            return (fm.window.record_bytes, fm.compressed.record_bytes,
+                    fm.index_keys.record_bytes)
+        item = torch.empty((), dtype=dtype).element_size()
+        return cfg.head_dim * item, cfg.head_dim * item, cfg.index_head_dim * item
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int = 256,
                        dtype: torch.dtype = torch.bfloat16,
                        layers: Iterable[int] | None = None) -> int:
-        """Bytes of one logical page summed over every paged pool."""
+        """Bytes of one logical page summed over every paged pool (record bytes for
+        ``RECORD_DTYPE``)."""
         _check_page_size(cfg, page_size)
-        item = torch.empty((), dtype=dtype).element_size()
+        _, entry, key = HybridCache._row_bytes(cfg, dtype)
         total = 0
         for layer in (range(cfg.n_layers) if layers is None else layers):
             r = cfg.compressor_ratio(layer)
             if r > 0:
-                total += (page_size // r) * cfg.head_dim * item
+                total += (page_size // r) * entry
                 if _owns_index_keys(cfg, layer):
-                    total += (page_size // r) * cfg.index_head_dim * item
+                    total += (page_size // r) * key
         return total
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                        layers: Iterable[int] | None = None) -> int:
         """Bytes of one request's fixed-size state (window rings + fp32 compressor rows)."""
-        item = torch.empty((), dtype=dtype).element_size()
+        window_row = HybridCache._row_bytes(cfg, dtype)[0]
         total = 0
         for layer in (range(cfg.n_layers) if layers is None else layers):
-            total += cfg.window_size * cfg.head_dim * item
+            total += cfg.window_size * window_row
             for spec in compressor_specs(cfg, layer):
                 total += 2 * spec.state_rows * spec.state_width * 4
         if cfg.is_v41 and cfg.engram_layer_ids:
@@ -190,8 +218,29 @@ class HybridCache:
         return total
 
     # ------------------------------------------------------------------ access
+    @property
+    def records(self) -> bool:
+        """True when the pools hold official-format records (kv_cache_dtype "fp8")."""
+        return self.formats is not None
+
+    @property
+    def window_format(self) -> RecordFormat | None:
+        """Record format of the window rings (None: rows of ``dtype``)."""
+        return self.formats.window if self.formats is not None else None
+
+    @property
+    def compressed_format(self) -> RecordFormat | None:
+        """Record format of the compressed pools (None: rows of ``dtype``)."""
+        return self.formats.compressed if self.formats is not None else None
+
+    @property
+    def index_key_format(self) -> RecordFormat | None:
+        """Record format of the index-key pools (None: rows of ``dtype``)."""
+        return self.formats.index_keys if self.formats is not None else None
+
     def window_ring(self, layer: int) -> Tensor:
-        """[num_slots, window, hd] ring of layer ``layer``."""
+        """[num_slots, window, hd] ring of layer ``layer`` (uint8 records [.., record_bytes]
+        when ``records``)."""
         try:
             return self.window[layer]
         except KeyError:

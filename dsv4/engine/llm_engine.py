@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.manager import CacheManager
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
@@ -47,7 +48,11 @@ class EngineOptions:
 
     ``device`` None means "cuda" when available, else "cpu"; ``dtype`` None means float32 on
     CPU and bfloat16 on CUDA; ``backend`` None means "torch" on CPU and "triton" on CUDA;
-    ``max_model_len`` None means min(config max, 8192).  Cache size: ``num_pages``, or
+    ``max_model_len`` None means min(config max, 8192).  ``kv_cache_dtype``: "fp8" stores the
+    caches in the official low-precision records (V4: e4m3 nope + bf16 RoPE + ue8m0 scales;
+    V4.1: e4m3 window, e2m1 compressed; e2m1 index keys; see dsv4.cache.formats), "bf16" as
+    bf16 rows (bf16 models), "auto" (default) fp8 on CUDA and the model dtype on CPU.
+    Cache size: ``num_pages``, or
     ``kv_cache_memory`` bytes, or (CUDA) ``gpu_memory_utilization``.
     ``tensor_parallel_size`` (default 1): processes (one GPU each) of a ``torchrun`` launch that
     split attention heads and the MoE; ``expert_parallel`` (default False) splits the routed
@@ -239,7 +244,8 @@ class LLMEngine:
         self._totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
                         "requests_aborted": 0, "steps": 0}
         log.info("dsv4 engine: %d pages x %d tokens, %d slots, max_model_len %d, cache %s",
-                 num_pages, opts.page_size, opts.max_num_seqs, max_model_len, cache_dtype)
+                 num_pages, opts.page_size, opts.max_num_seqs, max_model_len,
+                 "fp8 records" if cache_dtype == RECORD_DTYPE else cache_dtype)
         self._shut_down = False
         if self.parallel.enabled and self.parallel.is_driver:
             # A script that never calls shutdown() must not leave the workers waiting forever.

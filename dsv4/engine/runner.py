@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
@@ -53,19 +54,22 @@ class StepPlan:
 
 def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
                         device: torch.device) -> torch.dtype:
-    """Storage dtype of the cache for the user's ``kv_cache_dtype`` choice."""
+    """Storage dtype of the cache for the user's ``kv_cache_dtype`` choice.
+
+    "fp8": the official record formats (``RECORD_DTYPE``, dsv4.cache.formats); "auto": fp8
+    records on CUDA, the model dtype elsewhere (the CPU path stays plain rows); "bf16": bf16 rows
+    (a bf16 model only)."""
     if kv_cache_dtype == "auto":
-        return model_dtype
+        return RECORD_DTYPE if device.type == "cuda" else model_dtype
     if kv_cache_dtype == "bf16":
         if model_dtype != torch.bfloat16:
             # The model computes attention in its own dtype; a cache of another dtype would
             # need casts in every layer, which the model does not do.
             raise ValueError(f"kv_cache_dtype='bf16' needs dtype=bfloat16; the model runs in "
-                             f"{model_dtype} (use kv_cache_dtype='auto')")
+                             f"{model_dtype} (use kv_cache_dtype='auto' or 'fp8')")
         return torch.bfloat16
     if kv_cache_dtype == "fp8":
-        raise ValueError(f"kv_cache_dtype='fp8' is not supported on {device.type} by this version "
-                         "(the FP8 cache records come with the GPU path); use 'auto' or 'bf16'")
+        return RECORD_DTYPE
     raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; allowed: 'auto', 'bf16', 'fp8'")
 
 

@@ -18,6 +18,11 @@ compressed layers take one of three roles (``cfg.attn_mode``):
 
 What a layer publishes for later layers of the same step (top-k, candidates) lives in the step's
 ``ctx.memo``; the pools are found by source layer through the cache.
+
+Record caches (kv_cache_dtype "fp8", ``dsv4.cache.formats``): rows are packed on write
+(``encode_rows``), which rounds exactly as the official fake quant of that site, so the fake
+quant is skipped there; the ops get the pools as ``PackedRows`` (``rows_view``) and dequantize
+only the rows they gather.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
+from dsv4.cache.formats import encode_rows, rows_view
 from dsv4.cache.tensors import HybridCache, compressor_specs
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
@@ -159,18 +165,24 @@ class Attention(nn.Module):
 
     def _window_source(self, kv: Tensor, ctx: StepContext, cache: HybridCache
                        ) -> tuple[Tensor, Tensor]:
-        """(kv_a, idx_a) of the window branch; stores the newest W rows into the ring."""
+        """(kv_a, idx_a) of the window branch; stores the newest W rows into the ring.
+
+        With record pools this step's rows are packed once and read back through the same
+        records as the ring's, so prefill and decode see the same values."""
         ring = cache.window_ring(self.layer_id)
-        flat = ring.view(-1, self.head_dim)
+        fmt = cache.window_format
+        width = ring.shape[-1]
+        flat = ring.view(-1, width)
+        new_rows = encode_rows(kv, fmt, ring.dtype)
         decode = ctx.is_decode
         plan = window_plan(ctx, self.window, decode)
         if decode:
             # One token per request: write first, then attend straight to the ring.
-            flat.index_copy_(0, plan["ring_rows"], kv.to(ring.dtype)[plan["ring_tokens"]])
-            return flat, plan["idx"]
-        source = torch.cat((ring[ctx.slots].view(-1, self.head_dim), kv.to(ring.dtype)), dim=0)
-        flat.index_copy_(0, plan["ring_rows"], kv.to(ring.dtype)[plan["ring_tokens"]])
-        return source, plan["idx"]
+            flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
+            return rows_view(flat, fmt), plan["idx"]
+        source = torch.cat((ring[ctx.slots].view(-1, width), new_rows), dim=0)
+        flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
+        return rows_view(source, fmt), plan["idx"]
 
     def _compressed_source(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
                            cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,8 +190,9 @@ class Attention(nn.Module):
         if self.cfg.is_v41:
             return self._compressed_source_v41(x, qr, ctx, cache, cos, sin)
         pool = cache.compressed_pool(self.layer_id)
+        fmt = cache.compressed_format
         if self.compressor is not None:
-            self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool)
+            self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool, fmt)
         rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]  # [T, L]
         if self.indexer is not None:
             ids = self.indexer(x, qr, ctx, cache, cos, sin)                    # [T, k]
@@ -189,25 +202,30 @@ class Attention(nn.Module):
             n_visible = visible_entries(ctx, self.ratio)
             j = torch.arange(rows.shape[1], device=x.device)
             idx_b = torch.where(j[None, :] < n_visible[:, None], rows, -1)
-        return pool.view(-1, self.head_dim), idx_b.to(torch.int32)
+        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b.to(torch.int32)
 
     def _compressed_source_v41(self, x: Tensor, qr: Tensor, ctx: StepContext,
                                cache: HybridCache, cos: Tensor, sin: Tensor
                                ) -> tuple[Tensor, Tensor]:
         """V4.1 roles: (kv_b, idx_b) over the latest KV source's pool (spec §4.3–4.5)."""
         pool = cache.compressed_pool(self.layer_id)
+        fmt = cache.compressed_format
         if isinstance(self.compressor, CompressorV2):
             state = (cache.compressor_state(self.layer_id, "attn")
                      if self.compressor.spec is not None else None)
             plan, latent = self.compressor(x, ctx, state)
             if plan.num_entries:
                 cos_e, sin_e = rope_cos_sin(self.cfg, self.layer_id, plan.entry * self.ratio)
-                # Keys come from the latent before its rotation (spec §4.3 (a)).
-                keys = self.indexer.keys_from_latent(latent, cos_e, sin_e)  # type: ignore[union-attr]
-                write_entries(cache.index_key_pool(self.layer_id), ctx, plan, keys)
-                entries = quant_compressed_latent(self.ops.apply_rope(latent, cos_e, sin_e),
-                                                  self.numerics)
-                write_entries(pool, ctx, plan, entries)
+                # Keys come from the latent before its rotation (spec §4.3 (a)).  Record pools
+                # quantize on write exactly as the fake quant would: skip it then.
+                key_fmt = cache.index_key_format
+                keys = self.indexer.keys_from_latent(  # type: ignore[union-attr]
+                    latent, cos_e, sin_e, quantize=key_fmt is None)
+                write_entries(cache.index_key_pool(self.layer_id), ctx, plan, keys, key_fmt)
+                entries = self.ops.apply_rope(latent, cos_e, sin_e)
+                if fmt is None:
+                    entries = quant_compressed_latent(entries, self.numerics)
+                write_entries(pool, ctx, plan, entries, fmt)
         if self.indexer is not None:
             ids = self.indexer(x, qr, ctx, cache, cos, sin)
         else:
@@ -219,7 +237,7 @@ class Attention(nn.Module):
         rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]  # [T, L]
         picked = rows.gather(1, ids.clamp_min(0)) if rows.shape[1] else ids
         idx_b = torch.where(ids >= 0, picked, -1)
-        return pool.view(-1, self.head_dim), idx_b.to(torch.int32)
+        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b.to(torch.int32)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> Tensor:
@@ -242,7 +260,9 @@ class Attention(nn.Module):
         q = self.ops.apply_rope(q, cos, sin)
 
         kv = self.ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        if self.cfg.is_v41:
+        if cache.window_format is not None:
+            pass  # record rings quantize on write exactly as the fake quant below
+        elif self.cfg.is_v41:
             kv = quant_window_kv(kv, self.numerics)          # all channels, block 32
         elif self.numerics == "official":
             from dsv4.formats import fake_quant_fp8

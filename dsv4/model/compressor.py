@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
+from dsv4.cache.formats import RecordFormat, encode_rows
 from dsv4.cache.tensors import CompressorSpec, CompressorState
 from dsv4.config import ModelConfig
 from dsv4.model.context import StepContext
@@ -84,14 +85,16 @@ def entry_pool_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
     return ctx.memo[key]
 
 
-def write_entries(pool: Tensor, ctx: StepContext, plan: EntryPlan, entries: Tensor) -> None:
-    """Store ``entries`` [E, d] at their rows of ``pool`` [num_pages, page_size // r, d]."""
+def write_entries(pool: Tensor, ctx: StepContext, plan: EntryPlan, entries: Tensor,
+                  fmt: RecordFormat | None = None) -> None:
+    """Store ``entries`` [E, d] at their rows of ``pool`` [num_pages, page_size // r, d]
+    (packed as ``fmt`` records when the pool holds records [.., record_bytes])."""
     if plan.num_entries == 0:
         return
     epp = pool.shape[1]
     page = ctx.block_tables[plan.request, plan.entry // epp]
     rows = page * epp + plan.entry % epp
-    pool.view(-1, pool.shape[-1]).index_copy_(0, rows, entries.to(pool.dtype))
+    pool.view(-1, pool.shape[-1]).index_copy_(0, rows, encode_rows(entries, fmt, pool.dtype))
 
 
 def _locate_rows(ctx: StepContext, spec: CompressorSpec, req: Tensor, pos: Tensor
@@ -244,26 +247,35 @@ class Compressor(nn.Module):
         return pool_entries(ctx, state, kv, score)
 
     # ------------------------------------------------------------------ entries
-    def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor
-                ) -> EntryPlan:
-        """Pool, normalize, rotate (RoPE at j·r) and store this step's entries into ``pool``."""
+    def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor,
+                fmt: RecordFormat | None = None) -> EntryPlan:
+        """Pool, normalize, rotate (RoPE at j·r) and store this step's entries into ``pool``
+        (``fmt``: the pool's record format, None for a pool of rows)."""
         plan, pooled = self.pool(x, ctx, state)
         if plan.num_entries:
-            entries = self.finish(pooled, plan.entry * self.spec.ratio)
-            write_entries(pool, ctx, plan, entries)
+            entries = self.finish(pooled, plan.entry * self.spec.ratio,
+                                  store_quantizes=fmt is not None)
+            write_entries(pool, ctx, plan, entries, fmt)
         return plan
 
-    def finish(self, pooled: Tensor, positions: Tensor) -> Tensor:
-        """norm(pooled in the compute dtype), RoPE at ``positions``, official fake quant."""
+    def finish(self, pooled: Tensor, positions: Tensor, store_quantizes: bool = False) -> Tensor:
+        """norm(pooled in the compute dtype), RoPE at ``positions``, official fake quant.
+
+        ``store_quantizes``: the entries go to a record pool, whose packing rounds them exactly
+        as the fake quant does, so it is skipped; the indexer's Hadamard rotation is then
+        applied in every numerics (its queries are rotated alike, dsv4.model.indexer).
+        """
         from dsv4.model.layers import rope_cos_sin
         rd = self.cfg.rope_head_dim
         entries = self.norm(pooled.to(self.dtype))
         cos, sin = rope_cos_sin(self.cfg, self.layer_id, positions)
         entries = self.ops.apply_rope(entries, cos, sin)
-        if self.numerics == "official":
-            from dsv4.formats import fake_quant_fp4, fake_quant_fp8, hadamard_transform
+        from dsv4.formats import fake_quant_fp4, fake_quant_fp8, hadamard_transform
+        if self.rotate and (self.numerics == "official" or store_quantizes):
+            entries = hadamard_transform(entries)
+        if self.numerics == "official" and not store_quantizes:
             if self.rotate:
-                entries = fake_quant_fp4(hadamard_transform(entries), 32)
+                entries = fake_quant_fp4(entries, 32)
             else:
                 nope = fake_quant_fp8(entries[:, :-rd], 64)
                 entries = torch.cat((nope, entries[:, -rd:]), dim=-1)

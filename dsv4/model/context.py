@@ -14,12 +14,67 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["StepContext", "pages_needed"]
+__all__ = ["StepContext", "StaticShape", "pages_needed", "decode_buckets", "bucket_for"]
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     """Number of pages of ``page_size`` tokens that hold ``num_tokens`` tokens."""
     return (num_tokens + page_size - 1) // page_size
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes of static-shape decode steps: 1, 2, 4, ... below ``max_batch``, then
+    ``max_batch`` itself (a step of R requests runs at the smallest bucket >= R)."""
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch <= 0:
+        raise ValueError(f"decode_buckets: max_batch must be an integer > 0; got {max_batch!r}")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def bucket_for(num_requests: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding ``num_requests`` rows (None when none does)."""
+    for b in buckets:
+        if b >= num_requests:
+            return b
+    return None
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """The engine constants a static-shape decode step is padded to (CUDA graphs).
+
+    With them every tensor of the step has a shape that depends only on the bucket size B and
+    the model/engine constants (window, ratios, page size, index_topk), never on the step's
+    positions, and the step's index tensors are derived on the device (no host values, no sync):
+    a step captured once replays for any positions.
+
+    * ``max_pages``: width of every block table (pages of ``max_model_len`` tokens); the
+      compressed-entry lists of a ratio-r layer have ``max_pages · page_size // r`` columns;
+    * ``scratch_slot`` / ``scratch_page``: state slot and page of the padding rows.  The runner
+      allocates them beyond the cache manager's ids, so no real request ever holds them: a
+      padding row writes its window row, compressor carry-over and entries there and reads
+      nothing else.
+    """
+
+    max_pages: int
+    scratch_slot: int
+    scratch_page: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_pages", "scratch_slot", "scratch_page"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "max_pages"
+                                                                     else 0):
+                raise ValueError(f"StaticShape: {name} must be a "
+                                 f"{'positive' if name == 'max_pages' else 'non-negative'} "
+                                 f"integer; got {v!r}")
+
+    def pad_table(self) -> list[int]:
+        """The block table of a padding row: the scratch page, then −1."""
+        return [self.scratch_page] + [-1] * (self.max_pages - 1)
 
 
 def _as_long(t: Tensor | Sequence[int], device: torch.device | str | None) -> Tensor:
@@ -45,6 +100,12 @@ class StepContext:
     Extra host copies (``slots_host``, ``block_tables_host``) are filled on construction when
     not given; ``memo`` is a per-step scratch dict where layers share derived tensors (RoPE
     tables, window indices) so that 40+ layers compute them once per step.
+
+    ``static`` (a :class:`StaticShape`, decode steps only): the static-shape mode of CUDA graphs.
+    Every request then has exactly one token (so ``positions == start_pos`` and token t is
+    request t), the block tables are ``max_pages`` wide, and the layers derive their index
+    tensors from the device tensors only; the host position lists are not step constants there
+    (``end_pos_host`` refuses).  Build such a step with :meth:`static_decode`.
     """
 
     input_ids: Tensor
@@ -60,6 +121,7 @@ class StepContext:
     slots_host: list[int] | None = None
     block_tables_host: list[list[int]] | None = None
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+    static: StaticShape | None = None
 
     def __post_init__(self) -> None:
         R = len(self.seqlens_host)
@@ -85,6 +147,14 @@ class StepContext:
         if self.token_types is not None and tuple(self.token_types.shape) != (T,):
             raise ValueError(f"StepContext: token_types has shape {tuple(self.token_types.shape)};"
                              f" expected ({T},)")
+        if self.static is not None:
+            if any(n != 1 for n in self.seqlens_host):
+                raise ValueError(f"StepContext: a static-shape step is decode only (one token per "
+                                 f"request); seqlens_host={self.seqlens_host}")
+            if self.block_tables.shape[1] != self.static.max_pages:
+                raise ValueError(f"StepContext: a static-shape step needs block tables "
+                                 f"{self.static.max_pages} pages wide; found "
+                                 f"{tuple(self.block_tables.shape)}")
         if self.slots_host is None:
             self.slots_host = [int(s) for s in self.slots.tolist()]
         if self.block_tables_host is None:
@@ -133,6 +203,79 @@ class StepContext:
             slots_host=[int(s) for s in slots], block_tables_host=bt)
 
     @classmethod
+    def static_decode(cls, input_ids: Sequence[int], start_pos: Sequence[int],
+                      slots: Sequence[int], block_tables: Sequence[Sequence[int]], bucket: int,
+                      static: StaticShape, *, token_types: Sequence[int] | None = None,
+                      device: torch.device | str | None = None) -> "StepContext":
+        """A static-shape decode step of R <= ``bucket`` requests (one token each), padded to
+        ``bucket`` rows.  Padding rows hold token 0 at position 0 in the scratch slot and page;
+        the logits of every row are computed (rows R.. are padding)."""
+        R = len(input_ids)
+        if not 0 < R <= bucket:
+            raise ValueError(f"StepContext.static_decode: needs 1..bucket={bucket} requests; "
+                             f"got {R}")
+        if not (len(start_pos) == len(slots) == len(block_tables) == R):
+            raise ValueError(f"StepContext.static_decode: input_ids, start_pos, slots and "
+                             f"block_tables must have one entry per request; got {R}, "
+                             f"{len(start_pos)}, {len(slots)}, {len(block_tables)}")
+        width = static.max_pages
+        for i, b in enumerate(block_tables):
+            if len(b) > width:
+                raise ValueError(f"StepContext.static_decode: block table {i} has {len(b)} pages;"
+                                 f" the static width is max_pages={width}")
+        pad = bucket - R
+        bt = [[int(p) for p in b] + [-1] * (width - len(b)) for b in block_tables]
+        bt += [static.pad_table() for _ in range(pad)]
+        ids = [int(t) for t in input_ids] + [0] * pad
+        pos = [int(p) for p in start_pos] + [0] * pad
+        slot_list = [int(s) for s in slots] + [static.scratch_slot] * pad
+        tt = None
+        if token_types is not None:
+            tt = torch.tensor([int(t) for t in token_types] + [-1] * pad, dtype=torch.int64,
+                              device=device)
+        return cls.from_static_tensors(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            start_pos=torch.tensor(pos, dtype=torch.int64, device=device),
+            slots=torch.tensor(slot_list, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(bt, dtype=torch.int64, device=device),
+            static=static, token_types=tt, start_pos_host=pos, slots_host=slot_list,
+            block_tables_host=bt)
+
+    @classmethod
+    def from_static_tensors(cls, input_ids: Tensor, start_pos: Tensor, slots: Tensor,
+                            block_tables: Tensor, static: StaticShape, *,
+                            token_types: Tensor | None = None,
+                            start_pos_host: list[int] | None = None,
+                            slots_host: list[int] | None = None,
+                            block_tables_host: list[list[int]] | None = None,
+                            cu_seqlens: Tensor | None = None,
+                            logits_indices: Tensor | None = None) -> "StepContext":
+        """A static-shape decode step over given device tensors of B rows (e.g. views of a CUDA
+        graph's persistent buffers): positions are ``start_pos`` itself, every row's logits are
+        wanted.  The host lists (only validated by the layers, never used for shapes) default to
+        what the tensors hold when passed, else to the padding-row values; pass them to avoid a
+        device read (under graph capture they must be given).
+        """
+        B = int(input_ids.shape[0])
+        dev = input_ids.device
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=dev)
+        if logits_indices is None:
+            logits_indices = torch.arange(B, dtype=torch.int64, device=dev)
+        if start_pos_host is None:
+            start_pos_host = [0] * B
+        if slots_host is None:
+            slots_host = [static.scratch_slot] * B
+        if block_tables_host is None:
+            block_tables_host = [static.pad_table() for _ in range(B)]
+        return cls(input_ids=input_ids, positions=start_pos, cu_seqlens=cu_seqlens,
+                   start_pos=start_pos, slots=slots, block_tables=block_tables,
+                   logits_indices=logits_indices, seqlens_host=[1] * B,
+                   start_pos_host=list(start_pos_host), token_types=token_types,
+                   slots_host=list(slots_host), block_tables_host=block_tables_host,
+                   static=static)
+
+    @classmethod
     def single(cls, input_ids: Tensor | Sequence[int], start_pos: int = 0, page_size: int = 256,
                token_types: Tensor | Sequence[int] | None = None,
                all_logits: bool = True) -> "StepContext":
@@ -176,7 +319,12 @@ class StepContext:
 
     @property
     def end_pos_host(self) -> list[int]:
-        """Per request: tokens in the cache after this step (``start_pos + n``)."""
+        """Per request: tokens in the cache after this step (``start_pos + n``).
+
+        Refused in static-shape mode: shapes derived from it would change from step to step."""
+        if self.static is not None:
+            raise RuntimeError("StepContext.end_pos_host: a static-shape step must not size "
+                               "tensors by host positions (use the device tensors)")
         return [s + n for s, n in zip(self.start_pos_host, self.seqlens_host)]
 
     @property
@@ -188,6 +336,9 @@ class StepContext:
     def request_of_token(self) -> Tensor:
         """[T] int64: the request index (0..R−1) of every token of the flat batch."""
         key = "request_of_token"
+        if key not in self.memo and self.static is not None:
+            # One token per request: no host counts (and no device sync) needed.
+            self.memo[key] = torch.arange(self.num_requests, device=self.device)
         if key not in self.memo:
             counts = torch.tensor(self.seqlens_host, dtype=torch.int64, device=self.device)
             self.memo[key] = torch.repeat_interleave(

@@ -381,6 +381,11 @@ class EngramTable(nn.Module):
 
     Quantized checkpoints: ``weight`` e4m3 [rows, hd] and ``scale`` e8m0 [rows, hd/32] (an
     "mxfp8" tensor pair).  Unquantized (bf16) checkpoints: a dense ``weight`` only.
+
+    The loaded table is adopted, never copied into a buffer of its own: built on the ``meta``
+    device (``load_model``) the table holds nothing until ``load_weight`` (a real V4.1 table is
+    ~98 GB per layer).  ``device``, when given, is where the table lives (e.g. host memory):
+    a loaded table elsewhere is moved there.
     """
 
     def __init__(self, num_rows: int, head_dim: int, quantized: bool = True,
@@ -393,6 +398,7 @@ class EngramTable(nn.Module):
         self.num_rows = int(num_rows)
         self.head_dim = int(head_dim)
         self.quantized = quantized
+        self.home = None if device is None else torch.device(device)
         wdtype = torch.float8_e4m3fn if quantized else dtype
         self.weight = nn.Parameter(torch.empty(num_rows, head_dim, dtype=wdtype, device=device),
                                    requires_grad=False)
@@ -402,9 +408,16 @@ class EngramTable(nn.Module):
                                                   dtype=torch.float8_e8m0fnu, device=device),
                                       requires_grad=False)
 
+    def _target(self, value: Tensor) -> torch.device:
+        if self.home is not None:
+            return self.home
+        return value.device if self.weight.is_meta else self.weight.device
+
     def load_weight(self, t: Any) -> None:
         """Take the checkpoint's table as is: a ``QuantWeight`` of fmt "mxfp8" (quantized
         tables) or a dense [rows, hd] tensor (unquantized ones).  Nothing is dequantized."""
+        from dsv4.model.layers import set_parameter
+
         want = (self.num_rows, self.head_dim)
         if self.quantized:
             if getattr(t, "fmt", None) != "mxfp8":
@@ -414,13 +427,14 @@ class EngramTable(nn.Module):
             if tuple(t.shape) != want:
                 raise ValueError(f"EngramTable.load_weight: table has shape {tuple(t.shape)}; "
                                  f"expected {want}")
-            self.weight.data = t.weight
-            self.scale.data = t.scale  # type: ignore[union-attr]
+            device = self._target(t.weight)
+            set_parameter(self, "weight", t.weight.to(device))
+            set_parameter(self, "scale", t.scale.to(device))
             return
         if not isinstance(t, Tensor) or tuple(t.shape) != want:
             raise ValueError(f"EngramTable.load_weight: expected a dense tensor of shape {want}; "
                              f"got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
-        self.weight.data = t.to(self.weight.dtype)
+        set_parameter(self, "weight", t.to(device=self._target(t), dtype=self.weight.dtype))
 
     def official_targets(self, prefix: str) -> dict[str, Any]:
         """The checkpoint name of the table (its ``.scale`` travels inside the QuantWeight)."""

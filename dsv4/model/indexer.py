@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
+from dsv4.cache.formats import rows_view
 from dsv4.cache.tensors import CompressorSpec, HybridCache
 from dsv4.config import ModelConfig
 from dsv4.model.compressor import Compressor, entry_pool_rows
@@ -67,18 +68,24 @@ class Indexer(nn.Module):
         """
         T = x.shape[0]
         keys = cache.index_key_pool(self.layer_id)
-        self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"), keys)
+        key_fmt = cache.index_key_format
+        self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"), keys, key_fmt)
 
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
         q = self.ops.apply_rope(q, cos, sin)
+        from dsv4.formats import fake_quant_fp4, hadamard_transform
         if self.numerics == "official":
-            from dsv4.formats import fake_quant_fp4, hadamard_transform
             q = fake_quant_fp4(hadamard_transform(q), 32)
+        elif key_fmt is not None:
+            # fp4 record keys are stored Hadamard-rotated in every numerics: rotate the queries
+            # alike (an orthogonal rotation of both leaves q·k unchanged).
+            q = hadamard_transform(q)
         w = (self.weights_proj(x) * self.weight_scale).float()
 
         n_visible = visible_entries(ctx, self.ratio)
         key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
-        scores = self.ops.indexer_scores(q, w, keys.view(-1, self.head_dim), key_rows, n_visible)
+        flat_keys = rows_view(keys.view(-1, keys.shape[-1]), key_fmt)
+        scores = self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible)
         return self.ops.topk_indices(scores, n_visible, self.topk)
 
 
@@ -130,16 +137,18 @@ class IndexerV2(nn.Module):
         # weights_proj(x) · dI^-0.5 · h^-0.5 (the q·k scale folded into the head weights)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def keys_from_latent(self, latent: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def keys_from_latent(self, latent: Tensor, cos: Tensor, sin: Tensor,
+                         quantize: bool = True) -> Tensor:
         """Index keys [E, dI] of new entries from their pre-RoPE latent [E, head_dim]
-        (``cos``/``sin`` at the entries' positions j·r)."""
+        (``cos``/``sin`` at the entries' positions j·r).  ``quantize`` False skips the official
+        fake quant (for a record pool, whose packing rounds the keys the same way)."""
         from dsv4.model.v41 import index_keys_from_latent
 
         if not self.owns_keys:
             raise ValueError(f"IndexerV2(layer {self.layer_id}): only KV-source layers own index "
                              f"keys (kv_source_layer_ids {list(self.cfg.kv_source_layers)})")
-        return index_keys_from_latent(latent, self.wk, self.k_norm, cos, sin, self.numerics,
-                                      ops=self.ops)
+        return index_keys_from_latent(latent, self.wk, self.k_norm, cos, sin,
+                                      self.numerics if quantize else "bf16", ops=self.ops)
 
     def forward(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
                 cos: Tensor, sin: Tensor) -> Tensor:
@@ -155,12 +164,13 @@ class IndexerV2(nn.Module):
 
         cfg = self.cfg
         keys = cache.index_key_pool(self.layer_id)
+        keys = rows_view(keys.view(-1, keys.shape[-1]), cache.index_key_format)
         q = index_queries(self.wq_b(qr), self.n_heads, self.head_dim, cos, sin, self.numerics,
                           ops=self.ops)
         w = (self.weights_proj(x) * self.weight_scale).float()
         n_visible = visible_entries(ctx, self.ratio)
         key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
-        scores = self.ops.indexer_scores(q, w, keys.view(-1, self.head_dim), key_rows, n_visible)
+        scores = self.ops.indexer_scores(q, w, keys, key_rows, n_visible)
         if self.is_candidate_source:
             # From the unrestricted (causally masked) scores (spec §4.5 item 5).
             ctx.memo[(CANDIDATES_MEMO, self.layer_id)] = select_candidate_blocks(

@@ -19,7 +19,7 @@ from dsv4.config import ModelConfig
 
 __all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correction_range",
            "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
-           "keeps_quantized"]
+           "keeps_quantized", "load_device", "set_parameter"]
 
 WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
 NUMERICS = ("bf16", "official")
@@ -58,6 +58,23 @@ def keeps_quantized(flag: bool | None = None) -> bool:
     if _KEEP_QUANTIZED is not None:
         return _KEEP_QUANTIZED
     return torch.get_default_device().type == "cuda"
+
+
+def load_device(current: Tensor, value_device: torch.device) -> torch.device:
+    """Where a loaded value goes: the value's own device when ``current`` is a ``meta``
+    placeholder (the model was built without storage), else ``current``'s device."""
+    return value_device if current.is_meta else current.device
+
+
+def set_parameter(module: nn.Module, name: str, value: Tensor) -> None:
+    """Make ``value`` (adopted, not copied) the parameter or buffer ``module.name``.
+
+    A new ``Parameter`` object replaces the old one: ``.data`` assignment cannot turn a
+    ``meta`` placeholder into real storage."""
+    if name in module._buffers:
+        module._buffers[name] = value
+    else:
+        setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
 def _default_ops() -> SimpleNamespace:
@@ -112,7 +129,11 @@ class Linear(nn.Module):
 
     def load_weight(self, t: Any) -> None:
         """Set the weight from a dense tensor or a ``QuantWeight`` (kept as it is by a quantized
-        storage when it is FP8, dequantized otherwise)."""
+        storage when it is FP8, dequantized otherwise).
+
+        A module built on the ``meta`` device (``load_model``) takes the value's device and
+        adopts the value when it already has the weight's dtype (no copy); a module with real
+        storage keeps its device."""
         shape = (self.out_features, self.in_features)
         if isinstance(t, Tensor):
             if tuple(t.shape) != shape:
@@ -133,18 +154,18 @@ class Linear(nn.Module):
         else:
             raise ValueError(f"Linear.load_weight: expected a Tensor or QuantWeight; got "
                              f"{type(t).__name__}")
-        with torch.no_grad():
-            self.weight.data = dense.to(device=self.weight.device, dtype=self.weight.dtype)
+        device = load_device(self.weight, dense.device)
+        set_parameter(self, "weight", dense.to(device=device, dtype=self.weight.dtype))
 
     def _load_quantized(self, t: Any) -> None:
         """Keep an FP8 ``QuantWeight`` as it is (moved to this module's device)."""
         if t.block != self.block:
             raise ValueError(f"Linear.load_weight: FP8 weight has block {t.block}; expected "
                              f"{self.block}")
-        device = self.weight.device
+        device = load_device(self.weight, t.device)
         self.qweight = t if t.device == device else t.to(device)
-        with torch.no_grad():
-            self.weight.data = self.weight.data.new_empty(0, self.in_features)
+        set_parameter(self, "weight", torch.empty(0, self.in_features, dtype=self.weight.dtype,
+                                                  device=device))
 
     @property
     def holds_quantized(self) -> bool:

@@ -25,7 +25,7 @@ from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.dist.sharding import splits_shared_expert
 from dsv4.formats import FP4_BLOCK
-from dsv4.model.layers import Linear, check_numerics, keeps_quantized
+from dsv4.model.layers import Linear, check_numerics, keeps_quantized, set_parameter
 from dsv4.ops.torch_dense import ExpertWeights, swiglu
 
 _EXPERT_NAME = re.compile(r"^(\d+)\.(w1|w2|w3)\.weight$")
@@ -108,6 +108,11 @@ class Experts(nn.Module):
     [E, N, K/32], or FP8 e4m3 [E, N, K] + block scales [E, N/B, K/B] (*-Base).  A quantized
     storage only accepts ``QuantWeight`` values of that format (a dense value would have to be
     re-quantized, which loses precision: an error instead).
+
+    Built on the ``meta`` device (``load_model``), the stacks hold nothing until the first
+    expert of each arrives: one [E, ...] allocation on that expert's device, then each loaded
+    expert is copied into its row (the grouped kernels need one tensor per stack), so loading
+    never holds more than the stacks plus one expert matrix.
     """
 
     def __init__(self, cfg: ModelConfig, act_block: int | None, dtype: torch.dtype,
@@ -179,8 +184,10 @@ class Experts(nn.Module):
             raise ValueError(f"experts.{e}.{which}.weight: expected logical shape {shape}; "
                              f"found {got}")
         if self.fmt == "dense":
+            dense = _dense(value, stack.dtype)
+            stack = self._materialize(which, dense.device)
             with torch.no_grad():
-                stack[e].copy_(_dense(value, stack.dtype).to(stack.device))
+                stack[e].copy_(dense)
             return
         fmt = getattr(value, "fmt", "dense")
         if fmt != self.fmt or (fmt == "fp8" and value.block != self.block):
@@ -192,9 +199,22 @@ class Experts(nn.Module):
         if value.scale.dtype != scale.dtype:
             raise ValueError(f"experts.{e}.{which}.scale: expected {scale.dtype}; found "
                              f"{value.scale.dtype}")
+        stack = self._materialize(which, value.weight.device)
+        scale = getattr(self, f"{which}_scale")
         with torch.no_grad():
-            stack[e].copy_(value.weight.view(stack.dtype).to(stack.device))
-            scale[e].copy_(value.scale.to(scale.device))
+            stack[e].copy_(value.weight.view(stack.dtype))
+            scale[e].copy_(value.scale)
+
+    def _materialize(self, which: str, device: torch.device) -> torch.Tensor:
+        """The stack ``which`` (and its scales), given storage on ``device`` by the first expert
+        loaded into a model built on ``meta``: one [E, ...] allocation, no zero fill (every row
+        is loaded: ``Transformer.load_tensors`` checks the names first)."""
+        for name in (which, f"{which}_scale"):
+            current = getattr(self, name)
+            if current is not None and current.is_meta:
+                set_parameter(self, name, torch.empty(current.shape, dtype=current.dtype,
+                                                      device=device))
+        return getattr(self, which)
 
     def weights(self) -> ExpertWeights:
         if self.fmt == "dense":

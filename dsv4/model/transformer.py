@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,8 @@ from torch import nn
 
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
-from dsv4.model.layers import Linear, RMSNorm, check_numerics
+from dsv4.model.layers import (Linear, RMSNorm, check_numerics, keeps_quantized,
+                               load_device, quantized_storage, set_parameter)
 from dsv4.model.mhc import HyperConnection, HyperHead, expand_streams
 from dsv4.model.moe import Gate, MoE
 from dsv4.model.v41 import hc_final_collapse, identity_pre_mix, single_pass_block
@@ -43,16 +44,47 @@ class Embedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class Head(nn.Module):
-    """``head.weight`` [vocab, D], held in fp32: the reference computes logits in fp32."""
+# Vocabulary rows per fp32 chunk of the exact bf16-head fallback (bounds its temporary to
+# ~256 MiB at D = 7168).
+_HEAD_CHUNK_BYTES = 1 << 28
 
-    def __init__(self, vocab_size: int, dim: int) -> None:
+
+class Head(nn.Module):
+    """``head.weight`` [vocab, D] -> logits [N, vocab] in fp32 (the reference computes logits
+    in fp32).
+
+    Held in fp32 on the dense (CPU) storage, and whenever the compute dtype is fp32: then
+    ``F.linear`` in fp32, as before.  With quantized (GPU) storage and a bf16 / fp16 compute
+    dtype it keeps the checkpoint's bf16: the fp32 copy would read 2x the bytes every decode
+    step (2.1 GB on V4-Flash) for the same values, since bf16 weights and hidden states are
+    exact in fp32.  Logits then come from ``torch.mm(..., out_dtype=torch.float32)`` on CUDA
+    (bf16 products, fp32 accumulation and output), elsewhere from fp32 products of row chunks.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, compute_dtype: torch.dtype = torch.float32,
+                 keep_quantized: bool | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.float32),
+        narrow = compute_dtype in (torch.bfloat16, torch.float16)
+        wdtype = torch.bfloat16 if narrow and keeps_quantized(keep_quantized) else torch.float32
+        self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=wdtype),
                                    requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.weight)
+        """hidden [..., D] -> logits [..., vocab] float32."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return F.linear(hidden.float(), w)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.is_cuda and flat.dtype == w.dtype:
+            out = torch.mm(flat, w.t(), out_dtype=torch.float32)
+        else:
+            # Exact elsewhere (CPU, or fp32 hidden states): fp32 products of bf16 rows, a chunk
+            # of the vocabulary at a time so no fp32 copy of the whole head exists.
+            x = flat.float()
+            rows = max(1, _HEAD_CHUNK_BYTES // (4 * w.shape[1]))
+            out = torch.cat([F.linear(x, w[i:i + rows].float())
+                             for i in range(0, w.shape[0], rows)], dim=-1)
+        return out.reshape(*hidden.shape[:-1], w.shape[0])
 
 
 class Block(nn.Module):
@@ -223,14 +255,14 @@ class Transformer(nn.Module):
                 [BlockV41(cfg, i, numerics, self.ops, dtype, parallel=par)
                  for i in range(cfg.n_layers)])
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
-            self.head = Head(cfg.vocab_size, cfg.dim)
+            self.head = Head(cfg.vocab_size, cfg.dim, dtype)
             self.mtp = nn.ModuleList([DSparkStage(cfg, k, numerics, self.ops, dtype, par)
                                       for k in range(cfg.n_mtp_layers)])
             return
         self.layers = nn.ModuleList(
             [Block(cfg, i, numerics, self.ops, dtype, par) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.ops)
-        self.head = Head(cfg.vocab_size, cfg.dim)
+        self.head = Head(cfg.vocab_size, cfg.dim, dtype)
         self.hc_head = HyperHead(cfg, self.ops)
         self.mtp = nn.ModuleList([MTPBlock(cfg, cfg.n_layers + k, numerics, self.ops, dtype, par)
                                   for k in range(cfg.n_mtp_layers)])
@@ -298,7 +330,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> logits [N, vocab] in fp32 (fp32 head)."""
+        """hidden [N, D] -> logits [N, vocab] in fp32 (fp32 accumulation; see ``Head``)."""
         return self.head(hidden)
 
     @torch.no_grad()
@@ -346,18 +378,47 @@ class Transformer(nn.Module):
         """Assign checkpoint tensors by official name; every expected name must be present and
         no other name may be (ValueError listing them). ``consume`` pops entries as they load
         (keeps peak memory at one copy)."""
+        names = list(tensors)
+        self.load_stream(names, ((n, tensors.pop(n) if consume else tensors[n]) for n in names))
+
+    @torch.no_grad()
+    def load_stream(self, names: Sequence[str], items: Iterable[tuple[str, Any]]) -> None:
+        """Load ``(official name, value)`` pairs as they arrive (a
+        ``dsv4.checkpoint.CheckpointReader``), each put in place before the next is read.
+
+        ``names`` (all the names ``items`` will give) must equal the model's expected names
+        (ValueError listing the missing and unexpected ones, before anything is loaded).  A
+        model built on ``meta`` (:func:`build_model`) takes each value's device and adopts
+        values already in the held dtype; afterwards no parameter may be left on ``meta``."""
         targets = self.load_targets()
-        missing = sorted(n for n in targets if n not in tensors)
-        unexpected = sorted(n for n in tensors if n not in targets)
+        given = set(names)
+        missing = sorted(n for n in targets if n not in given)
+        unexpected = sorted(n for n in names if n not in targets)
         if missing or unexpected:
             raise ValueError("checkpoint does not match the model: "
                              f"{len(missing)} missing ({_preview(missing)}), "
                              f"{len(unexpected)} unexpected ({_preview(unexpected)})")
-        for name, load in targets.items():
+        loaded: set[str] = set()
+        for name, value in items:
+            load = targets.get(name)
+            if load is None or name in loaded:
+                what = "loaded twice" if load else "not a tensor of this model"
+                raise ValueError(f"{name}: {what} (the stream disagrees with its own names)")
             try:
-                load(tensors.pop(name) if consume else tensors[name])
+                load(value)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+            del value  # the model holds what it keeps; nothing else outlives this step
+            loaded.add(name)
+        if len(loaded) != len(targets):
+            left = sorted(set(targets) - loaded)
+            raise ValueError(f"checkpoint stream ended early: {len(left)} tensor(s) not loaded "
+                             f"({_preview(left)})")
+        unset = [n for n, t in list(self.named_parameters()) + list(self.named_buffers())
+                 if t.is_meta]
+        if unset:
+            raise ValueError(f"{len(unset)} model tensor(s) have no storage after loading (still "
+                             f"on the meta device): {_preview(unset)}")
         for module in self.modules():
             if isinstance(module, Gate):
                 module.check_tid2eid()
@@ -374,7 +435,9 @@ def _preview(names: list[str], k: int = 8) -> str:
 
 
 def _param_setter(module: nn.Module, attr: str) -> Callable[[Any], None]:
-    """A loader for the plain parameter/buffer ``module.attr``: same shape, cast to its dtype."""
+    """A loader for the plain parameter/buffer ``module.attr``: same shape, cast to its dtype.
+    A ``meta`` placeholder adopts the value (on the value's device); real storage is copied
+    into."""
     def load(value: Any) -> None:
         current: torch.Tensor = getattr(module, attr)
         if not isinstance(value, torch.Tensor):
@@ -383,7 +446,11 @@ def _param_setter(module: nn.Module, attr: str) -> Callable[[Any], None]:
             raise ValueError(f"expected shape {tuple(current.shape)}; found {tuple(value.shape)}")
         if value.is_floating_point() != current.is_floating_point():
             raise ValueError(f"expected a {current.dtype} tensor; found {value.dtype}")
-        current.copy_(value.to(device=current.device, dtype=current.dtype))
+        value = value.to(device=load_device(current, value.device), dtype=current.dtype)
+        if current.is_meta:
+            set_parameter(module, attr, value)
+        else:
+            current.copy_(value)
     return load
 
 
@@ -410,6 +477,19 @@ def _collect_targets(module: nn.Module, prefix: str, out: dict[str, Callable[[An
         _collect_targets(child, f"{prefix}{name}.", out)
 
 
+def build_model(cfg: ModelConfig, numerics: str = "bf16", backend: str = "torch",
+                dtype: torch.dtype = torch.bfloat16, parallel: Parallel | None = None,
+                keep_quantized: bool = False) -> Transformer:
+    """The model of ``cfg`` with no storage: every parameter is a ``meta`` placeholder (shape and
+    dtype only) until :meth:`Transformer.load_stream` / ``load_tensors`` gives it the loaded
+    tensor, on that tensor's device.  Nothing the checkpoint replaces is ever allocated (a V4.1
+    Engram table is ~98 GB, the routed experts of a layer ~3 GB).  ``keep_quantized``: the
+    storage of a GPU model (FP8 / MXFP4 weights as loaded, bf16 head; ``quantized_storage``)."""
+    with torch.device("meta"), quantized_storage(keep_quantized):
+        return Transformer(cfg, numerics=numerics, backend=backend, dtype=dtype,
+                           parallel=parallel)
+
+
 def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                numerics: str = "bf16", backend: str = "torch",
                parallel: Parallel | None = None) -> Transformer:
@@ -421,8 +501,13 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     ``engram_compressed_vocab_size`` (ValueError with both numbers).  ``parallel`` (a rank of
     a tensor / expert parallel launch, ``dsv4.dist``): the model holds and reads from the files
     only this rank's shard (``dsv4.dist.sharding``).
+
+    Memory: the model is built without storage (:func:`build_model`) and the checkpoint is
+    streamed (``dsv4.checkpoint.open_checkpoint``): each tensor is read from the memory-mapped
+    file on the host, moved to ``device`` and put in place (adopted, or copied into the routed
+    expert stack) before the next is read, so the device peaks at the model plus one tensor.
     """
-    from dsv4.checkpoint import load_checkpoint  # owned by the checkpoint engineer
+    from dsv4.checkpoint import open_checkpoint  # owned by the checkpoint engineer
     from dsv4.dist.sharding import shard_plan
 
     cfg = ModelConfig.from_file(path)
@@ -431,12 +516,13 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     check_numerics(numerics)
     par = parallel or SINGLE
-    with dev:
-        model = Transformer(cfg, numerics=numerics, backend=backend, dtype=dtype, parallel=par)
     # GPU kernels read the quantized weights; the torch path works on dense ones.
-    tensors = load_checkpoint(path, cfg, device=dev, dtype=dtype, keep_quantized=dev.type != "cpu",
-                              shard_plan=shard_plan(cfg, par))
-    model.load_tensors(tensors, consume=True)
+    keep_quantized = dev.type == "cuda"
+    model = build_model(cfg, numerics=numerics, backend=backend, dtype=dtype, parallel=par,
+                        keep_quantized=keep_quantized)
+    reader = open_checkpoint(path, cfg, device=dev, dtype=dtype, keep_quantized=keep_quantized,
+                             shard_plan=shard_plan(cfg, par))
+    model.load_stream(reader.names, reader)
     if cfg.is_v41 and cfg.engram_layer_ids:
         from dsv4.model.engram import build_compressed_token_map
         from dsv4.tokenizer import load_tokenizer

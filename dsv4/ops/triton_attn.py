@@ -3,6 +3,14 @@ sink (spec §3.6 item 5) and the Lightning-indexer scores (spec §3.8).
 
 Same signatures as the torch twins in ``dsv4/ops/torch_attn.py``.  Ops without a kernel here
 (rms_norm, apply_rope, topk_indices) fall back to the twins through ``dsv4.ops.get_ops``.
+
+A KV source (``kv_a`` / ``kv_b``) or the key pool may be a :class:`dsv4.cache.formats.
+PackedRows` (kv_cache_dtype "fp8"): the kernels then read the uint8 records in place and
+dequantize the gathered rows in registers (:func:`load_rows`): V4's 584-byte record (e4m3 nope
++ ue8m0 per 64 + bf16 RoPE tail), V4.1's e4m3 window (ue8m0 per 32), its e2m1 compressed
+entries (e4m3 scale per 16) and the e2m1 index keys (ue8m0 per 32).  The dequantized values
+are exact in the query's dtype, so a record source gives what a bf16 / fp32 pool holding the
+fake-quantized rows gives.
 """
 
 from __future__ import annotations
@@ -13,31 +21,102 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.cache.formats import PackedRows, RecordFormat
 from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
-           "pick_attn_config"]
+           "pick_attn_config", "load_rows", "record_meta"]
 
 _LOG2E = 1.4426950408889634
+
+# Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
+FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
+# (FMT, NQ, QB, SC_OFF, TAIL_OFF) of a dense source (TAIL_OFF −1: no bf16 tail).
+_DENSE_META = (FMT_DENSE, 0, 1, 0, -1)
+
+
+def record_meta(fmt: RecordFormat) -> tuple[int, int, int, int, int]:
+    """The constexprs ``(FMT, NQ, QB, SC_OFF, TAIL_OFF)`` with which :func:`load_rows` reads
+    ``fmt`` records: layout kind, quantized channels, channels per scale, byte offset of the
+    scales, byte offset of the bf16 tail (−1: none)."""
+    if fmt.quant == "fp8":
+        if fmt.scale != "e8m0":
+            raise ValueError(f"record_meta: {fmt.name}: fp8 records need e8m0 scales")
+        kind = FMT_FP8_E8M0
+    else:
+        kind = FMT_FP4_E4M3 if fmt.scale == "e4m3" else FMT_FP4_E8M0
+    return kind, fmt.quant_dims, fmt.block, fmt.scale_offset, \
+        (fmt.tail_offset if fmt.tail_dims else -1)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """int32 e2m1 codes (sign in bit 3) -> fp32: 0, 0.5 (subnormal) or 2^(e−1)·(1 + m/2)."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def load_rows(ptr, rows, cols, mask, stride, FMT: tl.constexpr, NQ: tl.constexpr,
+              QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr):
+    """Tile [BN, BC]: channels ``cols`` of the rows ``rows`` (int64 [BN]) of a flat source.
+
+    FMT_DENSE: ``ptr`` is the row tensor (stride in elements), the tile keeps its dtype.
+    Records (``ptr`` uint8, stride = record bytes): channels < NQ are e4m3 bytes (FMT_FP8_E8M0)
+    or e2m1 nibbles, low nibble first (FMT_FP4_*), times the scale byte ``SC_OFF + c // QB``
+    (e8m0, or e4m3 for FMT_FP4_E4M3); channels >= NQ are bf16 at byte ``TAIL_OFF``.  fp32 out.
+    """
+    base = ptr + rows[:, None] * stride
+    if FMT == 0:
+        return tl.load(base + cols[None, :], mask=mask, other=0.0)
+    c = cols[None, :]
+    in_q = c < NQ
+    qmask = mask & in_q
+    sb = tl.load(base + SC_OFF + c // QB, mask=qmask, other=0)
+    if FMT == 1:
+        val = tl.load(base + c, mask=qmask, other=0).to(tl.float8e4nv, bitcast=True)
+        val = val.to(tl.float32)
+    else:
+        byte = tl.load(base + c // 2, mask=qmask, other=0).to(tl.int32)
+        val = _e2m1_to_f32((byte >> ((c & 1) * 4)) & 15)
+    if FMT == 2:
+        scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # e8m0: 2^(b − 127)
+    val = val * scale
+    if TAIL_OFF >= 0:
+        tail_ptr = ptr.to(tl.pointer_type(tl.bfloat16))
+        tail = tl.load(tail_ptr + rows[:, None] * (stride // 2) + TAIL_OFF // 2 + (c - NQ),
+                       mask=mask & (c >= NQ), other=0.0)
+        val = tl.where(in_q, val, tail.to(tl.float32))
+    return val
 
 
 # ------------------------------------------------------------------------------ sparse attention
 @triton.jit
 def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask, rdv, dv_mask,
                  qk_scale, BN: tl.constexpr, SPLIT_DV: tl.constexpr, P_BF16: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, FMT: tl.constexpr, NQ: tl.constexpr,
+                 QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr):
     """Fold ``n_idx`` indices of one source into the online-softmax state (log2 domain).
 
     SPLIT_DV: this program accumulates only the value columns ``rdv`` (a slice of the head dim);
     the logits still use the whole row, and the slice is re-read (an L1/L2 hit).
+    FMT != 0: the source is records (:func:`load_rows`), dequantized into q's dtype (exact).
     """
     for start in range(0, n_idx, BN):
         rj = start + tl.arange(0, BN)
         rows = tl.load(idx_ptr + rj, mask=rj < n_idx, other=-1)
         valid = rows >= 0
-        row_off = rows.to(tl.int64)[:, None] * stride_kv
-        kv = tl.load(kv_ptr + row_off + rd[None, :], mask=valid[:, None] & d_mask[None, :],
-                     other=0.0)  # [BN, BD]
+        row64 = rows.to(tl.int64)
+        kv = load_rows(kv_ptr, row64, rd, valid[:, None] & d_mask[None, :], stride_kv,
+                       FMT, NQ, QB, SC_OFF, TAIL_OFF)  # [BN, BD]
+        if FMT != 0:
+            kv = kv.to(q.dtype)
         if q.dtype == kv.dtype:
             s = mma(q, tl.trans(kv), DOT_PREC)
         else:
@@ -48,8 +127,10 @@ def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if SPLIT_DV:
-            v = tl.load(kv_ptr + row_off + rdv[None, :], mask=valid[:, None] & dv_mask[None, :],
-                        other=0.0)  # [BN, BDV]
+            v = load_rows(kv_ptr, row64, rdv, valid[:, None] & dv_mask[None, :], stride_kv,
+                          FMT, NQ, QB, SC_OFF, TAIL_OFF)  # [BN, BDV]
+            if FMT != 0:
+                v = v.to(q.dtype)
         else:
             v = kv
         if v.dtype == tl.bfloat16:
@@ -71,8 +152,14 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
                         stride_kvb, stride_ia, stride_ib, stride_ot, stride_oh, qk_scale,
                         HAS_B: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                         BDV: tl.constexpr, N_DV: tl.constexpr, BN: tl.constexpr,
-                        SPLIT_KV: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+                        SPLIT_KV: tl.constexpr, P_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+                        FMT_A: tl.constexpr, NQ_A: tl.constexpr, QB_A: tl.constexpr,
+                        SCO_A: tl.constexpr, TLO_A: tl.constexpr,
+                        FMT_B: tl.constexpr, NQ_B: tl.constexpr, QB_B: tl.constexpr,
+                        SCO_B: tl.constexpr, TLO_B: tl.constexpr):
     """One token × BH heads × BDV value columns × one slice of the index lists.
+
+    ``*_A`` / ``*_B``: each source's layout for :func:`load_rows` (dense rows or records).
 
     Not SPLIT_KV: the sink starts the running max (m = sink, l = 1 = exp(sink - m), acc = 0),
     so it enters the denominator only, and o = acc / l is stored in o's dtype.
@@ -107,13 +194,14 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
     m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva,
                                  idxa_ptr + t64 * stride_ia + a0,
                                  tl.minimum(chunk_a, Ka - a0), rd, d_mask, rdv, dv_mask, qk_scale,
-                                 BN, N_DV > 1, P_BF16, DOT_PREC)
+                                 BN, N_DV > 1, P_BF16, DOT_PREC, FMT_A, NQ_A, QB_A, SCO_A, TLO_A)
     if HAS_B:
         b0 = sp * chunk_b
         m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kvb_ptr, stride_kvb,
                                      idxb_ptr + t64 * stride_ib + b0,
                                      tl.minimum(chunk_b, Kb - b0), rd, d_mask, rdv, dv_mask,
-                                     qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC)
+                                     qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC,
+                                     FMT_B, NQ_B, QB_B, SCO_B, TLO_B)
     hd_mask = h_mask[:, None] & dv_mask[None, :]
     if SPLIT_KV:
         base = (sp * T + t64) * H
@@ -190,21 +278,38 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device) -> At
     return AttnConfig(BH=bh, BN=bn, num_warps=4, num_stages=2, split_kv=split)
 
 
-def _check_source(name: str, kv: torch.Tensor, idx: torch.Tensor, T: int, d: int) -> None:
-    if kv.dim() != 2 or kv.shape[1] != d:
-        raise ValueError(f"sparse_attn: {name} must be [N, {d}]; found {tuple(kv.shape)}")
+def _source_args(name: str, kv: torch.Tensor | PackedRows, idx: torch.Tensor | None, T: int,
+                 d: int, op: str = "sparse_attn"
+                 ) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """Check one source (and its index list, when given); returns (the tensor the kernel
+    reads: the rows or the uint8 records, and its :func:`load_rows` layout)."""
+    if isinstance(kv, PackedRows):
+        if kv.fmt.dim != d:
+            raise ValueError(f"{op}: {name} records hold {kv.fmt.dim} channels; expected {d}")
+        data, meta = kv.data, record_meta(kv.fmt)
+    else:
+        data, meta = kv, _DENSE_META
+        if kv.dim() != 2 or kv.shape[1] != d:
+            raise ValueError(f"{op}: {name} must be [N, {d}]; found {tuple(kv.shape)}")
+    if idx is not None:
+        _check_index(name, idx, T)
+    if data.stride(1) != 1:
+        raise ValueError(f"{op}: {name} rows must be contiguous (stride 1 on the last dim)")
+    return data, meta
+
+
+def _check_index(name: str, idx: torch.Tensor, T: int) -> None:
     if idx.dim() != 2 or idx.shape[0] != T:
         raise ValueError(f"sparse_attn: the index list of {name} must be [{T}, K]; found "
                          f"{tuple(idx.shape)}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_attn: the index list of {name} must be int32/int64; found "
                          f"{idx.dtype}")
-    if kv.stride(1) != 1:
-        raise ValueError(f"sparse_attn: {name} rows must be contiguous (stride 1 on the last dim)")
 
 
-def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor,
-                            kv_b: torch.Tensor | None, idx_b: torch.Tensor | None,
+def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
+                            idx_a: torch.Tensor, kv_b: torch.Tensor | PackedRows | None,
+                            idx_b: torch.Tensor | None,
                             sink: torch.Tensor, scale: float,
                             p_dtype: torch.dtype | None = None,
                             cfg: AttnConfig | None = None) -> torch.Tensor:
@@ -214,9 +319,10 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
     T, H, d = q.shape
     if (kv_b is None) != (idx_b is None):
         raise ValueError("sparse_attn: kv_b and idx_b must both be given or both be None")
-    _check_source("kv_a", kv_a, idx_a, T, d)
+    kv_a, meta_a = _source_args("kv_a", kv_a, idx_a, T, d)
+    meta_b = _DENSE_META
     if kv_b is not None:
-        _check_source("kv_b", kv_b, idx_b, T, d)
+        kv_b, meta_b = _source_args("kv_b", kv_b, idx_b, T, d)
     if sink.shape != (H,):
         raise ValueError(f"sparse_attn: sink must be [{H}]; found {tuple(sink.shape)}")
     if q.stride(2) != 1:
@@ -233,7 +339,10 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
     else:
         kv_b, idx_b = kv_a, idx_a  # placeholders, never read
     p_bf16 = p_dtype == torch.bfloat16
-    any_f32 = torch.float32 in (q.dtype, kv_a.dtype) or (has_b and kv_b.dtype == torch.float32)
+    # Record rows are dequantized into q's dtype; dense rows keep theirs.
+    any_f32 = (q.dtype == torch.float32
+               or (meta_a[0] == FMT_DENSE and kv_a.dtype == torch.float32)
+               or (has_b and meta_b[0] == FMT_DENSE and kv_b.dtype == torch.float32))
     dot_prec = "ieee" if any_f32 else "tf32"
     Ka = idx_a.shape[1]
     BD = triton.next_power_of_2(d)
@@ -255,7 +364,10 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
         q.stride(0), q.stride(1), kv_a.stride(0), kv_b.stride(0),
         idx_a.stride(0), idx_b.stride(0), dst_t, dst_h, float(scale) * _LOG2E,
         HAS_B=has_b, BH=cfg.BH, BD=BD, BDV=BDV, N_DV=BD // BDV, BN=cfg.BN, SPLIT_KV=split > 1,
-        P_BF16=p_bf16, DOT_PREC=dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        P_BF16=p_bf16, DOT_PREC=dot_prec,
+        FMT_A=meta_a[0], NQ_A=meta_a[1], QB_A=meta_a[2], SCO_A=meta_a[3], TLO_A=meta_a[4],
+        FMT_B=meta_b[0], NQ_B=meta_b[1], QB_B=meta_b[2], SCO_B=meta_b[3], TLO_B=meta_b[4],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         bd_c = min(BD, 128)
         _attn_combine_kernel[(T, triton.cdiv(H, 16), triton.cdiv(d, bd_c))](
@@ -265,13 +377,15 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Te
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_attn")
-def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor,
-                kv_b: torch.Tensor | None, idx_b: torch.Tensor | None, sink: torch.Tensor,
-                scale: float, p_dtype: torch.dtype | None = None) -> torch.Tensor:
+def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor | PackedRows, idx_a: torch.Tensor,
+                kv_b: torch.Tensor | PackedRows | None, idx_b: torch.Tensor | None,
+                sink: torch.Tensor, scale: float,
+                p_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of each token over selected rows of one or two KV sources, with a sink.
 
     q [T, H, d]; kv_a [Na, d], idx_a [T, Ka] int rows of kv_a (−1 = skip); kv_b / idx_b the
-    same for a second source (both None when absent); sink [H] fp32.  K = V; logits
+    same for a second source (both None when absent); sink [H] fp32.  A source may be
+    PackedRows (cache records, read in place and dequantized in the kernel).  K = V; logits
     ``(q·kv)·scale``; one softmax over both sources with ``exp(sink[h])`` in the denominator.
     fp32 accumulation; with bf16 rows (or ``p_dtype=bf16``) P is rounded to bf16 before P·V,
     as the reference kernel does (blocks of 64 indices per source).  Returns o [T, H, d] in q.dtype.
@@ -284,8 +398,10 @@ def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor,
 def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
                            NH, DI, L, stride_qt, stride_qh, stride_wt, stride_k, stride_rt,
                            stride_ot, BHI: tl.constexpr, BDI: tl.constexpr, BL: tl.constexpr,
-                           DOT_PREC: tl.constexpr):
-    """scores[t, l] = Σ_h w[t,h]·ReLU(q[t,h]·keys[rows[t,l]]), −inf for l >= n_visible[t]."""
+                           DOT_PREC: tl.constexpr, FMT: tl.constexpr, NQ: tl.constexpr,
+                           QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr):
+    """scores[t, l] = Σ_h w[t,h]·ReLU(q[t,h]·keys[rows[t,l]]), −inf for l >= n_visible[t];
+    the keys are dense rows or records (FMT..TAIL_OFF: :func:`load_rows`)."""
     t = tl.program_id(0)
     rl = tl.program_id(1) * BL + tl.arange(0, BL)
     t64 = t.to(tl.int64)
@@ -305,8 +421,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         w = tl.load(w_ptr + t64 * stride_wt + rh, mask=h_mask, other=0.0).to(tl.float32)
         rows = tl.load(rows_ptr + t64 * stride_rt + rl, mask=vis & l_mask, other=0)
-        k = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + rd[None, :],
-                    mask=(vis & l_mask)[:, None] & d_mask[None, :], other=0.0)  # [BL, DI]
+        k = load_rows(k_ptr, rows.to(tl.int64), rd, (vis & l_mask)[:, None] & d_mask[None, :],
+                      stride_k, FMT, NQ, QB, SC_OFF, TAIL_OFF)  # [BL, DI]
         s = mma(q, tl.trans(k.to(q.dtype)), DOT_PREC)  # [BHI, BL]
         s = tl.maximum(s, 0.0) * w[:, None]
         score = tl.sum(s, axis=0)
@@ -315,21 +431,22 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_attn")
-def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
-                   n_visible: torch.Tensor) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor | PackedRows,
+                   key_rows: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.
 
-    q [T, h, dI]; w [T, h] fp32; keys [Nk, dI]; key_rows [T, L] int rows of ``keys`` (any value
-    where the entry does not exist); n_visible [T].  Returns [T, L] fp32, −inf where
-    ``j >= n_visible[t]``.
+    q [T, h, dI]; w [T, h] fp32; keys [Nk, dI] or PackedRows (fp4 records, read in place);
+    key_rows [T, L] int rows of ``keys`` (any value where the entry does not exist);
+    n_visible [T].  Returns [T, L] fp32, −inf where ``j >= n_visible[t]``.
     """
     if q.dim() != 3:
         raise ValueError(f"indexer_scores: q must be [T, h, dI]; found {tuple(q.shape)}")
     T, NH, DI = q.shape
     if tuple(w.shape) != (T, NH):
         raise ValueError(f"indexer_scores: w must be [{T}, {NH}]; found {tuple(w.shape)}")
-    if keys.dim() != 2 or keys.shape[1] != DI:
-        raise ValueError(f"indexer_scores: keys must be [Nk, {DI}]; found {tuple(keys.shape)}")
+    if not isinstance(keys, PackedRows) and keys.dim() == 2 and keys.stride(1) != 1:
+        keys = keys.contiguous()
+    keys, meta = _source_args("keys", keys, None, T, DI, op="indexer_scores")
     if key_rows.dim() != 2 or key_rows.shape[0] != T:
         raise ValueError(f"indexer_scores: key_rows must be [{T}, L]; found "
                          f"{tuple(key_rows.shape)}")
@@ -341,10 +458,9 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_row
     if T == 0 or L == 0:
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
-    keys = keys if keys.stride(1) == 1 else keys.contiguous()
     key_rows = key_rows if key_rows.stride(1) == 1 else key_rows.contiguous()
     w = w.float()
-    if keys.dtype != q.dtype:
+    if meta[0] == FMT_DENSE and keys.dtype != q.dtype:
         # One dot dtype: bf16 keys with bf16 queries on the GPU; fp32 on the CPU path.
         keys = keys.to(q.dtype)
     BHI = max(16, triton.next_power_of_2(NH))
@@ -354,5 +470,6 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_row
     _indexer_scores_kernel[(T, triton.cdiv(L, BL))](
         q, w, keys, key_rows, n_visible.contiguous(), out, NH, DI, L,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0), key_rows.stride(0), out.stride(0),
-        BHI=BHI, BDI=BDI, BL=BL, DOT_PREC=dot_prec, num_warps=4, num_stages=2)
+        BHI=BHI, BDI=BDI, BL=BL, DOT_PREC=dot_prec, FMT=meta[0], NQ=meta[1], QB=meta[2],
+        SC_OFF=meta[3], TAIL_OFF=meta[4], num_warps=4, num_stages=2)
     return out

@@ -84,7 +84,6 @@ def test_engine_rejects_bad_requests(tiny_v4_path, tiny_v4_model, tiny_v4_tokeni
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported on cpu"),
     (dict(kv_cache_dtype="bf16"), "kv_cache_dtype='bf16' needs dtype=bfloat16"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype='int4' is invalid"),
     (dict(num_pages=1, max_model_len=512), r"1 pages .* max_model_len=512 needs 2 pages"),

@@ -1,0 +1,230 @@
+"""CUDA graphs of decode steps: one captured ``model.forward`` + ``compute_logits`` per bucket.
+
+A decode step of R requests runs as the static-shape step of the smallest bucket B >= R
+(``dsv4.model.context.decode_buckets``: 1, 2, 4, ... up to ``cuda_graph_max_batch``).  Its
+inputs live in persistent device buffers that the graph reads at every replay:
+
+* ``small`` [4, B_max] int64: rows ``input_ids``, ``start_pos`` (= the token positions),
+  ``slots``, ``token_types`` (V4.1 image marks, −1 for text);
+* ``block_tables`` [B_max, max_pages] int64.
+
+Before a replay the runner writes the step's values (and the padding rows R..B−1: token 0 at
+position 0 in the scratch slot and page) into a pinned host staging copy and copies it to the
+device buffers in two transfers; everything else the step needs (window indices, compressed
+entry rows, visible counts, ...) is derived on the device inside the graph
+(``StepContext.static``).  The sampler stays outside: it reads the graph's logits output.
+
+Capture is lazy: a bucket is captured on its first decode step (warm-up run + capture, about
+two eager steps), so start-up stays quick and only the batch sizes a workload reaches cost graph
+memory; :meth:`DecodeGraphs.capture_all` captures every bucket up front (largest first, as vLLM
+does at start).  All graphs share one memory pool.
+
+On a CPU (or with graphs off) the same buffers drive an eager static-shape forward, which is
+how the CPU tests exercise this path up to the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from dsv4.model.context import StaticShape, StepContext, bucket_for, decode_buckets
+
+log = logging.getLogger("dsv4")
+
+__all__ = ["DecodeGraphs"]
+
+# Rows of the ``small`` buffer.
+_IDS, _POS, _SLOT, _TYPE = range(4)
+
+
+@dataclass
+class _Captured:
+    graph: Any          # torch.cuda.CUDAGraph
+    logits: Tensor      # [B, vocab] fp32, rewritten by every replay
+    ctx: StepContext    # keeps the captured plan tensors (graph-pool memory) referenced
+
+
+class DecodeGraphs:
+    """Persistent buffers and per-bucket CUDA graphs of static-shape decode steps.
+
+    Args:
+        model: the Transformer (``forward(ctx, cache)``, ``compute_logits(hidden)``).
+        cache: the HybridCache, allocated with the scratch slot and page of ``static``.
+        static: the static shape (block table width, scratch slot / page).
+        max_batch: the largest bucket (``cuda_graph_max_batch``).
+        use_graphs: capture and replay CUDA graphs (CUDA only); False runs the static-shape
+            forward eagerly over the same buffers.
+        with_token_types: pass the token-type row to the model (V4.1).
+    """
+
+    def __init__(self, model: Any, cache: Any, static: StaticShape, max_batch: int, *,
+                 device: torch.device, use_graphs: bool, with_token_types: bool = False) -> None:
+        device = torch.device(device)
+        if use_graphs and device.type != "cuda":
+            raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA device; got {device}")
+        if static.scratch_slot >= cache.num_slots or static.scratch_page >= cache.num_pages:
+            raise ValueError(f"DecodeGraphs: the cache ({cache.num_slots} slots, "
+                             f"{cache.num_pages} pages) does not hold the scratch slot "
+                             f"{static.scratch_slot} / page {static.scratch_page}")
+        self.model = model
+        self.cache = cache
+        self.static = static
+        self.device = device
+        self.use_graphs = use_graphs
+        self.with_token_types = with_token_types
+        self.buckets = decode_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        B, P = self.max_batch, static.max_pages
+        pin = device.type == "cuda"
+        self._small_host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
+        self._tables_host = torch.full((B, P), -1, dtype=torch.int64, pin_memory=pin)
+        self.small = torch.zeros(4, B, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((B, P), -1, dtype=torch.int64, device=device)
+        self._arange = torch.arange(B + 1, dtype=torch.int64, device=device)
+        self._copied: Any = None    # CUDA event of the last host->device copy
+        self.graphs: dict[int, _Captured] = {}
+        self.disabled_reason: str | None = None
+        self.stats: dict[str, float] = {"replays": 0, "eager_static_steps": 0,
+                                        "padded_rows": 0, "capture_s": 0.0,
+                                        "capture_reserved_bytes": 0}
+        self._pool: Any = None
+
+    # ------------------------------------------------------------------ buffers
+    def bucket(self, num_requests: int) -> int | None:
+        """The bucket of a decode step of ``num_requests`` requests (None: too many)."""
+        return bucket_for(num_requests, self.buckets)
+
+    def _fill(self, B: int, input_ids: Sequence[int], start_pos: Sequence[int],
+              slots: Sequence[int], block_tables: Sequence[Sequence[int]],
+              token_types: Sequence[int] | None) -> None:
+        """Write one step (rows 0..R−1) and its padding rows (R..B−1) into the buffers."""
+        R = len(input_ids)
+        P = self.static.max_pages
+        if self._copied is not None:
+            # The previous transfer must have left the staging copy before it is rewritten.
+            self._copied.synchronize()
+        small = self._small_host.numpy()
+        tables = self._tables_host.numpy()
+        small[_IDS, :R] = input_ids
+        small[_POS, :R] = start_pos
+        small[_SLOT, :R] = slots
+        small[_TYPE, :R] = token_types if token_types is not None else -1
+        small[_IDS, R:B] = 0
+        small[_POS, R:B] = 0
+        small[_SLOT, R:B] = self.static.scratch_slot
+        small[_TYPE, R:B] = -1
+        tables[:B] = -1
+        for i, row in enumerate(block_tables):
+            if len(row) > P:
+                raise ValueError(f"DecodeGraphs: block table {i} has {len(row)} pages; the "
+                                 f"static width is max_pages={P}")
+            tables[i, :len(row)] = row
+        tables[R:B, 0] = self.static.scratch_page
+        nb = self.device.type == "cuda"
+        self.small.copy_(self._small_host, non_blocking=nb)
+        self.block_tables[:B].copy_(self._tables_host[:B], non_blocking=nb)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _context(self, B: int, host: tuple[list[int], list[int], list[list[int]]] | None = None
+                 ) -> StepContext:
+        """The static-shape step of bucket B over views of the buffers.
+
+        ``host``: (start_pos, slots, block_tables) host lists of the B rows for the layers'
+        validation; None (capture) means all padding rows."""
+        kw: dict[str, Any] = {}
+        if host is not None:
+            kw = {"start_pos_host": host[0], "slots_host": host[1], "block_tables_host": host[2]}
+        return StepContext.from_static_tensors(
+            input_ids=self.small[_IDS, :B], start_pos=self.small[_POS, :B],
+            slots=self.small[_SLOT, :B], block_tables=self.block_tables[:B], static=self.static,
+            token_types=self.small[_TYPE, :B] if self.with_token_types else None,
+            cu_seqlens=self._arange[:B + 1], logits_indices=self._arange[:B], **kw)
+
+    def _forward(self, ctx: StepContext) -> Tensor:
+        with torch.no_grad():
+            return self.model.compute_logits(self.model.forward(ctx, self.cache))
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, B: int) -> None:
+        """Capture the graph of bucket ``B`` (warm-up run first, on padding rows only)."""
+        if not self.use_graphs:
+            raise RuntimeError("DecodeGraphs.capture: graphs are off (eager static mode)")
+        if B not in self.buckets:
+            raise ValueError(f"DecodeGraphs.capture: {B} is not a bucket ({self.buckets})")
+        if B in self.graphs:
+            return
+        t0 = time.perf_counter()
+        reserved0 = torch.cuda.memory_reserved(self.device)
+        self._fill(B, [], [], [], [], None)
+        # Warm-up on a side stream (the recommended way): Triton compiles and autotunes, lazy
+        # per-device tables (RoPE frequencies, FP4 lookup) are built before the capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(self._context(B))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        ctx = self._context(B)  # a fresh memo: its index tensors are computed inside the graph
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(ctx)
+        if self._pool is None:
+            self._pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        self.graphs[B] = _Captured(graph, logits, ctx)
+        dt = time.perf_counter() - t0
+        self.stats["capture_s"] += dt
+        self.stats["capture_reserved_bytes"] += torch.cuda.memory_reserved(self.device) - reserved0
+        log.info("dsv4 engine: captured the decode graph of batch %d in %.2f s", B, dt)
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (its pool then serves the smaller ones)."""
+        for B in sorted(self.buckets, reverse=True):
+            self.capture(B)
+
+    # ------------------------------------------------------------------ one step
+    def run(self, input_ids: Sequence[int], start_pos: Sequence[int], slots: Sequence[int],
+            block_tables: Sequence[Sequence[int]], token_types: Sequence[int] | None = None
+            ) -> Tensor:
+        """Run one decode step of R requests (one token each); logits [R, vocab] fp32.
+
+        With graphs the result is a view of the graph's output, valid until the next step.
+        Raises ValueError when R exceeds the largest bucket.
+        """
+        R = len(input_ids)
+        B = self.bucket(R)
+        if R == 0 or B is None:
+            raise ValueError(f"DecodeGraphs.run: {R} requests; expected 1..{self.max_batch}")
+        if not (len(start_pos) == len(slots) == len(block_tables) == R):
+            raise ValueError(f"DecodeGraphs.run: input_ids, start_pos, slots and block_tables "
+                             f"must have one entry per request; got {R}, {len(start_pos)}, "
+                             f"{len(slots)}, {len(block_tables)}")
+        self.stats["padded_rows"] += B - R
+        if self.use_graphs:
+            if B not in self.graphs:
+                self.capture(B)
+            self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
+            captured = self.graphs[B]
+            captured.graph.replay()
+            self.stats["replays"] += 1
+            return captured.logits[:R]
+        self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
+        pad = B - R
+        host = (list(start_pos) + [0] * pad, list(slots) + [self.static.scratch_slot] * pad,
+                [list(b) for b in block_tables] + [self.static.pad_table()] * pad)
+        self.stats["eager_static_steps"] += 1
+        return self._forward(self._context(B, host))[:R]
+
+    def pool_bytes(self) -> int:
+        """Device memory the captures added to the allocator's reservations (their warm-up
+        runs included: an upper bound of the graphs' pool), 0 before any capture."""
+        return int(self.stats["capture_reserved_bytes"])
