@@ -47,8 +47,8 @@ from dsv4.config import ModelConfig
 
 __all__ = ["RECORD_DTYPE", "RecordFormat", "CacheFormats", "PackedRows", "cache_formats",
            "v4_kv_record", "fp8_record", "fp4_record", "encode_rows", "rows_view",
-           "is_record_dtype", "e2m1_to_float", "V4_NOPE_BLOCK", "V4_INDEX_BLOCK", "V41_WINDOW_BLOCK",
-           "V41_LATENT_BLOCK", "V41_INDEX_BLOCK"]
+           "is_record_dtype", "e2m1_to_float", "V4_NOPE_BLOCK", "V4_INDEX_BLOCK",
+           "V41_WINDOW_BLOCK", "V41_LATENT_BLOCK", "V41_INDEX_BLOCK"]
 
 # The HybridCache storage dtype that selects record pools (kv_cache_dtype "fp8").
 RECORD_DTYPE = torch.float8_e4m3fn

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dsv4.model.attention as attention_mod
+import dsv4.model.compressor as compressor_mod
 from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
@@ -106,20 +107,20 @@ def test_v4_fp32_official_differs_only_by_the_bf16_rope_tail(ckpt, monkeypatch) 
     got = _forward(model, ids, RECORD_DTYPE)
     plain = _forward(model, ids, torch.float32)
     rd = model.cfg.rope_head_dim
-    encode = attention_mod.encode_rows
+    encode, finish = attention_mod.encode_rows, compressor_mod.Compressor.finish
 
-    def bf16_tail(rows: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor:
-        if fmt is None:
-            rows = torch.cat((rows[:, :-rd], rows[:, -rd:].to(torch.bfloat16).to(rows.dtype)), -1)
-        return encode(rows, fmt, dtype)
+    def bf16_tail(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat((rows[:, :-rd], rows[:, -rd:].to(torch.bfloat16).to(rows.dtype)), -1)
 
-    # The window rows go through attention.encode_rows; the compressed entries through
-    # compressor.write_entries -> encode_rows of the compressor module.
-    import dsv4.model.compressor as compressor_mod
-    monkeypatch.setattr(attention_mod, "encode_rows", bf16_tail)
-    monkeypatch.setattr(compressor_mod, "encode_rows",
-                        lambda r, f, d: bf16_tail(r, f, d) if r.shape[-1] == model.cfg.head_dim
-                        else encode(r, f, d))
+    def encode_window(rows: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor:
+        return encode(bf16_tail(rows) if fmt is None else rows, fmt, dtype)
+
+    def finish_entries(self, pooled, positions, store_quantizes=False) -> torch.Tensor:
+        entries = finish(self, pooled, positions, store_quantizes)
+        return entries if self.rotate else bf16_tail(entries)  # not the (fp4) index keys
+
+    monkeypatch.setattr(attention_mod, "encode_rows", encode_window)
+    monkeypatch.setattr(compressor_mod.Compressor, "finish", finish_entries)
     tailed = _forward(model, ids, torch.float32)
     assert torch.equal(got, tailed)
     assert not torch.equal(got, plain)  # the tail rounding is visible in fp32
