@@ -337,8 +337,8 @@ def cache_format(cfg: ModelConfig, kv_cache_dtype: str = "fp8", index_keys: str 
     * V4.1 window: all 512 channels e4m3 with a ue8m0 scale per 32 = 528 B; V4.1 compressed KV:
       e2m1 with an e4m3 scale per 16 = 288 B;
     * indexer keys (``index_keys``): ``fp8`` e4m3 + one fp32 scale = 132 B (vLLM's Hopper form),
-      or ``fp4`` e2m1 + ue8m0 per 32 = 68 B (what the reference's fake quant keeps); ``auto``:
-      fp8 for V4, fp4 for V4.1 (its recipe's 890 B/token of global KV).
+      or ``fp4`` e2m1 + ue8m0 per 32 = 68 B (what the reference's fake quant keeps, and what
+      ``HybridCache`` stores); ``auto``: fp4.
     """
     hd, rope, di = cfg.head_dim, cfg.rope_head_dim, cfg.index_head_dim
     if kv_cache_dtype == "bf16":
@@ -346,7 +346,7 @@ def cache_format(cfg: ModelConfig, kv_cache_dtype: str = "fp8", index_keys: str 
     if kv_cache_dtype != "fp8":
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r} is invalid; allowed: fp8, bf16")
     if index_keys == "auto":
-        index_keys = "fp4" if cfg.is_v41 else "fp8"
+        index_keys = "fp4"
     if index_keys == "fp8":
         ik = di + 4
     elif index_keys == "fp4":
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", choices=("fp8", "bf16"), default="fp8")
     ap.add_argument("--index-keys", choices=("auto", "fp8", "fp4"), default="auto",
                     help="indexer key record with --kv-cache-dtype fp8: 132 B or 68 B "
-                         "(auto: fp8 for V4, fp4 for V4.1)")
+                         "(auto: fp4, what HybridCache stores)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=Allowances.max_batched_tokens)
     ap.add_argument("--runtime-gib", type=float, default=Allowances.runtime / GIB)

@@ -89,9 +89,11 @@ def test_bf16_cache_equals_hybrid_cache(cfgs) -> None:
 
 
 def test_official_record_sizes(cfgs) -> None:
-    flash = mp.cache_plan(cfgs["flash"], "fp8")
+    flash = mp.cache_plan(cfgs["flash"], "fp8", "fp8")
     # SERVING.md §1.1: 584 B records, 146 B/token per C4A layer, 132 B FP8 indexer keys
     assert flash.fmt.window == flash.fmt.compressed == 584 and flash.fmt.index_key == 132
+    # what HybridCache stores by default: fp4 index keys (68 B)
+    assert mp.cache_plan(cfgs["flash"], "fp8").fmt.index_key == 68
     assert flash.page_parts["compressed KV r=4"] / 256 == pytest.approx(21 * 146, abs=21)
     assert flash.page_parts["index keys r=4"] / 256 == pytest.approx(21 * 33, abs=21)
     assert flash.slot_parts["window ring"] == 43 * 128 * 584
