@@ -89,7 +89,6 @@ class DecodeGraphs:
         self._arange = torch.arange(B + 1, dtype=torch.int64, device=device)
         self._copied: Any = None    # CUDA event of the last host->device copy
         self.graphs: dict[int, _Captured] = {}
-        self.disabled_reason: str | None = None
         self.stats: dict[str, float] = {"replays": 0, "eager_static_steps": 0,
                                         "padded_rows": 0, "capture_s": 0.0,
                                         "capture_reserved_bytes": 0}
@@ -162,6 +161,10 @@ class DecodeGraphs:
         if B in self.graphs:
             return
         t0 = time.perf_counter()
+        # Cached free blocks released before and after: the difference of the reservations is
+        # then what the graph's private pool keeps (the warm-up's blocks are released too).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         reserved0 = torch.cuda.memory_reserved(self.device)
         self._fill(B, [], [], [], [], None)
         # Warm-up on a side stream (the recommended way): Triton compiles and autotunes, lazy
@@ -181,6 +184,7 @@ class DecodeGraphs:
             self._pool = graph.pool()
         torch.cuda.synchronize(self.device)
         self.graphs[B] = _Captured(graph, logits, ctx)
+        torch.cuda.empty_cache()
         dt = time.perf_counter() - t0
         self.stats["capture_s"] += dt
         self.stats["capture_reserved_bytes"] += torch.cuda.memory_reserved(self.device) - reserved0
@@ -225,6 +229,6 @@ class DecodeGraphs:
         return self._forward(self._context(B, host))[:R]
 
     def pool_bytes(self) -> int:
-        """Device memory the captures added to the allocator's reservations (their warm-up
-        runs included: an upper bound of the graphs' pool), 0 before any capture."""
+        """Device memory the captures added to the allocator's reservations (cached blocks
+        released around each capture: the graphs' shared pool), 0 before any capture."""
         return int(self.stats["capture_reserved_bytes"])

@@ -28,8 +28,8 @@ from dsv4.cache.manager import CacheManager
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from dsv4.engine.runner import (ModelRunner, StepResult, profile_peak_bytes, resolve_cache_dtype,
-                               size_cache)
+from dsv4.engine.runner import (ModelRunner, StepResult, profile_decode_graph_bytes,
+                               profile_peak_bytes, resolve_cache_dtype, size_cache)
 from dsv4.engine.sampler import RowLogprobs
 from dsv4.engine.sampling_params import (CompletionOutput, Logprob, PositionLogprobs,
                                          RequestMetrics, RequestOutput, SamplingParams)
@@ -57,6 +57,9 @@ class EngineOptions:
     ``tensor_parallel_size`` (default 1): processes (one GPU each) of a ``torchrun`` launch that
     split attention heads and the MoE; ``expert_parallel`` (default False) splits the routed
     experts by expert instead of by intermediate dim (see ``dsv4.dist``).
+    ``enforce_eager`` (default False): no CUDA graphs; otherwise decode steps of up to
+    ``cuda_graph_max_batch`` (default ``max_num_seqs``) sequences replay CUDA graphs captured
+    per batch bucket on first use (``dsv4.engine.cuda_graphs``).
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks).
     """
 
@@ -76,6 +79,8 @@ class EngineOptions:
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int | None = None
     model: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
 
@@ -84,11 +89,14 @@ class EngineOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"engine option {name}={v!r} is invalid; allowed: an integer > 0")
-        for name in ("max_model_len", "num_pages", "kv_cache_memory"):
+        for name in ("max_model_len", "num_pages", "kv_cache_memory", "cuda_graph_max_batch"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"engine option {name}={v!r} is invalid; allowed: an integer > 0 "
                                  "or None")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"engine option enforce_eager={self.enforce_eager!r} is invalid; "
+                             "allowed: True, False")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"engine option gpu_memory_utilization={self.gpu_memory_utilization!r}"
                              " is invalid; allowed: a number in (0, 1]")
@@ -212,7 +220,14 @@ class LLMEngine:
             self.model = load_model(model_path, device=device, dtype=dtype,
                                     numerics=opts.numerics, backend=backend, **extra)
 
-        profile = None
+        profile = graph_pool = None
+        use_graphs = device.type == "cuda" and not opts.enforce_eager and not self.parallel.enabled
+        graph_batch = opts.cuda_graph_max_batch or opts.max_num_seqs
+        if use_graphs:
+            def graph_pool() -> int:
+                return profile_decode_graph_bytes(
+                    self.model, cfg, device=device, cache_dtype=cache_dtype,
+                    page_size=opts.page_size, max_model_len=max_model_len, max_batch=graph_batch)
         if device.type == "cuda":
             def profile() -> int:
                 return profile_peak_bytes(
@@ -225,7 +240,8 @@ class LLMEngine:
             num_slots=opts.max_num_seqs, max_model_len=max_model_len,
             max_num_seqs=opts.max_num_seqs, num_pages=opts.num_pages,
             kv_cache_memory=opts.kv_cache_memory,
-            gpu_memory_utilization=opts.gpu_memory_utilization, profile=profile)
+            gpu_memory_utilization=opts.gpu_memory_utilization, profile=profile,
+            graph_pool=graph_pool)
         # Every rank holds the same page ids: the smallest count any rank can afford.
         num_pages = self.parallel.min_int(num_pages)
         self.manager = CacheManager(num_pages, opts.page_size, opts.max_num_seqs)
@@ -234,7 +250,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cfg, device=device, cache_dtype=cache_dtype,
                                   num_pages=num_pages, num_slots=opts.max_num_seqs,
                                   page_size=opts.page_size, seed=opts.seed,
-                                  parallel=self.parallel)
+                                  parallel=self.parallel, max_model_len=max_model_len,
+                                  enforce_eager=opts.enforce_eager,
+                                  cuda_graph_max_batch=graph_batch)
         self.eos_token_id = cfg.eos_token_id
         self._token_text = TokenTextCache(self.tokenizer)
         self._requests: dict[str, _Request] = {}

@@ -4,12 +4,19 @@ It sizes and owns the device cache (:class:`HybridCache`), turns a :class:`Sched
 one flattened variable-length :class:`StepContext`, runs ``model.forward`` and
 ``model.compute_logits``, clears the state slots of (re)admitted sequences, and samples.
 The scheduler and the cache manager above it never see a tensor.
+
+Decode steps (every scheduled sequence brings one token and samples) of at most
+``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
+(``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
+``enforce_eager`` run eagerly.  The cache holds one slot and one page more than the cache
+manager hands out: the scratch slot and page of the padding rows of those steps.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -17,10 +24,13 @@ from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
+from dsv4.engine.cuda_graphs import DecodeGraphs
 from dsv4.engine.sampler import RowLogprobs, Sampler, SamplingRow
 from dsv4.engine.scheduler import SchedulerOutput
 from dsv4.engine.sequence import SeqKey, Sequence
-from dsv4.model.context import StepContext
+from dsv4.model.context import StaticShape, StepContext, decode_buckets, pages_needed
+
+log = logging.getLogger("dsv4")
 
 # CPU cache budget when neither num_pages nor kv_cache_memory is given.
 DEFAULT_CPU_CACHE_BYTES = 4 << 30
@@ -76,35 +86,45 @@ def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
 def size_cache(cfg: ModelConfig, *, device: torch.device, cache_dtype: torch.dtype, page_size: int,
                num_slots: int, max_model_len: int, max_num_seqs: int, num_pages: int | None,
                kv_cache_memory: int | None, gpu_memory_utilization: float,
-               profile: Any = None) -> int:
-    """Number of pages of the cache.
+               profile: Callable[[], int] | None = None,
+               graph_pool: Callable[[], int] | None = None) -> int:
+    """Number of pages the cache manager hands out (the runner adds the scratch page and slot).
 
     Explicit ``num_pages`` wins; else ``kv_cache_memory`` bytes (minus the per-slot state);
-    else on CUDA ``gpu_memory_utilization`` of the device after the weights and a profiling pass
-    (``profile()`` returns its peak activation bytes); else on CPU enough pages for every
-    sequence at max_model_len, within DEFAULT_CPU_CACHE_BYTES.  Raises ValueError when one
-    sequence of max_model_len does not fit.
+    else on CUDA: ``total · gpu_memory_utilization − in use (weights, workspaces, other
+    processes) − peak activations of a profiling step (``profile()``) − the CUDA graphs' pool
+    (``graph_pool()``, an estimate) − per-slot state``, divided by the bytes of a page; else on
+    CPU enough pages for every sequence at max_model_len, within DEFAULT_CPU_CACHE_BYTES.
+    Raises ValueError when one sequence of max_model_len does not fit.
     """
     per_page = HybridCache.bytes_per_page(cfg, page_size, cache_dtype)
     per_slot = HybridCache.bytes_per_slot(cfg, cache_dtype)
     pages_one_seq = -(-max_model_len // page_size)
     per_page_or_one = max(per_page, 1)  # a model with no paged pool still gets page ids
+    state_bytes = per_slot * (num_slots + 1)     # + the scratch slot
     if num_pages is not None:
         chosen, source = num_pages, f"num_pages={num_pages}"
     elif kv_cache_memory is not None:
-        chosen = (kv_cache_memory - per_slot * num_slots) // per_page_or_one
+        chosen = (kv_cache_memory - state_bytes) // per_page_or_one - 1
         source = f"kv_cache_memory={kv_cache_memory} bytes"
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        # Profile first: what it leaves cached (workspaces, Triton modules) is then "in use".
         peak = int(profile()) if profile is not None else 0
+        graphs = int(graph_pool()) if graph_pool is not None else 0
+        free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
-        budget = int(total * gpu_memory_utilization) - in_use - peak - per_slot * num_slots
-        chosen = max(0, budget) // per_page_or_one
+        budget = int(total * gpu_memory_utilization) - in_use - peak - graphs - state_bytes
+        chosen = max(0, budget) // per_page_or_one - 1
         source = (f"gpu_memory_utilization={gpu_memory_utilization} of {total} bytes "
-                  f"({in_use} in use, {peak} peak activations)")
+                  f"({in_use} in use, {peak} peak activations, {graphs} CUDA-graph pool)")
+        log.info("dsv4 memory: total %.2f GiB x %.2f - in use %.2f GiB - peak activations "
+                 "%.2f GiB - graph pool %.2f GiB - state %.3f GiB (%d slots) = %.2f GiB for "
+                 "pages of %d bytes -> %d pages", total / 2**30, gpu_memory_utilization,
+                 in_use / 2**30, peak / 2**30, graphs / 2**30, state_bytes / 2**30,
+                 num_slots + 1, max(0, budget) / 2**30, per_page, chosen)
     else:
         want = pages_one_seq * max_num_seqs
-        afford = (DEFAULT_CPU_CACHE_BYTES - per_slot * num_slots) // per_page_or_one
+        afford = (DEFAULT_CPU_CACHE_BYTES - state_bytes) // per_page_or_one - 1
         chosen = max(pages_one_seq, min(want, afford))
         source = f"the CPU default ({DEFAULT_CPU_CACHE_BYTES} bytes at most)"
     if chosen < pages_one_seq:
@@ -115,12 +135,22 @@ def size_cache(cfg: ModelConfig, *, device: torch.device, cache_dtype: torch.dty
     return int(chosen)
 
 
+def _measure_peak(device: torch.device, step: Callable[[], Any]) -> int:
+    """Peak bytes allocated by ``step()`` above what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.no_grad():
+        step()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - before)
+
+
 def profile_peak_bytes(model: Any, cfg: ModelConfig, *, device: torch.device,
                        cache_dtype: torch.dtype, page_size: int, num_tokens: int,
                        num_logits: int) -> int:
-    """CUDA: peak activation bytes of one step of ``num_tokens`` tokens (one request) with
-    ``num_logits`` logits rows, measured on a throw-away cache.  (First version: the GPU work
-    refines it, e.g. with several requests and the sampler's buffers.)"""
+    """CUDA: peak activation bytes of one eager step of ``num_tokens`` tokens (one request,
+    e.g. max_num_batched_tokens) with ``num_logits`` logits rows, on a throw-away cache."""
     pages = -(-num_tokens // page_size)
     cache = HybridCache.allocate(cfg, num_pages=pages, num_slots=1, page_size=page_size,
                                  dtype=cache_dtype, device=device)
@@ -128,24 +158,50 @@ def profile_peak_bytes(model: Any, cfg: ModelConfig, *, device: torch.device,
     rows = list(range(num_tokens - min(num_logits, num_tokens), num_tokens))
     ctx = StepContext.build(ids, [num_tokens], [0], [0], [list(range(pages))],
                             logits_indices=rows, device=device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    with torch.no_grad():
-        model.compute_logits(model.forward(ctx, cache))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)))
     del cache, ctx
     torch.cuda.empty_cache()
-    return int(peak)
+    return peak
+
+
+def profile_decode_graph_bytes(model: Any, cfg: ModelConfig, *, device: torch.device,
+                               cache_dtype: torch.dtype, page_size: int, max_model_len: int,
+                               max_batch: int) -> int:
+    """CUDA: an estimate of the CUDA graphs' shared pool: the peak bytes of one eager
+    static-shape decode step at the largest bucket (padding rows only, on a throw-away cache
+    of one page and one slot: a graph keeps what its step allocates), plus the logits outputs
+    every bucket's graph keeps.  (The engine calls it only when graphs are on.)"""
+    static = StaticShape(max_pages=pages_needed(max_model_len, page_size), scratch_slot=0,
+                         scratch_page=0)
+    cache = HybridCache.allocate(cfg, num_pages=1, num_slots=1, page_size=page_size,
+                                 dtype=cache_dtype, device=device)
+    buckets = decode_buckets(max_batch)
+    B = buckets[-1]
+    ctx = StepContext.static_decode([0], [0], [0], [static.pad_table()], B, static,
+                                    token_types=[-1] if cfg.is_v41 else None, device=device)
+    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)))
+    del cache, ctx
+    torch.cuda.empty_cache()
+    return peak + sum(buckets) * cfg.vocab_size * 4
 
 
 class ModelRunner:
-    """Owns the model, the device cache and the sampler; runs one scheduled step at a time."""
+    """Owns the model, the device cache and the sampler; runs one scheduled step at a time.
+
+    ``num_pages`` / ``num_slots`` are the ids the cache manager hands out; the cache holds one
+    more of each (the scratch page and slot of static-shape steps).  Decode steps:
+    ``static_decode`` None (default) runs them as CUDA graphs on CUDA unless ``enforce_eager``
+    (or under tensor / expert parallelism); True forces the static-shape steps (eagerly on a
+    CPU: what the tests use to check them against the dynamic path); False never uses them.
+    ``cuda_graph_max_batch`` (default ``num_slots``) is the largest bucket; graphs are captured
+    lazily, on the first decode step of each bucket.
+    """
 
     def __init__(self, model: Any, cfg: ModelConfig, *, device: torch.device,
                  cache_dtype: torch.dtype, num_pages: int, num_slots: int, page_size: int,
-                 seed: int = 0, parallel: Parallel = SINGLE) -> None:
+                 seed: int = 0, parallel: Parallel = SINGLE, max_model_len: int | None = None,
+                 enforce_eager: bool = False, cuda_graph_max_batch: int | None = None,
+                 static_decode: bool | None = None) -> None:
         self.model = model
         self.cfg = cfg
         # Under tensor / expert parallelism the driver (rank 0) broadcasts each StepPlan before
@@ -153,10 +209,33 @@ class ModelRunner:
         self.parallel = parallel
         self.device = device
         self.page_size = page_size
-        self.cache = HybridCache.allocate(cfg, num_pages=num_pages, num_slots=num_slots,
+        self.cache = HybridCache.allocate(cfg, num_pages=num_pages + 1, num_slots=num_slots + 1,
                                           page_size=page_size, dtype=cache_dtype, device=device)
         self.sampler = Sampler(device, seed)
         self._generators: dict[SeqKey, torch.Generator] = {}
+        max_batch = num_slots if cuda_graph_max_batch is None else cuda_graph_max_batch
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch <= 0:
+            raise ValueError(f"cuda_graph_max_batch={cuda_graph_max_batch!r} is invalid; allowed:"
+                             f" an integer > 0 or None")
+        use_graphs = device.type == "cuda" and not enforce_eager and not parallel.enabled
+        if static_decode is None:
+            static_decode = use_graphs
+        if static_decode and parallel.enabled:
+            # Every rank runs the driver's plans dynamically: a padded step would not match
+            # their collectives.
+            raise ValueError("static_decode=True is not supported under tensor / expert "
+                             "parallelism")
+        if static_decode and max_model_len is None:
+            raise ValueError("ModelRunner: static_decode needs max_model_len (the block table "
+                             "width of static-shape steps)")
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs_disabled_reason: str | None = None   # set when a capture failed
+        if static_decode:
+            static = StaticShape(max_pages=pages_needed(max_model_len, page_size),
+                                 scratch_slot=num_slots, scratch_page=num_pages)
+            self.decode_graphs = DecodeGraphs(
+                model, self.cache, static, max_batch, device=device, use_graphs=use_graphs,
+                with_token_types=cfg.is_v41)
 
     # ------------------------------------------------------------------ per-sequence state
     def generator_for(self, seq: Sequence) -> torch.Generator | None:
@@ -241,6 +320,40 @@ class ModelRunner:
             self.cache.reset_slots(plan.reset_slots)
         return self.model.forward(self.context(plan), self.cache)
 
+    def static_bucket(self, plan: StepPlan, sample_rows: list[int],
+                      prompt_positions: list[list[int]]) -> int | None:
+        """The bucket of a step that runs as a static-shape decode step, else None: every
+        sequence brings one token and samples from it, no prompt logprobs, at most the largest
+        bucket of sequences."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            return None
+        R = len(plan.seqlens)
+        if any(n != 1 for n in plan.seqlens) or any(prompt_positions):
+            return None
+        if sample_rows != list(range(R)) or plan.logits_indices != list(range(R)):
+            return None
+        return graphs.bucket(R)
+
+    def _run_static(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits [R, vocab] of a static-shape decode step (graph replay on CUDA); None when
+        its graph could not be captured (graphs are then off for good: eager from here)."""
+        graphs = self.decode_graphs
+        assert graphs is not None
+        if plan.reset_slots:
+            self.cache.reset_slots(plan.reset_slots)
+        capturing = graphs.use_graphs and graphs.bucket(len(plan.seqlens)) not in graphs.graphs
+        try:
+            return graphs.run(plan.input_ids, plan.start_pos, plan.slots, plan.block_tables,
+                              plan.token_types)
+        except Exception as e:  # noqa: BLE001 - a failed capture must not stop serving
+            if not capturing:
+                raise
+            log.exception("dsv4 engine: CUDA-graph capture failed; decode runs eagerly from now")
+            self.graphs_disabled_reason = f"{type(e).__name__}: {e}"
+            self.decode_graphs = None
+            return None
+
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step: forward, logits, sampling."""
@@ -248,11 +361,15 @@ class ModelRunner:
         if out.is_empty:
             return result
         plan, sample_rows, prompt_positions = self.plan_step(out)
-        hidden = self.run_plan(plan)
-        if all(r < 0 for r in sample_rows) and not any(prompt_positions):
-            return result  # partial prefill chunks only: the cache is filled, no logits needed
-        # The head is replicated: only the driver computes logits (the workers skip it).
-        logits = self.model.compute_logits(hidden)
+        logits = None
+        if self.static_bucket(plan, sample_rows, prompt_positions) is not None:
+            logits = self._run_static(plan)
+        if logits is None:
+            hidden = self.run_plan(plan)
+            if all(r < 0 for r in sample_rows) and not any(prompt_positions):
+                return result  # partial prefill chunks only: the cache is filled, no logits
+            # The head is replicated: only the driver computes logits (the workers skip it).
+            logits = self.model.compute_logits(hidden)
 
         rows: list[SamplingRow] = []
         keys: list[SeqKey] = []

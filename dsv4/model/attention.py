@@ -58,12 +58,17 @@ def window_plan(ctx: StepContext, window: int, decode_in_ring: bool) -> dict[str
     key = ("window", window, decode_in_ring)
     if key in ctx.memo:
         return ctx.memo[key]
+    if ctx.static is not None:
+        ctx.memo[key] = _static_window_plan(ctx, window)
+        return ctx.memo[key]
     W, dev = window, ctx.device
     req = ctx.request_of_token
     pos = ctx.positions
     p0 = ctx.start_pos[req]
     slot = ctx.slots[req]
-    Ka = min(W, max(ctx.end_pos_host))
+    # Ring mode reads W columns whatever the positions: the static-shape step's width, so both
+    # give the same bits (trailing masked columns are free, see ops.torch_attn._COL_PAD).
+    Ka = W if decode_in_ring else min(W, max(ctx.end_pos_host))
     count = torch.clamp(pos + 1, max=W)                                   # visible window rows
     k = torch.arange(Ka, device=dev)
     wpos = pos[:, None] - count[:, None] + 1 + k[None, :]                 # [T, Ka] ascending
@@ -82,6 +87,19 @@ def window_plan(ctx: StepContext, window: int, decode_in_ring: bool) -> dict[str
             "ring_rows": (slot * W + pos % W)[keep]}
     ctx.memo[key] = plan
     return plan
+
+
+def _static_window_plan(ctx: StepContext, window: int) -> dict[str, Tensor]:
+    """:func:`window_plan` of a static-shape decode step: ring mode, ``Ka = window`` columns,
+    every token written (each is its request's newest), all from device tensors."""
+    W = window
+    pos, slot = ctx.positions, ctx.slots                 # one token per request: row t = request t
+    count = torch.clamp(pos + 1, max=W)
+    k = torch.arange(W, device=ctx.device)
+    wpos = pos[:, None] - count[:, None] + 1 + k[None, :]
+    idx = torch.where(k[None, :] < count[:, None], slot[:, None] * W + wpos % W, -1)
+    tokens = torch.arange(pos.shape[0], device=ctx.device)
+    return {"idx": idx.to(torch.int32), "ring_tokens": tokens, "ring_rows": slot * W + pos % W}
 
 
 class Attention(nn.Module):

@@ -39,6 +39,10 @@ class EntryPlan:
 
     ``request`` [E] (request index), ``entry`` [E] (entry id j in its request) and the per-request
     counts ``counts_host``.  ``start_entry_host[i]`` = first entry id request i completes.
+
+    A static-shape step (``ctx.static``) has one candidate entry per request, ``valid`` [E]
+    bool saying which complete (the host lists are empty there): the others are computed too,
+    then written to the scratch page, so the step's shapes never depend on the positions.
     """
 
     ratio: int
@@ -46,6 +50,7 @@ class EntryPlan:
     entry: Tensor
     counts_host: list[int]
     start_entry_host: list[int]
+    valid: Tensor | None = None
 
     @property
     def num_entries(self) -> int:
@@ -55,6 +60,12 @@ class EntryPlan:
 def entry_plan(ctx: StepContext, ratio: int) -> EntryPlan:
     """Entries j with ``start_pos <= j·r + r − 1 < end_pos`` of every request (memoized)."""
     key = ("entry_plan", ratio)
+    if key not in ctx.memo and ctx.static is not None:
+        # Decode: request t's token at position p completes entry (p+1)/r − 1 when r | p+1.
+        end = ctx.positions + 1
+        req = torch.arange(ctx.num_requests, device=ctx.device)
+        ent = torch.clamp(torch.div(end, ratio, rounding_mode="floor") - 1, min=0)
+        ctx.memo[key] = EntryPlan(ratio, req, ent, [], [], valid=end % ratio == 0)
     if key not in ctx.memo:
         first = [s // ratio for s in ctx.start_pos_host]
         counts = [e // ratio - f for e, f in zip(ctx.end_pos_host, first)]
@@ -72,6 +83,15 @@ def entry_pool_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
     """[R, L] int64 flat pool rows of entries 0..L−1 of each request (L = max end_pos // r);
     −1 where the request has no such entry (memoized per step)."""
     key = ("entry_rows", ratio, page_size)
+    if key not in ctx.memo and ctx.static is not None:
+        # Static shape: every column of the block table, L = max_pages · page_size // r.
+        epp = page_size // ratio
+        L = ctx.block_tables.shape[1] * epp
+        j = torch.arange(L, device=ctx.device)
+        pages = ctx.block_tables[:, j // epp]
+        n_ent = torch.div(ctx.positions + 1, ratio, rounding_mode="floor")
+        have = (j[None, :] < n_ent[:, None]) & (pages >= 0)
+        ctx.memo[key] = torch.where(have, pages * epp + j % epp, -1)
     if key not in ctx.memo:
         epp = page_size // ratio
         n_ent = [e // ratio for e in ctx.end_pos_host]
@@ -93,6 +113,11 @@ def write_entries(pool: Tensor, ctx: StepContext, plan: EntryPlan, entries: Tens
         return
     epp = pool.shape[1]
     page = ctx.block_tables[plan.request, plan.entry // epp]
+    if plan.valid is not None:
+        # Static shape: entries that do not complete go to the scratch page (zeros, so that
+        # nothing non-finite sits there).
+        page = torch.where(plan.valid, page, ctx.static.scratch_page)
+        entries = torch.where(plan.valid[:, None], entries, 0.0)
     rows = page * epp + plan.entry % epp
     pool.view(-1, pool.shape[-1]).index_copy_(0, rows, encode_rows(entries, fmt, pool.dtype))
 

@@ -34,9 +34,9 @@ def visible_entries(ctx: StepContext, ratio: int) -> Tensor:
     return ctx.memo[key]
 
 
-class Indexer(nn.Module):
-    """Parameters (official names under ``indexer.``): ``wq_b`` [h·dI, q_lora] (FP8),
-    ``weights_proj`` [h, D] (bf16), ``compressor.{wkv, wgate, ape, norm}``."""
+class _IndexScorer(nn.Module):
+    """What both indexers share: the projections ``wq_b`` [h·dI, q_lora] (FP8) and
+    ``weights_proj`` [h, D] (bf16), and the weighted q·k scores of the visible entries."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
                  dtype: torch.dtype) -> None:
@@ -54,10 +54,28 @@ class Indexer(nn.Module):
                            block=cfg.weight_block_size, numerics=numerics, dtype=dtype)
         self.weights_proj = Linear(cfg.dim, self.n_heads, fmt="bf16", numerics=numerics,
                                    dtype=dtype)
-        spec = CompressorSpec("index", self.ratio, self.head_dim, overlap=True)
-        self.compressor = Compressor(cfg, layer_id, spec, numerics, ops, dtype, rotate=True)
         # weights_proj(x) · dI^-0.5 · h^-0.5 (the q·k scale folded into the head weights)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def scores(self, q: Tensor, x: Tensor, flat_keys: Tensor, ctx: StepContext,
+               cache: HybridCache) -> tuple[Tensor, Tensor]:
+        """(scores [T, entries], visible entries [T]) of queries q [T, h, dI] against the
+        layer's key pool rows ``flat_keys``."""
+        w = (self.weights_proj(x) * self.weight_scale).float()
+        n_visible = visible_entries(ctx, self.ratio)
+        key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
+        return self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible), n_visible
+
+
+class Indexer(_IndexScorer):
+    """Parameters (official names under ``indexer.``): ``wq_b`` [h·dI, q_lora] (FP8),
+    ``weights_proj`` [h, D] (bf16), ``compressor.{wkv, wgate, ape, norm}``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
+                 dtype: torch.dtype) -> None:
+        super().__init__(cfg, layer_id, numerics, ops, dtype)
+        spec = CompressorSpec("index", self.ratio, self.head_dim, overlap=True)
+        self.compressor = Compressor(cfg, layer_id, spec, numerics, ops, dtype, rotate=True)
 
     def forward(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
                 cos: Tensor, sin: Tensor) -> Tensor:
@@ -80,12 +98,8 @@ class Indexer(nn.Module):
             # fp4 record keys are stored Hadamard-rotated in every numerics: rotate the queries
             # alike (an orthogonal rotation of both leaves q·k unchanged).
             q = hadamard_transform(q)
-        w = (self.weights_proj(x) * self.weight_scale).float()
-
-        n_visible = visible_entries(ctx, self.ratio)
-        key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
         flat_keys = rows_view(keys.view(-1, keys.shape[-1]), key_fmt)
-        scores = self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible)
+        scores, n_visible = self.scores(q, x, flat_keys, ctx, cache)
         return self.ops.topk_indices(scores, n_visible, self.topk)
 
 
@@ -96,7 +110,7 @@ TOPK_MEMO = "v41_topk"
 CANDIDATES_MEMO = "v41_candidates"
 
 
-class IndexerV2(nn.Module):
+class IndexerV2(_IndexScorer):
     """V4.1 indexer of an index-source layer (spec §4.5).
 
     Parameters (official names under ``indexer.``): ``wq_b`` [h·dI, q_lora] (FP8),
@@ -106,36 +120,21 @@ class IndexerV2(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: SimpleNamespace,
                  dtype: torch.dtype) -> None:
-        super().__init__()
         if not cfg.is_v41 or layer_id not in cfg.index_source_layers:
             raise ValueError(f"IndexerV2: layer {layer_id} is not a V4.1 index source "
                              f"(index_source_layer_ids {list(cfg.index_source_layers)})")
-        self.cfg = cfg
-        self.layer_id = layer_id
-        self.numerics = check_numerics(numerics)
-        self.ops = ops
-        self.ratio = cfg.ratio(layer_id)
-        self.n_heads = cfg.index_n_heads
-        self.head_dim = cfg.index_head_dim
-        self.topk = cfg.index_topk
+        super().__init__(cfg, layer_id, numerics, ops, dtype)
         self.is_candidate_source = layer_id == cfg.candidate_source_layer
         self.uses_candidates = cfg.uses_candidates(layer_id)
         if self.uses_candidates and cfg.ratio(cfg.candidate_source_layer) != self.ratio:
             raise ValueError(f"IndexerV2(layer {layer_id}): ratio {self.ratio} differs from the "
                              f"candidate source layer {cfg.candidate_source_layer}'s ratio "
                              f"{cfg.ratio(cfg.candidate_source_layer)}")
-        qfmt = "fp8" if cfg.quantized else "bf16"
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, fmt=qfmt,
-                           block=cfg.weight_block_size, numerics=numerics, dtype=dtype)
-        self.weights_proj = Linear(cfg.dim, self.n_heads, fmt="bf16", numerics=numerics,
-                                   dtype=dtype)
         self.owns_keys = layer_id in cfg.kv_source_layers
         if self.owns_keys:
             self.wk = Linear(cfg.head_dim, self.head_dim, fmt="bf16", numerics=numerics,
                              dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, ops)
-        # weights_proj(x) · dI^-0.5 · h^-0.5 (the q·k scale folded into the head weights)
-        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
     def keys_from_latent(self, latent: Tensor, cos: Tensor, sin: Tensor,
                          quantize: bool = True) -> Tensor:
@@ -167,10 +166,7 @@ class IndexerV2(nn.Module):
         keys = rows_view(keys.view(-1, keys.shape[-1]), cache.index_key_format)
         q = index_queries(self.wq_b(qr), self.n_heads, self.head_dim, cos, sin, self.numerics,
                           ops=self.ops)
-        w = (self.weights_proj(x) * self.weight_scale).float()
-        n_visible = visible_entries(ctx, self.ratio)
-        key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
-        scores = self.ops.indexer_scores(q, w, keys, key_rows, n_visible)
+        scores, n_visible = self.scores(q, x, keys, ctx, cache)
         if self.is_candidate_source:
             # From the unrestricted (causally masked) scores (spec §4.5 item 5).
             ctx.memo[(CANDIDATES_MEMO, self.layer_id)] = select_candidate_blocks(

@@ -87,14 +87,13 @@ class Head(nn.Module):
         return out.reshape(*hidden.shape[:-1], w.shape[0])
 
 
-class Block(nn.Module):
-    """One V4 block (spec §3.5): mHC around attention, then mHC around the MoE.
-
-    ``forward(x [T, n_hc, D], ctx, cache) -> [T, n_hc, D]``.
-    """
+class _Sublayers(nn.Module):
+    """The modules of every block: norm + mHC around the attention and around the MoE
+    (``moe_cfg``, when given, shapes the MoE instead of ``cfg``)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
-                 dtype: torch.dtype, parallel: Parallel | None = None) -> None:
+                 dtype: torch.dtype, moe_cfg: ModelConfig | None,
+                 parallel: Parallel | None) -> None:
         super().__init__()
         from dsv4.model.attention import Attention  # owned by the attention engineer
 
@@ -104,7 +103,18 @@ class Block(nn.Module):
         self.hc_attn = HyperConnection(cfg, ops)
         self.hc_ffn = HyperConnection(cfg, ops)
         self.attn = Attention(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
-        self.ffn = MoE(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
+        self.ffn = MoE(moe_cfg or cfg, layer_id, numerics, ops, dtype, parallel=parallel)
+
+
+class Block(_Sublayers):
+    """One V4 block (spec §3.5): mHC around attention, then mHC around the MoE.
+
+    ``forward(x [T, n_hc, D], ctx, cache) -> [T, n_hc, D]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
+                 dtype: torch.dtype, parallel: Parallel | None = None) -> None:
+        super().__init__(cfg, layer_id, numerics, ops, dtype, None, parallel)
 
     def forward(self, x: torch.Tensor, ctx: Any, cache: Any) -> torch.Tensor:
         residual = x
@@ -139,7 +149,7 @@ class MTPBlock(Block):
         raise NotImplementedError("MTP stages are loaded but not run by this version of dsv4")
 
 
-class BlockV41(nn.Module):
+class BlockV41(_Sublayers):
     """One V4.1 block (spec §4.6, §4.7): the optional Engram on the streams, then the single-pass
     mHC block whose attention collapses with the previous sublayer's pre-mix.
 
@@ -150,19 +160,11 @@ class BlockV41(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
                  dtype: torch.dtype, moe_cfg: ModelConfig | None = None,
                  parallel: Parallel | None = None) -> None:
-        super().__init__()
-        from dsv4.model.attention import Attention
+        super().__init__(cfg, layer_id, numerics, ops, dtype, moe_cfg, parallel)
         from dsv4.model.engram import Engram
 
         self.cfg = cfg
-        self.layer_id = layer_id
         self.ops = ops
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
-        self.hc_attn = HyperConnection(cfg, ops)
-        self.hc_ffn = HyperConnection(cfg, ops)
-        self.attn = Attention(cfg, layer_id, numerics, ops, dtype, parallel=parallel)
-        self.ffn = MoE(moe_cfg or cfg, layer_id, numerics, ops, dtype, parallel=parallel)
         self.engram: Engram | None = None
         if layer_id < cfg.n_layers and layer_id in cfg.engram_layer_ids:
             self.engram = Engram(cfg, layer_id, numerics, ops, dtype, parallel=parallel)

@@ -16,6 +16,17 @@ __all__ = ["rms_norm", "apply_rope", "sparse_attn", "indexer_scores", "topk_indi
 _BLOCK_ELEMS = 1 << 24
 # The reference sparse-attention kernel walks its index list in blocks of 64 (online softmax).
 _ATTN_BLOCK = 64
+# The index lists are padded with masked columns to a multiple of this: CPU kernels round a
+# column's GEMM result, or a row's sum, differently when it falls in a narrow tail (panel or
+# vector remainder), so without the pad a token's result would depend on how many masked
+# columns its step carries.  With it (and the float64 q·k of sparse_attn) trailing masked
+# columns change no bit: a static-shape (CUDA-graph) decode step, whose lists are padded to
+# engine constants, gives the dynamic step's exact result (tests/model/test_static_shapes.py).
+_COL_PAD = 64
+
+
+def _pad_cols(n: int) -> int:
+    return -(-n // _COL_PAD) * _COL_PAD
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -94,8 +105,13 @@ def sparse_attn(q: Tensor, kv_a: Tensor, idx_a: Tensor, kv_b: Tensor | None,
             rows_b, valid_b = _gather_rows(kv_b, idx_b[t0:t1])
             rows = torch.cat((rows, rows_b), dim=1)
             valid = torch.cat((valid, valid_b), dim=1)
-        qf = q[t0:t1].float()
-        z = torch.einsum("thd,tkd->thk", qf, rows) * scale
+        if rows.shape[1] % _COL_PAD:
+            extra = _pad_cols(rows.shape[1]) - rows.shape[1]
+            rows = torch.cat((rows, rows.new_zeros(t1 - t0, extra, d)), dim=1)
+            valid = torch.cat((valid, valid.new_zeros(t1 - t0, extra)), dim=1)
+        # q·k in float64 (exact products, one rounding): a column's score does not depend on
+        # how many columns the GEMM holds.
+        z = torch.einsum("thd,tkd->thk", q[t0:t1].double(), rows.double()).float() * scale
         z = z.masked_fill(~valid[:, None, :], float("-inf"))
         if p_dtype is None:
             out[t0:t1] = _softmax_sink_pv(z, rows, sink_f).to(q.dtype)
@@ -148,17 +164,20 @@ def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, key_rows: Tensor,
     out = torch.full((T, L), float("-inf"), dtype=torch.float32, device=q.device)
     if L == 0 or T == 0:
         return out
-    step = max(1, _BLOCK_ELEMS // max(1, L * (h + dI)))
-    entry = torch.arange(L, device=q.device)
+    Lp = _pad_cols(L)   # masked pad columns: see _COL_PAD
+    step = max(1, _BLOCK_ELEMS // max(1, Lp * (h + dI)))
+    entry = torch.arange(Lp, device=q.device)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         rows = key_rows[t0:t1]
+        if Lp > L:
+            rows = torch.cat((rows, rows.new_zeros(t1 - t0, Lp - L)), dim=1)
         visible = entry[None, :] < n_visible[t0:t1, None]
         k = keys.index_select(0, torch.where(visible, rows, 0).reshape(-1).long()).float()
-        k = k.view(t1 - t0, L, dI)
+        k = k.view(t1 - t0, Lp, dI)
         dots = torch.einsum("thd,tld->thl", q[t0:t1].float(), k).relu_()
         s = torch.einsum("thl,th->tl", dots, w[t0:t1].float())
-        out[t0:t1] = s.masked_fill(~visible, float("-inf"))
+        out[t0:t1] = s.masked_fill(~visible, float("-inf"))[:, :L]
     return out
 
 

@@ -23,13 +23,14 @@ from dsv4.server.protocol import (
     sampling_kwargs,
 )
 from dsv4.server.state import (
-    ClientDisconnected,
     RequestTracker,
     ServerState,
+    collect_or_abort,
     engine_failure,
     outcome_of,
     sse,
-    until_done_or_disconnected,
+    sse_error,
+    usage_of,
 )
 
 # OpenAI-style effort names that DeepSeek does not have, mapped to the nearest one.
@@ -128,9 +129,7 @@ class _ChatRun:
         return moved
 
     def usage(self) -> dict:
-        prompt = self.num_prompt
-        done = sum(ch.num_tokens for ch in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return usage_of(self.num_prompt, sum(ch.num_tokens for ch in self.choices))
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
@@ -167,17 +166,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             async for out in it:
                 run.advance(out)
 
-    try:
-        await until_done_or_disconnected(request, collect())
-    except ClientDisconnected:
-        tracker.finish("aborted")
-        return JSONResponse({}, status_code=499)
-    except Exception as e:
-        err = engine_failure(e)
-        tracker.finish(outcome_of(err))
-        err.counted = True
-        raise err from None
-    tracker.finish("ok")
+    aborted = await collect_or_abort(request, tracker, collect())
+    if aborted is not None:
+        return aborted
     choices = []
     for i, ch in enumerate(run.choices):
         message: dict[str, Any] = {"role": "assistant",
@@ -229,8 +220,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, run: _ChatRun,
     except Exception as e:
         err = engine_failure(e)
         outcome = outcome_of(err)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param,
-                             "code": err.code}})
+        yield sse_error(err)
     finally:
         run.tracker.finish(outcome)
     yield sse("[DONE]")

@@ -15,14 +15,15 @@ from starlette.requests import Request
 
 from dsv4.server.protocol import CompletionRequest, bad_request, completion_logprobs, sampling_kwargs
 from dsv4.server.state import (
-    ClientDisconnected,
     RequestTracker,
     ServerState,
+    collect_or_abort,
     engine_failure,
     merged,
     outcome_of,
     sse,
-    until_done_or_disconnected,
+    sse_error,
+    usage_of,
 )
 
 
@@ -100,9 +101,7 @@ class _CompletionRun:
         return moved
 
     def usage(self) -> dict:
-        done = sum(ch.num_tokens for ch in self.choices)
-        return {"prompt_tokens": self.num_prompt, "completion_tokens": done,
-                "total_tokens": self.num_prompt + done}
+        return usage_of(self.num_prompt, sum(ch.num_tokens for ch in self.choices))
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Any:
@@ -133,17 +132,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             async for which, out in it:
                 run.advance(which, out)
 
-    try:
-        await until_done_or_disconnected(request, collect())
-    except ClientDisconnected:
-        tracker.finish("aborted")
-        return JSONResponse({}, status_code=499)
-    except Exception as e:
-        err = engine_failure(e)
-        tracker.finish(outcome_of(err))
-        err.counted = True
-        raise err from None
-    tracker.finish("ok")
+    aborted = await collect_or_abort(request, tracker, collect())
+    if aborted is not None:
+        return aborted
     choices = [{"index": i, "text": ch.text, "logprobs": ch.logprobs,
                 "finish_reason": ch.finish_reason} for i, ch in enumerate(run.choices)]
     return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -172,8 +163,7 @@ async def _stream(state: ServerState, req: CompletionRequest, run: _CompletionRu
     except Exception as e:
         err = engine_failure(e)
         outcome = outcome_of(err)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param,
-                             "code": err.code}})
+        yield sse_error(err)
     finally:
         run.tracker.finish(outcome)
     yield sse("[DONE]")

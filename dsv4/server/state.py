@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from dsv4.server.async_engine import AsyncEngine, EngineError, EngineStopped
@@ -212,6 +213,33 @@ async def until_done_or_disconnected(request: Request, work: Awaitable[Any],
             await asyncio.gather(task, return_exceptions=True)
 
 
+async def collect_or_abort(request: Request, tracker: RequestTracker,
+                           work: Awaitable[Any]) -> JSONResponse | None:
+    """Run a non-streamed request's ``work`` and record its outcome on ``tracker``.
+
+    Returns the empty 499 answer if the client left, else None once ``work`` is done; an engine
+    failure is raised as its (already counted) API error.
+    """
+    try:
+        await until_done_or_disconnected(request, work)
+    except ClientDisconnected:
+        tracker.finish("aborted")
+        return JSONResponse({}, status_code=499)
+    except Exception as e:
+        err = engine_failure(e)
+        tracker.finish(outcome_of(err))
+        err.counted = True
+        raise err from None
+    tracker.finish("ok")
+    return None
+
+
+def usage_of(num_prompt: int, num_completion: int) -> dict:
+    """The OpenAI ``usage`` object."""
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
 async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several async iterators: yields (which, item); closing it closes them all."""
     if len(streams) == 1:  # the common case, without tasks
@@ -258,3 +286,9 @@ def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                                  separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+def sse_error(err: ApiError) -> str:
+    """The server-sent event that reports ``err`` inside a stream already under way."""
+    return sse({"error": {"message": err.message, "type": err.type, "param": err.param,
+                          "code": err.code}})

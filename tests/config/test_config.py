@@ -3,64 +3,31 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from dsv4.config import ModelConfig
 
-FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43,
-    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
-    "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-    "num_experts_per_tok": 6, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0, "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128,
-    "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 1048576, "num_nextn_predict_layers": 1,
-    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                            "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    "expert_dtype": "fp4", "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
-}
+# One source for the official configs: tests/checkpoint/ckpt_real_configs.py (not a package,
+# so it is loaded by path).
+_REAL_CONFIGS_PATH = Path(__file__).resolve().parents[1] / "checkpoint" / "ckpt_real_configs.py"
 
-V41_TEXT = {
-    "model_type": "deepseek_v41_text", "vocab_size": 129280, "hidden_size": 5120,
-    "num_hidden_layers": 40, "num_attention_heads": 64, "num_key_value_heads": 1,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_groups": 8,
-    "o_lora_rank": 1024, "moe_intermediate_size": 2304, "n_routed_experts": 384,
-    "n_shared_experts": 1, "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus",
-    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-20,
-    "max_position_embeddings": 1048576, "rope_theta": 10000, "compress_rope_theta": 160000,
-    "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                     "original_max_position_embeddings": 65536},
-    "sliding_window": 128, "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-    "kv_source_layer_ids": [2, 8, 14, 20],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
-    "candidate_source_layer_id": 20, "candidate_topk_blocks": 2048, "candidate_block_size": 8,
-    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
-    "engram_n_heads": 8, "engram_head_dim": 256, "engram_vocab_size": 16000000,
-    "engram_pad_token_id": 2, "engram_compressed_vocab_size": 99092,
-    "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
-    "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
-    "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
-}
-V41 = {
-    "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
-    "dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
-    "image_token_id": 129264,
-    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                            "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
-                            "expert_dtype": "fp4"},
-    "text_config": V41_TEXT, "vision_config": {"model_type": "deepseek_v41_vision"},
-}
+
+def _real_configs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ckpt_real_configs_config", _REAL_CONFIGS_PATH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_REAL = _real_configs()
+FLASH = _REAL.V4_FLASH
+V41 = {**_REAL.V41_FLASH, "vision_config": {"model_type": "deepseek_v41_vision"}}
 
 
 def test_flash_parses_and_schedules():

@@ -17,13 +17,7 @@ from test_v41_helpers import (PAGE, S, new_cache, prompt, run_chunks, v41_model)
 TOL = dict(rtol=0, atol=3e-5)   # fp32 rounding of logits of std ≈ 1 (GEMMs vary with batch)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny GEMMs: one thread is faster and immune to CPU oversubscription.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

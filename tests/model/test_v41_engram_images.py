@@ -19,13 +19,7 @@ TOL = dict(rtol=0, atol=3e-5)
 SPAN_TYPES = [0, 1, 1, 2, 1, 3]   # IMAGE_START, IMAGE ×2, NEW_LINE, IMAGE, IMAGE_END
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny GEMMs: one thread is faster and immune to CPU oversubscription.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _image_prompt(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -105,13 +105,7 @@ class AttendRecorder:
 
 
 # ------------------------------------------------------------------ checks of the helpers
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny GEMMs: one thread is faster and immune to CPU oversubscription.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tiny_v41_schedule_is_what_the_tests_assume() -> None:

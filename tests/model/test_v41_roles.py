@@ -19,13 +19,7 @@ from test_v41_helpers import (FULL1, FULL2, PAGE, REINDEX, REUSE1, REUSE2, REUSE
                               AttendRecorder, new_cache, prompt, v41_model)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny GEMMs: one thread is faster and immune to CPU oversubscription.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, cfg, layer: int) -> torch.Tensor:
