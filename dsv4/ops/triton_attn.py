@@ -71,28 +71,31 @@ def load_rows(ptr, rows, cols, mask, stride, FMT: tl.constexpr, NQ: tl.constexpr
     (e8m0, or e4m3 for FMT_FP4_E4M3); channels >= NQ are bf16 at byte ``TAIL_OFF``.  fp32 out.
     """
     base = ptr + rows[:, None] * stride
+    # One return only: the compiler rejects returns of different dtypes even across a
+    # constexpr branch (the interpreter does not check this).
     if FMT == 0:
-        return tl.load(base + cols[None, :], mask=mask, other=0.0)
-    c = cols[None, :]
-    in_q = c < NQ
-    qmask = mask & in_q
-    sb = tl.load(base + SC_OFF + c // QB, mask=qmask, other=0)
-    if FMT == 1:
-        val = tl.load(base + c, mask=qmask, other=0).to(tl.float8e4nv, bitcast=True)
-        val = val.to(tl.float32)
+        val = tl.load(base + cols[None, :], mask=mask, other=0.0)
     else:
-        byte = tl.load(base + c // 2, mask=qmask, other=0).to(tl.int32)
-        val = _e2m1_to_f32((byte >> ((c & 1) * 4)) & 15)
-    if FMT == 2:
-        scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # e8m0: 2^(b − 127)
-    val = val * scale
-    if TAIL_OFF >= 0:
-        tail_ptr = ptr.to(tl.pointer_type(tl.bfloat16))
-        tail = tl.load(tail_ptr + rows[:, None] * (stride // 2) + TAIL_OFF // 2 + (c - NQ),
-                       mask=mask & (c >= NQ), other=0.0)
-        val = tl.where(in_q, val, tail.to(tl.float32))
+        c = cols[None, :]
+        in_q = c < NQ
+        qmask = mask & in_q
+        sb = tl.load(base + SC_OFF + c // QB, mask=qmask, other=0)
+        if FMT == 1:
+            val = tl.load(base + c, mask=qmask, other=0).to(tl.float8e4nv, bitcast=True)
+            val = val.to(tl.float32)
+        else:
+            byte = tl.load(base + c // 2, mask=qmask, other=0).to(tl.int32)
+            val = _e2m1_to_f32((byte >> ((c & 1) * 4)) & 15)
+        if FMT == 2:
+            scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # e8m0: 2^(b − 127)
+        val = val * scale
+        if TAIL_OFF >= 0:
+            tail_ptr = ptr.to(tl.pointer_type(tl.bfloat16))
+            tail = tl.load(tail_ptr + rows[:, None] * (stride // 2) + TAIL_OFF // 2 + (c - NQ),
+                           mask=mask & (c >= NQ), other=0.0)
+            val = tl.where(in_q, val, tail.to(tl.float32))
     return val
 
 

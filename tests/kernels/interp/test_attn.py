@@ -13,17 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
 
 from dsv4.ops import torch_attn as ref  # noqa: E402
 from dsv4.ops import triton_attn as tri  # noqa: E402
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _indices(T: int, K: int, n_rows: int, gen: torch.Generator, p_skip: float) -> torch.Tensor:
-    idx = torch.randint(0, n_rows, (T, K), generator=gen, dtype=torch.int32)
-    skip = torch.rand(T, K, generator=gen) < p_skip
-    return torch.where(skip, torch.full_like(idx, -1), idx)
+from interp_helpers import random_indices, rel_err  # noqa: E402
 
 
 @pytest.mark.parametrize("two_sources", [False, True])
@@ -33,26 +23,26 @@ def test_sparse_attn_matches_twin(two_sources: bool, dtype: torch.dtype) -> None
     T, H, d = 3, 20, 48  # H not a multiple of the 16-head block, d not a power of two
     q = torch.randn(T, H, d, generator=gen).to(dtype)
     kv_a = torch.randn(37, d, generator=gen).to(dtype)
-    idx_a = _indices(T, 70, 37, gen, 0.3)  # 70: a partial second block of 64
+    idx_a = random_indices(T, 70, 37, gen, 0.3)  # 70: a partial second block of 64
     idx_a[0] = -1  # a token with nothing in source a
     kv_b = idx_b = None
     if two_sources:
         kv_b = torch.randn(11, d, generator=gen).to(dtype)
-        idx_b = _indices(T, 9, 11, gen, 0.2).long()
+        idx_b = random_indices(T, 9, 11, gen, 0.2).long()
     sink = torch.randn(H, generator=gen)
     scale = d ** -0.5
     o = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale)
     assert o.shape == (T, H, d) and o.dtype == dtype
     assert torch.isfinite(o.float()).all()
     if dtype == torch.float32:
-        assert _rel(o, ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale)) < 1e-5
+        assert rel_err(o, ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale)) < 1e-5
         # official numerics: P rounded to bf16 before P·V, as the reference kernel.
         o_p = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype=torch.bfloat16)
         o_pr = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype=torch.bfloat16)
-        assert _rel(o_p, o_pr) < 3e-3
+        assert rel_err(o_p, o_pr) < 3e-3
     else:
         o_r = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype=torch.bfloat16)
-        assert _rel(o.float(), o_r.float()) < 3e-3
+        assert rel_err(o.float(), o_r.float()) < 3e-3
 
 
 def test_sparse_attn_sink_only_and_errors() -> None:
@@ -87,7 +77,7 @@ def test_indexer_scores_matches_twin(dtype: torch.dtype) -> None:
     vis = torch.arange(L)[None, :] < n_vis[:, None]
     assert torch.equal(torch.isinf(s), ~vis) and bool((s[~vis] < 0).all())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert _rel(s[vis], s_ref[vis]) < tol
+    assert rel_err(s[vis], s_ref[vis]) < tol
 
 
 @pytest.mark.parametrize("cfg", [
@@ -101,16 +91,16 @@ def test_sparse_attn_plans_agree(cfg: tri.AttnConfig) -> None:
     q = torch.randn(T, H, d, generator=gen)
     kv_a = torch.randn(30, d, generator=gen)
     kv_b = torch.randn(25, d, generator=gen)
-    idx_a = _indices(T, 40, 30, gen, 0.25)
-    idx_b = _indices(T, 7, 25, gen, 0.25)
+    idx_a = random_indices(T, 40, 30, gen, 0.25)
+    idx_b = random_indices(T, 7, 25, gen, 0.25)
     idx_a[1, :] = -1  # token 1: all of source a (and so some slices) empty
     sink = torch.randn(H, generator=gen)
     o = tri.sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, 0.2, None, cfg)
     o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, 0.2)
     assert torch.isfinite(o).all()
-    assert _rel(o, o_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5
     ob = tri.sparse_attn_with_config(q.bfloat16(), kv_a.bfloat16(), idx_a, kv_b.bfloat16(),
                                      idx_b, sink, 0.2, None, cfg)
     ob_ref = ref.sparse_attn(q.bfloat16(), kv_a.bfloat16(), idx_a, kv_b.bfloat16(), idx_b, sink,
                              0.2, p_dtype=torch.bfloat16)
-    assert _rel(ob.float(), ob_ref.float()) < 4e-3
+    assert rel_err(ob.float(), ob_ref.float()) < 4e-3

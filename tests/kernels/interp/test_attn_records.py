@@ -19,17 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
 from dsv4.cache import formats as cf  # noqa: E402
 from dsv4.ops import torch_attn as ref  # noqa: E402
 from dsv4.ops import triton_attn as tri  # noqa: E402
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _indices(T: int, K: int, n_rows: int, gen: torch.Generator, p_skip: float) -> torch.Tensor:
-    idx = torch.randint(0, n_rows, (T, K), generator=gen, dtype=torch.int32)
-    skip = torch.rand(T, K, generator=gen) < p_skip
-    return torch.where(skip, torch.full_like(idx, -1), idx)
+from interp_helpers import random_indices, rel_err  # noqa: E402
 
 
 def _records(fmt: cf.RecordFormat, n: int, gen: torch.Generator) -> cf.PackedRows:
@@ -54,9 +44,9 @@ def test_sparse_attn_reads_records_in_place(layout: str, dtype: torch.dtype) -> 
     T, H, d = 3, 20, 128
     q = torch.randn(T, H, d, generator=gen).to(dtype)
     kv_a, kv_b = _records(fmt_a, 37, gen), _records(fmt_b, 11, gen)
-    idx_a = _indices(T, 70, 37, gen, 0.3)   # a partial second block of 64
+    idx_a = random_indices(T, 70, 37, gen, 0.3)   # a partial second block of 64
     idx_a[0] = -1                           # a token with nothing in source a
-    idx_b = _indices(T, 9, 11, gen, 0.2).long()
+    idx_b = random_indices(T, 9, 11, gen, 0.2).long()
     sink = torch.randn(H, generator=gen)
     p_dtype = torch.bfloat16 if dtype == torch.bfloat16 else None
     o = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, p_dtype=p_dtype)
@@ -65,7 +55,7 @@ def test_sparse_attn_reads_records_in_place(layout: str, dtype: torch.dtype) -> 
     o_rows = tri.sparse_attn(q, rows_a, idx_a, rows_b, idx_b, sink, d ** -0.5, p_dtype=p_dtype)
     assert torch.equal(o, o_rows)
     o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, p_dtype=p_dtype)
-    assert _rel(o.float(), o_ref.float()) < (1e-5 if dtype == torch.float32 else 3e-3)
+    assert rel_err(o.float(), o_ref.float()) < (1e-5 if dtype == torch.float32 else 3e-3)
 
 
 @pytest.mark.parametrize("cfg", [tri.AttnConfig(BH=16, BN=16, split_kv=3),
@@ -77,11 +67,11 @@ def test_record_plans_agree(cfg: tri.AttnConfig) -> None:
     fmt = cf.v4_kv_record(128, 64)
     q = torch.randn(T, H, d, generator=gen)
     kv_a, kv_b = _records(fmt, 30, gen), _records(fmt, 25, gen)
-    idx_a, idx_b = _indices(T, 40, 30, gen, 0.25), _indices(T, 7, 25, gen, 0.25)
+    idx_a, idx_b = random_indices(T, 40, 30, gen, 0.25), random_indices(T, 7, 25, gen, 0.25)
     sink = torch.randn(H, generator=gen)
     o = tri.sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, 0.1, None, cfg)
     o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, 0.1)
-    assert _rel(o, o_ref) < 1e-5
+    assert rel_err(o, o_ref) < 1e-5
 
 
 def test_record_source_errors() -> None:
@@ -110,7 +100,7 @@ def test_indexer_scores_read_fp4_keys_in_place(dtype: torch.dtype) -> None:
     s_rows = tri.indexer_scores(q, w, fmt.unpack(keys.data, dtype), rows, n_vis)
     assert torch.equal(s[vis], s_rows[vis])
     s_ref = ref.indexer_scores(q, w, keys, rows, n_vis)
-    assert _rel(s[vis], s_ref[vis]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(s[vis], s_ref[vis]) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_tiny_v4_on_records_triton_backend_matches_torch(tmp_path) -> None:
@@ -134,4 +124,4 @@ def test_tiny_v4_on_records_triton_backend_matches_torch(tmp_path) -> None:
         logits[backend] = torch.cat([model.compute_logits(model.forward(ctx, cache))
                                      for ctx in (prefill, decode)])
     assert logits["torch"].shape == (11, model.cfg.vocab_size)
-    assert _rel(logits["triton"], logits["torch"]) < 1e-5
+    assert rel_err(logits["triton"], logits["torch"]) < 1e-5

@@ -16,13 +16,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
 from dsv4 import formats  # noqa: E402
 from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_dense as tri  # noqa: E402
+from interp_helpers import rel_err  # noqa: E402
 
 E8M0 = torch.float8_e8m0fnu
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _fp8_weight(n: int, k: int, block: int, scale_dtype: torch.dtype, gen: torch.Generator
@@ -61,7 +57,7 @@ def test_fp8_linear_matches_twin(M: int, scale_dtype: torch.dtype, block: int) -
     y_ref = ref.fp8_linear(x, w8, ws, block, torch.float32)
     assert y.shape == (M, N) and y.dtype == torch.float32
     assert torch.isfinite(y).all()
-    assert _rel(y, y_ref) < 1e-6
+    assert rel_err(y, y_ref) < 1e-6
 
 
 def test_fp8_linear_split_k_leading_dims_and_bf16() -> None:
@@ -75,8 +71,8 @@ def test_fp8_linear_split_k_leading_dims_and_bf16() -> None:
         y = tri.fp8_linear_with_config(x, w8, ws, block, torch.bfloat16, cfg)
         assert y.shape == (2, 3, N) and y.dtype == torch.bfloat16
         # bf16 output: at most one rounding step apart.
-        assert _rel(y, y_ref) < 1e-2
-        assert _rel(y.float(), y_ref.float()) < 4e-3
+        assert rel_err(y, y_ref) < 1e-2
+        assert rel_err(y.float(), y_ref.float()) < 4e-3
 
 
 def test_fp8_linear_rejects_bad_inputs() -> None:
@@ -107,15 +103,15 @@ def test_hc_pre_matches_twin(T: int) -> None:
     y, post, comb = tri.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     y_r, post_r, comb_r = ref.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     assert y.shape == (T, D) and post.shape == (T, n) and comb.shape == (T, n, n)
-    assert _rel(y, y_r) < 1e-5
-    assert _rel(post, post_r) < 1e-5
-    assert _rel(comb, comb_r) < 1e-5
+    assert rel_err(y, y_r) < 1e-5
+    assert rel_err(post, post_r) < 1e-5
+    assert rel_err(comb, comb_r) < 1e-5
     # Sinkhorn output is (near) doubly stochastic: a property, independent of the twin.
     assert torch.allclose(comb.sum(-2), torch.ones(T, n), atol=1e-3)
     # bf16 streams: y rounded once.
     yb, _, _ = tri.hc_pre(x.bfloat16(), fn, scale, base, 1e-6, 1e-6, 20)
     yb_r, _, _ = ref.hc_pre(x.bfloat16(), fn, scale, base, 1e-6, 1e-6, 20)
-    assert yb.dtype == torch.bfloat16 and _rel(yb.float(), yb_r.float()) < 4e-3
+    assert yb.dtype == torch.bfloat16 and rel_err(yb.float(), yb_r.float()) < 4e-3
 
 
 def test_hc_post_and_head_match_twin() -> None:
@@ -126,15 +122,15 @@ def test_hc_post_and_head_match_twin() -> None:
     post = torch.rand(T, n, generator=gen) * 2
     comb = torch.rand(T, n, n, generator=gen)  # not symmetric: the direction is checked
     y = tri.hc_post(out, x_res, post, comb)
-    assert _rel(y, ref.hc_post(out, x_res, post, comb)) < 1e-6
+    assert rel_err(y, ref.hc_post(out, x_res, post, comb)) < 1e-6
     yb = tri.hc_post(out.bfloat16(), x_res.bfloat16(), post, comb)
     assert yb.dtype == torch.bfloat16
-    assert _rel(yb.float(), ref.hc_post(out.bfloat16(), x_res.bfloat16(), post, comb).float()) < 4e-3
+    assert rel_err(yb.float(), ref.hc_post(out.bfloat16(), x_res.bfloat16(), post, comb).float()) < 4e-3
     x, fn, _, base = _hc_inputs(T, n, D, gen, n)
     scale1 = torch.rand(1, generator=gen) + 0.5
     h = tri.hc_head(x, fn, scale1, base, 1e-6, 1e-6)
     assert h.shape == (T, D)
-    assert _rel(h, ref.hc_head(x, fn, scale1, base, 1e-6, 1e-6)) < 1e-5
+    assert rel_err(h, ref.hc_head(x, fn, scale1, base, 1e-6, 1e-6)) < 1e-5
 
 
 def test_hc_rejects_bad_shapes() -> None:

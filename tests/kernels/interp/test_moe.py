@@ -17,13 +17,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
 from dsv4 import formats  # noqa: E402
 from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_moe as tri  # noqa: E402
+from interp_helpers import rel_err  # noqa: E402
 
 E8M0 = torch.float8_e8m0fnu
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _stack(fmt: str, E: int, n: int, k: int, gen: torch.Generator, block: int = 128,
@@ -71,7 +67,7 @@ def test_e2m1_planes_decode_every_code_and_scale() -> None:
     w = torch.ones(3, 1)
     y = tri.moe_experts(x, ids, w, ex, 0.0)
     y_ref = ref.moe_experts(x, ids, w, ex, 0.0)
-    assert _rel(y, y_ref) < 1e-5
+    assert rel_err(y, y_ref) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8", "dense"])
@@ -86,7 +82,7 @@ def test_moe_experts_matches_twin(fmt: str, T: int) -> None:
     y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
     assert y.shape == (T, D) and y.dtype == torch.float32
     assert torch.isfinite(y).all()
-    assert _rel(y, y_ref) < 1e-5
+    assert rel_err(y, y_ref) < 1e-5
 
 
 def test_moe_clamp_is_active_and_matches() -> None:
@@ -97,8 +93,8 @@ def test_moe_clamp_is_active_and_matches() -> None:
     x = torch.randn(T, D, generator=gen) * 20
     ids, w = _routing(T, E, k, gen)
     y = tri.moe_experts(x, ids, w, ex, 1.0)
-    assert _rel(y, ref.moe_experts(x, ids, w, ex, 1.0)) < 1e-5
-    assert _rel(y, ref.moe_experts(x, ids, w, ex, 0.0)) > 1e-2
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 1.0)) < 1e-5
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 0.0)) > 1e-2
 
 
 def test_moe_official_act_quant_bf16_and_skipped_ids() -> None:
@@ -115,9 +111,9 @@ def test_moe_official_act_quant_bf16_and_skipped_ids() -> None:
     y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
     assert torch.isfinite(y).all()
     # bf16 intermediates: a one-ulp difference in one activation moves the output by ~4e-3 rel.
-    assert _rel(y, y_ref) < 1e-2
+    assert rel_err(y, y_ref) < 1e-2
     no_quant = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, None, "fp4", ex.s1, ex.s3, ex.s2)
-    assert _rel(y, ref.moe_experts(x, ids, w, no_quant, 10.0)) > _rel(y, y_ref)
+    assert rel_err(y, ref.moe_experts(x, ids, w, no_quant, 10.0)) > rel_err(y, y_ref)
 
 
 def test_moe_fp8_official_block_scales() -> None:
@@ -127,7 +123,7 @@ def test_moe_fp8_official_block_scales() -> None:
     x = torch.randn(T, D, generator=gen)
     ids, w = _routing(T, E, k, gen)
     y = tri.moe_experts(x, ids, w, ex, 10.0)
-    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
 
 
 def test_moe_plan_blocks_cover_every_pair_once() -> None:
@@ -194,9 +190,9 @@ def test_grouped_prefill_path_matches_twin(fmt: str, act_block) -> None:
     y = tri.moe_experts_grouped(x, ids, w, ex, 10.0)
     y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
     assert torch.isfinite(y).all()
-    assert _rel(y, y_ref) < 1e-2
+    assert rel_err(y, y_ref) < 1e-2
     y32 = tri.moe_experts_grouped(x.float(), ids, w, ex, 10.0)
-    assert _rel(y32, ref.moe_experts(x.float(), ids, w, ex, 10.0)) < 1e-5
+    assert rel_err(y32, ref.moe_experts(x.float(), ids, w, ex, 10.0)) < 1e-5
     old = tri.DEQUANT_GEMM_MIN_ROWS
     try:
         tri.DEQUANT_GEMM_MIN_ROWS = 10  # 60 pairs over 4 experts: the grouped path
@@ -216,7 +212,7 @@ def test_moe_tile_plans_of_the_defaults(plan) -> None:
     ids, w = _routing(T, E, k, gen)
     cfg = tri.MoeConfig(BM=bm, BN_up=bn_up, BN_down=bn_down)
     y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
 
 
 def test_pick_moe_config_regimes() -> None:
