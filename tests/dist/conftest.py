@@ -14,11 +14,5 @@ def tiny_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny shapes gain nothing from intra-op threads; on a busy 2-core machine they only spin.
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread: None) -> None:
+    """Every test here runs on one intra-op thread (see tests/conftest.py)."""

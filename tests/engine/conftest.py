@@ -28,10 +28,5 @@ def tiny_v4_tokenizer(tiny_v4_path: str):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine the thread
-    # pool's spinning makes every op several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread: None) -> None:
+    """Every test here runs on one intra-op thread (see tests/conftest.py)."""

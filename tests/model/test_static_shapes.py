@@ -20,12 +20,7 @@ NUM_PAGES, NUM_SLOTS = 12, 6            # real ids; the scratch page / slot come
 STATIC = StaticShape(max_pages=3, scratch_slot=NUM_SLOTS, scratch_page=NUM_PAGES)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
