@@ -5,6 +5,7 @@ against the real server and the tiny model; every response well formed, no leake
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "server_load.py"
@@ -13,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "server_load.py"
 def test_64_clients_3_rounds_well_formed_and_no_leak(capsys) -> None:
     spec = importlib.util.spec_from_file_location("server_load", BENCH)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["server_load"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     rc = mod.main(["--clients", "64", "--rounds", "3", "--max-tokens", "8", "--device", "cpu"])
     out = capsys.readouterr().out
