@@ -394,9 +394,9 @@ def _block_k(experts: ExpertWeights, D: int, inter: int) -> int:
 
 # Rows per active expert from which a call dequantizes every expert once into a bf16 scratch and
 # runs cuBLAS grouped GEMMs (prefill) instead of dequantizing tiles inside the grouped kernel.
-# None: off.  Its first GPU run (2026-11-29) hit an illegal address from 32-bit offsets in the
-# dequant kernel (fixed since: 64-bit expert offsets); it is not re-measured on the GPU yet, so
-# it stays off by default (docs/PERFORMANCE.md; 48 is the intended threshold).
+# None: off.  With 64-bit offsets it is correct on the H200 but ~100 ms per call at V4-Flash
+# widths (every expert dequantized per call), slower than the in-kernel path: it stays off
+# (docs/PERFORMANCE.md, bench/moe_prefill.py).
 DEQUANT_GEMM_MIN_ROWS: int | None = None
 
 
