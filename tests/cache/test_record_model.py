@@ -8,7 +8,9 @@ attention layer stays within a few percent of the row cache.
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,13 @@ from dsv4.model.transformer import load_model
 from dsv4.ops import get_ops
 from dsv4.tiny import make_tiny_checkpoint, tiny_config
 from dsv4.tokenizer import load_tokenizer
+
+# The attention tests' deterministic initialization (one definition for both test folders).
+_spec = importlib.util.spec_from_file_location(
+    "attention_helpers_for_cache",
+    Path(__file__).resolve().parents[1] / "model" / "test_attention_helpers.py")
+_attention_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_attention_helpers)  # type: ignore[union-attr]
 
 
 @pytest.fixture(autouse=True)
@@ -128,15 +137,7 @@ def test_v4_fp32_official_differs_only_by_the_bf16_rope_tail(ckpt, monkeypatch) 
 
 def _attention(cfg: ModelConfig, layer: int, seed: int) -> Attention:
     att = Attention(cfg, layer, "bf16", get_ops("torch"), torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(att.named_parameters()):
-            if p.dim() == 2 and not name.endswith("ape"):
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            else:  # attn_sink, ape
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    _attention_helpers.init_attention(att, seed)
     return att
 
 

@@ -10,24 +10,9 @@ import random
 import pytest
 import torch
 
+from test_cuda_graphs import run as _run  # the greedy run-to-completion helper
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _run(eng, reqs):
-    from dsv4.engine.sampling_params import SamplingParams
-
-    for i, (prompt, n) in enumerate(reqs):
-        eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n,
-                                                        ignore_eos=True, logprobs=1))
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, [c.logprobs[k][t].logprob
-                                                      for k, t in enumerate(c.token_ids)])
-    eng.check_idle()
-    return done
 
 
 def test_graph_decode_matches_static_eager_on_gpu(tmp_path) -> None:
