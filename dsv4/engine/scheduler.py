@@ -11,6 +11,10 @@ freed, it goes back to the FRONT of the waiting queue, and later its prompt plus
 had generated are prefilled again.  Admission is first-come first-served, and no new sequence is
 admitted on a step that had to preempt (that would only thrash).
 
+A step that runs out of device memory (:meth:`Scheduler.on_out_of_memory`) preempts every
+sequence it had scheduled, the same way, and halves the token budget of the next steps; the
+budget grows back after a run of good steps.
+
 Invariant that makes "newest running" well defined: the running list is ordered by arrival, and
 every running sequence arrived before every waiting one.
 """
@@ -92,6 +96,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._next_arrival = 0
         self.num_preemptions = 0
+        # Token budget after an out-of-memory step (None: the full max_num_batched_tokens) and
+        # the good steps since it was last changed.
+        self.oom_budget: int | None = None
+        self._good_steps = 0
 
     # ------------------------------------------------------------------ queue changes
     def next_arrival(self) -> int:
@@ -145,7 +153,7 @@ class Scheduler:
         """Decide what the next step computes (changes block tables, slots and queues)."""
         out = SchedulerOutput()
         chosen: dict[tuple[str, int], ScheduledSeq] = {}
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if self.oom_budget is None else self.oom_budget
 
         # Decodes, then running sequences with an unfinished prefill, oldest first.
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -219,6 +227,41 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         return returned
+
+    # ------------------------------------------------------------------ out of device memory
+    # Good steps at a reduced budget before it doubles again.
+    OOM_RECOVERY_STEPS = 32
+
+    def on_out_of_memory(self, out: SchedulerOutput) -> bool:
+        """The step ``out`` ran out of device memory before it finished.
+
+        Its sequences may have written part of their cache state, so each is preempted by
+        recompute (with every running sequence newer than it, keeping the running list the
+        oldest ones); nothing they generated is lost.  The next steps get half the tokens of
+        this one.  Returns False, changing nothing, when the step was already a single token:
+        no smaller step exists and the caller must fail the request instead.
+        """
+        n = out.num_batched_tokens
+        if n <= 1:
+            return False
+        self.oom_budget = max(1, n // 2)
+        self._good_steps = 0
+        keys = {s.seq.key for s in out.scheduled}
+        preempted = SchedulerOutput()
+        while any(s.key in keys for s in self.running):
+            self._preempt(self.running[-1], {}, preempted)
+        out.preempted.extend(preempted.preempted)
+        return True
+
+    def note_step_done(self) -> None:
+        """A step finished: after OOM_RECOVERY_STEPS good steps a reduced budget doubles."""
+        if self.oom_budget is None:
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.OOM_RECOVERY_STEPS:
+            self._good_steps = 0
+            grown = self.oom_budget * 2
+            self.oom_budget = None if grown >= self.max_num_batched_tokens else grown
 
     # ------------------------------------------------------------------ after the step
     def update(self, out: SchedulerOutput, sampled: dict[tuple[str, int], int],

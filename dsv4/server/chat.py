@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,10 +25,7 @@ from dsv4.server.state import (
     RequestTracker,
     ServerState,
     collect_or_abort,
-    engine_failure,
-    outcome_of,
-    sse,
-    sse_error,
+    sse_response,
     usage_of,
 )
 
@@ -185,21 +181,20 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, run: _ChatRun, rid: str,
                   outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
-    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": state.model_name}
     usage_null = {"usage": None} if req.include_usage else {}
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None,
-              finish: str | None = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": state.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish}], **usage_null})
+              finish: str | None = None) -> dict:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish}], **usage_null}
 
-    outcome = "aborted"
-    try:
-        for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+    async def chunks() -> AsyncIterator[dict]:
+        # Closing `outputs` (the client left) aborts the engine request.
         async with aclosing(outputs) as it:
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
             async for out in it:
                 for index, d, logprobs, finish in run.advance(out):
                     delta: dict[str, Any] = {}
@@ -211,16 +206,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, run: _ChatRun,
                         delta["tool_calls"] = [{"index": tc.index, **_tool_call_json(tc)}
                                                for tc in d.tool_calls]
                     yield chunk(index, delta, logprobs, finish)
-        if req.include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": state.model_name, "choices": [], "usage": run.usage()})
-        outcome = "ok"
-    except (asyncio.CancelledError, GeneratorExit):
-        raise  # the client left: the engine request was aborted when `outputs` closed
-    except Exception as e:
-        err = engine_failure(e)
-        outcome = outcome_of(err)
-        yield sse_error(err)
-    finally:
-        run.tracker.finish(outcome)
-    yield sse("[DONE]")
+
+    def usage_chunk() -> dict | None:
+        return {**head, "choices": [], "usage": run.usage()} if req.include_usage else None
+
+    async for line in sse_response(chunks(), run.tracker, usage_chunk):
+        yield line

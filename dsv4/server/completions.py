@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,11 +17,8 @@ from dsv4.server.state import (
     RequestTracker,
     ServerState,
     collect_or_abort,
-    engine_failure,
     merged,
-    outcome_of,
-    sse,
-    sse_error,
+    sse_response,
     usage_of,
 )
 
@@ -144,26 +140,18 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 async def _stream(state: ServerState, req: CompletionRequest, run: _CompletionRun, rid: str,
                   streams: list[AsyncIterator[Any]]) -> AsyncIterator[str]:
     created = int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     usage_null = {"usage": None} if req.include_usage else {}
-    outcome = "aborted"
-    try:
+
+    async def chunks() -> AsyncIterator[dict]:
         async with aclosing(merged(streams)) as it:
             async for which, out in it:
                 for index, text, logprobs, finish in run.advance(which, out):
-                    yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": state.model_name,
-                               "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                            "finish_reason": finish}], **usage_null})
-        if req.include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": state.model_name, "choices": [], "usage": run.usage()})
-        outcome = "ok"
-    except (asyncio.CancelledError, GeneratorExit):
-        raise
-    except Exception as e:
-        err = engine_failure(e)
-        outcome = outcome_of(err)
-        yield sse_error(err)
-    finally:
-        run.tracker.finish(outcome)
-    yield sse("[DONE]")
+                    yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                "finish_reason": finish}], **usage_null}
+
+    def usage_chunk() -> dict | None:
+        return {**head, "choices": [], "usage": run.usage()} if req.include_usage else None
+
+    async for line in sse_response(chunks(), run.tracker, usage_chunk):
+        yield line

@@ -8,7 +8,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -292,3 +293,29 @@ def sse_error(err: ApiError) -> str:
     """The server-sent event that reports ``err`` inside a stream already under way."""
     return sse({"error": {"message": err.message, "type": err.type, "param": err.param,
                           "code": err.code}})
+
+
+async def sse_response(chunks: AsyncIterator[dict], tracker: "RequestTracker",
+                       usage_chunk: Callable[[], dict | None]) -> AsyncIterator[str]:
+    """The SSE body of a streamed response: every chunk of ``chunks``, then ``usage_chunk()``
+    (when it returns one), then ``[DONE]``.  An engine failure mid-stream becomes an error event
+    before ``[DONE]``; a client that leaves closes ``chunks`` (which aborts the engine request).
+    ``tracker`` records the outcome either way."""
+    outcome = "aborted"
+    try:
+        async with aclosing(chunks) as it:
+            async for chunk in it:
+                yield sse(chunk)
+        last = usage_chunk()
+        if last is not None:
+            yield sse(last)
+        outcome = "ok"
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception as e:
+        err = engine_failure(e)
+        outcome = outcome_of(err)
+        yield sse_error(err)
+    finally:
+        tracker.finish(outcome)
+    yield sse("[DONE]")

@@ -56,7 +56,10 @@ class Sim:
         return seq
 
     def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
+        return self.apply(self.sched.schedule())
+
+    def apply(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Run the fake model on a scheduled step, check it and update the scheduler."""
         self.outputs.append(out)
         for seq in out.preempted:
             self.cache.pop(seq.key, None)
