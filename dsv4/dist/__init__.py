@@ -5,5 +5,7 @@
   (torchrun environment, NCCL on CUDA, gloo on CPU);
 * ``sharding``: which slice of each checkpoint tensor a rank loads (heads, output groups,
   experts or expert columns, Engram rows);
-* ``worker``: the loop of ranks > 0, running the steps rank 0 broadcasts.
+* ``worker``: the loop of ranks > 0, running the steps rank 0 broadcasts;
+* ``random_weights``: a rank's shard with random weights in the checkpoint formats, made on its
+  device (benchmarks of full-size models without the files: ``bench/tp_bench.py``).
 """

@@ -4,7 +4,9 @@ Rank 0 (the driver) runs the scheduler, the sampler and, for ``dsv4 serve``, the
 For each step its model runner broadcasts a :class:`dsv4.engine.runner.StepPlan` over the control
 group and then runs the forward; every other rank sits in :func:`run_worker`, receives the same
 plan and runs the same forward, so the collectives inside the model (all-reduce of the attention
-output and of the MoE partials, Engram rows) meet.  The driver ends the loop with
+output and of the MoE partials, Engram rows) meet.  A plan marked ``static`` is a decode step
+that every rank runs as the same bucket's static-shape step (CUDA-graph capture or replay with
+``cuda_graphs_under_tp``; eagerly on CPUs).  The driver ends the loop with
 :func:`stop_workers`.
 """
 
@@ -50,7 +52,7 @@ def run_worker(runner: Any) -> int:
             raise ValueError(f"run_worker: expected a StepPlan or Stop from rank 0; got "
                              f"{type(msg).__name__}")
         try:
-            runner.run_plan(msg)
+            runner.run_worker_step(msg)
         except Exception:  # noqa: BLE001 - the driver reports the same error to its caller
             log.exception("dsv4 worker rank %d: step failed", par.rank)
         steps += 1

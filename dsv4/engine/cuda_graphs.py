@@ -21,6 +21,11 @@ does at start).  All graphs share one memory pool.
 
 On a CPU (or with graphs off) the same buffers drive an eager static-shape forward, which is
 how the CPU tests exercise this path up to the capture itself.
+
+Tensor / expert parallelism (``graphs_under_tp``): every rank holds a ``DecodeGraphs`` of the
+same buckets and captures / replays the same bucket at the same step (the driver's plans say
+which), so the graphs hold the same NCCL collectives in the same order.  The workers' graphs
+stop at the hidden states (``with_logits=False``): only the driver samples.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ _IDS, _POS, _SLOT, _TYPE = range(4)
 @dataclass
 class _Captured:
     graph: Any          # torch.cuda.CUDAGraph
-    logits: Tensor      # [B, vocab] fp32, rewritten by every replay
+    logits: Tensor      # [B, vocab] fp32 (hidden [B, D] without logits), rewritten by replays
     ctx: StepContext    # keeps the captured plan tensors (graph-pool memory) referenced
 
 
@@ -61,10 +66,13 @@ class DecodeGraphs:
         use_graphs: capture and replay CUDA graphs (CUDA only); False runs the static-shape
             forward eagerly over the same buffers.
         with_token_types: pass the token-type row to the model (V4.1).
+        with_logits: end the step with ``compute_logits`` (False: a tensor / expert parallel
+            worker, whose step returns the hidden states [R, D]).
     """
 
     def __init__(self, model: Any, cache: Any, static: StaticShape, max_batch: int, *,
-                 device: torch.device, use_graphs: bool, with_token_types: bool = False) -> None:
+                 device: torch.device, use_graphs: bool, with_token_types: bool = False,
+                 with_logits: bool = True) -> None:
         device = torch.device(device)
         if use_graphs and device.type != "cuda":
             raise ValueError(f"DecodeGraphs: CUDA graphs need a CUDA device; got {device}")
@@ -78,6 +86,7 @@ class DecodeGraphs:
         self.device = device
         self.use_graphs = use_graphs
         self.with_token_types = with_token_types
+        self.with_logits = with_logits
         self.buckets = decode_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         B, P = self.max_batch, static.max_pages
@@ -149,7 +158,8 @@ class DecodeGraphs:
 
     def _forward(self, ctx: StepContext) -> Tensor:
         with torch.no_grad():
-            return self.model.compute_logits(self.model.forward(ctx, self.cache))
+            hidden = self.model.forward(ctx, self.cache)
+            return self.model.compute_logits(hidden) if self.with_logits else hidden
 
     # ------------------------------------------------------------------ capture
     def capture(self, B: int) -> None:

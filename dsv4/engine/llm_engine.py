@@ -60,7 +60,13 @@ class EngineOptions:
     ``enforce_eager`` (default False): no CUDA graphs; otherwise decode steps of up to
     ``cuda_graph_max_batch`` (default ``max_num_seqs``) sequences replay CUDA graphs captured
     per batch bucket on first use (``dsv4.engine.cuda_graphs``).
-    ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks).
+    ``cuda_graphs_under_tp`` (default False): also replay decode CUDA graphs under tensor /
+    expert parallelism (every rank captures and replays the same graphs, NCCL collectives
+    inside; the step broadcast stays outside).  Off until verified on GPUs: such runs are eager.
+    ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
+    ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
+    loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:
+    random weights made on each GPU; ``model_path`` then needs only ``config.json``).
     """
 
     device: str | None = None
@@ -81,7 +87,9 @@ class EngineOptions:
     expert_parallel: bool = False
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
+    cuda_graphs_under_tp: bool = False
     model: Any = field(default=None, repr=False)
+    model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +105,13 @@ class EngineOptions:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"engine option enforce_eager={self.enforce_eager!r} is invalid; "
                              "allowed: True, False")
+        if not isinstance(self.cuda_graphs_under_tp, bool):
+            raise ValueError(f"engine option cuda_graphs_under_tp={self.cuda_graphs_under_tp!r} "
+                             "is invalid; allowed: True, False")
+        if self.model_factory is not None and (self.model is not None
+                                               or not callable(self.model_factory)):
+            raise ValueError("engine option model_factory must be a callable "
+                             "(config, parallel, device, dtype) -> model, and excludes model=")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"engine option gpu_memory_utilization={self.gpu_memory_utilization!r}"
                              " is invalid; allowed: a number in (0, 1]")
@@ -213,6 +228,8 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(model_path)
         if opts.model is not None:
             self.model = opts.model
+        elif opts.model_factory is not None:
+            self.model = opts.model_factory(cfg, self.parallel, device, dtype)
         else:
             from dsv4.model.transformer import load_model
             backend = opts.backend or ("torch" if device.type == "cpu" else "triton")
@@ -221,7 +238,8 @@ class LLMEngine:
                                     numerics=opts.numerics, backend=backend, **extra)
 
         profile = graph_pool = None
-        use_graphs = device.type == "cuda" and not opts.enforce_eager and not self.parallel.enabled
+        use_graphs = device.type == "cuda" and not opts.enforce_eager and (
+            not self.parallel.enabled or opts.cuda_graphs_under_tp)
         graph_batch = opts.cuda_graph_max_batch or opts.max_num_seqs
         if use_graphs:
             def graph_pool() -> int:
@@ -252,7 +270,8 @@ class LLMEngine:
                                   page_size=opts.page_size, seed=opts.seed,
                                   parallel=self.parallel, max_model_len=max_model_len,
                                   enforce_eager=opts.enforce_eager,
-                                  cuda_graph_max_batch=graph_batch)
+                                  cuda_graph_max_batch=graph_batch,
+                                  graphs_under_tp=opts.cuda_graphs_under_tp)
         self.eos_token_id = cfg.eos_token_id
         self._token_text = TokenTextCache(self.tokenizer)
         self._requests: dict[str, _Request] = {}
@@ -408,17 +427,37 @@ class LLMEngine:
             self._requests[seq.request_id].metrics.num_preemptions += 1
         try:
             result = self.runner.execute(out)
+        except torch.OutOfMemoryError:
+            # Out of device memory (activations of a large step): retry these sequences later in
+            # smaller steps.  Under tensor parallelism the ranks could disagree on who failed, so
+            # there it is an error like any other.
+            already = len(out.preempted)
+            if self.parallel.enabled or not self.scheduler.on_out_of_memory(out):
+                self._fail_step(out)
+                raise
+            log.warning("dsv4 engine: a step of %d tokens ran out of device memory; its %d "
+                        "sequences are preempted and steps are limited to %d tokens for now",
+                        out.num_batched_tokens, len(out.scheduled), self.scheduler.oom_budget)
+            for seq in out.preempted[already:]:
+                self._requests[seq.request_id].metrics.num_preemptions += 1
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return []
         except Exception:
             # The step may have written part of these requests' cache state: drop them (their
             # pages and slots come back) so nothing half-written is ever read again.  Other
             # requests are untouched; the caller sees the error.
-            failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
-            log.exception("dsv4 engine: step failed; aborting requests %s", list(failed))
-            self.abort_request(list(failed))
+            self._fail_step(out)
             raise
+        self.scheduler.note_step_done()
         self.scheduler.update(out, result.sampled, self.eos_token_id)
         self._totals["steps"] += 1
         return self._process(out, result)
+
+    def _fail_step(self, out: Any) -> None:
+        failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
+        log.exception("dsv4 engine: step failed; aborting requests %s", list(failed))
+        self.abort_request(list(failed))
 
     def _process(self, out: Any, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()

@@ -8,8 +8,12 @@ The scheduler and the cache manager above it never see a tensor.
 Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
-``enforce_eager`` run eagerly.  The cache holds one slot and one page more than the cache
-manager hands out: the scratch slot and page of the padding rows of those steps.
+``enforce_eager`` run eagerly.  Under tensor / expert parallelism graphs need
+``graphs_under_tp``: the driver marks the plan it broadcasts as static (``StepPlan.static``)
+and every rank then fills the same buffers and captures / replays the same bucket's graph, so
+the NCCL collectives inside the graphs meet; the broadcast itself stays outside the graphs.
+The cache holds one slot and one page more than the cache manager hands out: the scratch slot
+and page of the padding rows of those steps.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class StepResult:
 class StepPlan:
     """One forward step in plain Python lists: what rank 0 broadcasts to the tensor / expert
     parallel workers (pickled), and what every rank turns into the same :class:`StepContext`.
-    ``reset_slots``: state slots cleared before the step (sequences (re)admitted)."""
+    ``reset_slots``: state slots cleared before the step (sequences (re)admitted).
+    ``static``: every rank runs it as the static-shape decode step of its bucket (graphs)."""
 
     input_ids: list[int]
     seqlens: list[int]
@@ -60,6 +65,7 @@ class StepPlan:
     logits_indices: list[int]
     token_types: list[int] | None = None
     reset_slots: list[int] = field(default_factory=list)
+    static: bool = False
 
 
 def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
@@ -191,17 +197,19 @@ class ModelRunner:
     ``num_pages`` / ``num_slots`` are the ids the cache manager hands out; the cache holds one
     more of each (the scratch page and slot of static-shape steps).  Decode steps:
     ``static_decode`` None (default) runs them as CUDA graphs on CUDA unless ``enforce_eager``
-    (or under tensor / expert parallelism); True forces the static-shape steps (eagerly on a
-    CPU: what the tests use to check them against the dynamic path); False never uses them.
+    (or under tensor / expert parallelism without ``graphs_under_tp``); True forces the
+    static-shape steps (eagerly on a CPU: what the tests use to check them against the dynamic
+    path, also under parallelism); False never uses them.
     ``cuda_graph_max_batch`` (default ``num_slots``) is the largest bucket; graphs are captured
-    lazily, on the first decode step of each bucket.
+    lazily, on the first decode step of each bucket (on every rank at the same step).
+    Every rank of a parallel launch must be built with the same options.
     """
 
     def __init__(self, model: Any, cfg: ModelConfig, *, device: torch.device,
                  cache_dtype: torch.dtype, num_pages: int, num_slots: int, page_size: int,
                  seed: int = 0, parallel: Parallel = SINGLE, max_model_len: int | None = None,
                  enforce_eager: bool = False, cuda_graph_max_batch: int | None = None,
-                 static_decode: bool | None = None) -> None:
+                 static_decode: bool | None = None, graphs_under_tp: bool = False) -> None:
         self.model = model
         self.cfg = cfg
         # Under tensor / expert parallelism the driver (rank 0) broadcasts each StepPlan before
@@ -217,14 +225,10 @@ class ModelRunner:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch={cuda_graph_max_batch!r} is invalid; allowed:"
                              f" an integer > 0 or None")
-        use_graphs = device.type == "cuda" and not enforce_eager and not parallel.enabled
+        use_graphs = device.type == "cuda" and not enforce_eager and (
+            not parallel.enabled or graphs_under_tp)
         if static_decode is None:
             static_decode = use_graphs
-        if static_decode and parallel.enabled:
-            # Every rank runs the driver's plans dynamically: a padded step would not match
-            # their collectives.
-            raise ValueError("static_decode=True is not supported under tensor / expert "
-                             "parallelism")
         if static_decode and max_model_len is None:
             raise ValueError("ModelRunner: static_decode needs max_model_len (the block table "
                              "width of static-shape steps)")
@@ -233,9 +237,11 @@ class ModelRunner:
         if static_decode:
             static = StaticShape(max_pages=pages_needed(max_model_len, page_size),
                                  scratch_slot=num_slots, scratch_page=num_pages)
+            # Workers sample nothing: their graphs end at the hidden states (the head is
+            # replicated and has no collective, so the graphs' collectives still match).
             self.decode_graphs = DecodeGraphs(
                 model, self.cache, static, max_batch, device=device, use_graphs=use_graphs,
-                with_token_types=cfg.is_v41)
+                with_token_types=cfg.is_v41, with_logits=parallel.is_driver)
 
     # ------------------------------------------------------------------ per-sequence state
     def generator_for(self, seq: Sequence) -> torch.Generator | None:
@@ -315,10 +321,26 @@ class ModelRunner:
         """Reset the plan's slots and run the model forward: hidden [N, D] of its logits rows.
         The driver of a parallel launch first broadcasts the plan to the workers."""
         if self.parallel.enabled and self.parallel.is_driver:
+            plan.static = False
             self.parallel.broadcast_object(plan)
         if plan.reset_slots:
             self.cache.reset_slots(plan.reset_slots)
         return self.model.forward(self.context(plan), self.cache)
+
+    @torch.no_grad()
+    def run_worker_step(self, plan: StepPlan) -> None:
+        """A worker (rank > 0) runs the driver's ``plan`` the way the driver runs it: the
+        static-shape decode step (graph capture / replay) when ``plan.static``, else the
+        dynamic forward.  A static step whose capture failed on some rank runs eagerly."""
+        if plan.static:
+            if self.decode_graphs is None or self.decode_graphs.bucket(len(plan.seqlens)) is None:
+                raise ValueError(f"rank {self.parallel.rank}: the driver ran a static decode "
+                                 f"step of {len(plan.seqlens)} sequences but this rank has no "
+                                 f"such bucket; every rank needs the same engine options")
+            # None (a capture failed on some rank): the driver sends the step again, dynamic.
+            self._run_static(plan)
+            return
+        self.run_plan(plan)
 
     def static_bucket(self, plan: StepPlan, sample_rows: list[int],
                       prompt_positions: list[list[int]]) -> int | None:
@@ -336,23 +358,53 @@ class ModelRunner:
         return graphs.bucket(R)
 
     def _run_static(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits [R, vocab] of a static-shape decode step (graph replay on CUDA); None when
-        its graph could not be captured (graphs are then off for good: eager from here)."""
+        """Logits [R, vocab] of a static-shape decode step (graph replay on CUDA; hidden
+        states on a worker); None when its graph could not be captured (graphs are then off
+        for good: eager from here).
+
+        Under parallelism the driver first broadcasts the plan marked static; a capture is
+        followed by a vote over the control group (host side, outside any graph), so that if
+        any rank failed every rank turns graphs off and the step is rerun eagerly by all."""
         graphs = self.decode_graphs
         assert graphs is not None
-        if plan.reset_slots:
+        par = self.parallel
+        B = graphs.bucket(len(plan.seqlens))
+        capturing = graphs.use_graphs and B not in graphs.graphs
+        if par.enabled and par.is_driver:
+            plan.static = True
+            par.broadcast_object(plan)
+        if plan.reset_slots and not (par.enabled and capturing):
             self.cache.reset_slots(plan.reset_slots)
-        capturing = graphs.use_graphs and graphs.bucket(len(plan.seqlens)) not in graphs.graphs
+        if par.enabled and capturing:
+            # Capture first (padding rows only: nothing of the plan is touched), agree, then
+            # run the step: a failed capture on any rank leaves the step to the eager rerun.
+            error: Exception | None = None
+            try:
+                assert B is not None
+                graphs.capture(B)
+            except Exception as e:  # noqa: BLE001 - reported below, on every rank
+                error = e
+            if par.min_int(0 if error is not None else 1) == 0:
+                self._graphs_off(error or RuntimeError(
+                    "the CUDA-graph capture failed on another rank"))
+                return None
+            if plan.reset_slots:
+                self.cache.reset_slots(plan.reset_slots)
+            capturing = False
         try:
             return graphs.run(plan.input_ids, plan.start_pos, plan.slots, plan.block_tables,
                               plan.token_types)
         except Exception as e:  # noqa: BLE001 - a failed capture must not stop serving
             if not capturing:
                 raise
-            log.exception("dsv4 engine: CUDA-graph capture failed; decode runs eagerly from now")
-            self.graphs_disabled_reason = f"{type(e).__name__}: {e}"
-            self.decode_graphs = None
+            self._graphs_off(e)
             return None
+
+    def _graphs_off(self, e: BaseException) -> None:
+        log.error("dsv4 engine: CUDA-graph capture failed (%s: %s); decode runs eagerly from "
+                  "now", type(e).__name__, e, exc_info=e)
+        self.graphs_disabled_reason = f"{type(e).__name__}: {e}"
+        self.decode_graphs = None
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> StepResult:

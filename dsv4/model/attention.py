@@ -44,6 +44,9 @@ from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
 
 __all__ = ["Attention", "window_plan"]
 
+# V4 official numerics: FP8 fake quant of the window KV's nope channels, per 64 (spec §3.6.2).
+_WINDOW_NOPE_FP8_BLOCK = 64
+
 
 def window_plan(ctx: StepContext, window: int, decode_in_ring: bool) -> dict[str, Tensor]:
     """Indices of the window source of one step, shared by every layer (memoized).
@@ -268,23 +271,24 @@ class Attention(nn.Module):
             cache.check_step(ctx.seqlens_host, ctx.start_pos_host, ctx.slots_host,
                              ctx.block_tables_host)
             ctx.memo["checked"] = True
-        H, hd, rd = self.n_heads, self.head_dim, self.rope_dim
+        H, hd = self.n_heads, self.head_dim
         cos, sin = self._rope(ctx)
 
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(T, H, hd)
-        if not self.cfg.is_v41:
-            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
-        q = self.ops.apply_rope(q, cos, sin)
+        # V4: per-head unweighted renorm (in q's dtype); V4.1 has none.  Then RoPE of each head's
+        # tail.  One fused op, in place on wq_b's fresh output.
+        q = self.ops.head_norm_rope(self.wq_b(qr).view(T, H, hd), cos, sin, self.cfg.norm_eps,
+                                    renorm=not self.cfg.is_v41, inplace=True)
 
-        kv = self.ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        if cache.window_format is not None:
-            pass  # record rings quantize on write exactly as the fake quant below
-        elif self.cfg.is_v41:
-            kv = quant_window_kv(kv, self.numerics)          # all channels, block 32
-        elif self.numerics == "official":
-            from dsv4.formats import fake_quant_fp8
-            kv = torch.cat((fake_quant_fp8(kv[:, :-rd], 64), kv[:, -rd:]), dim=-1)
+        # Record rings quantize on write exactly as the fake quant would: only tensor rings in
+        # official numerics fake-quantize here (V4: the nope channels per 64, fused; V4.1: all
+        # channels per 32).
+        fake_quant = cache.window_format is None and self.numerics == "official"
+        kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, cos, sin, self.kv_norm.eps,
+                                fp8_block=_WINDOW_NOPE_FP8_BLOCK
+                                if fake_quant and not self.cfg.is_v41 else 0)
+        if fake_quant and self.cfg.is_v41:
+            kv = quant_window_kv(kv, self.numerics)
 
         kv_a, idx_a = self._window_source(kv, ctx, cache)
         kv_b = idx_b = None

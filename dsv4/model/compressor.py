@@ -10,7 +10,10 @@ group) are kept in the slot's state for the next step.
 Each entry is computed from exactly the same rows in the same order whatever the split of the
 sequence into steps, so chunked prefill and decode give the entries of a one-shot prefill.
 The whole batch is handled at once: a row of a group is located either among this step's tokens
-or in the request's state (``_locate_rows``) and gathered from there.
+or in the request's state and read from there.  The forward runs two ops per compressor and step
+(``dsv4/ops/torch_compress.py`` documents them; Triton kernels in ``triton_compress.py``):
+``compress_entries`` (pooling, cast, norm, RoPE of every completed entry) and
+``compress_update_state`` (the carry-over rows).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from dsv4.cache.formats import RecordFormat, encode_rows
 from dsv4.cache.tensors import CompressorSpec, CompressorState
 from dsv4.config import ModelConfig
 from dsv4.model.context import StepContext
-from dsv4.model.layers import Linear, RMSNorm, check_numerics
+from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params
+from dsv4.ops import torch_compress
 
-__all__ = ["Compressor", "EntryPlan", "entry_plan", "entry_pool_rows", "write_entries"]
+__all__ = ["Compressor", "CompressorV2", "EntryPlan", "entry_plan", "entry_pool_rows",
+           "write_entries", "pool_entries", "compress_step", "entry_rope"]
 
 # Gathered group rows per block of entries stay near this many fp32 elements.
 _BLOCK_ELEMS = 1 << 24
@@ -122,53 +127,14 @@ def write_entries(pool: Tensor, ctx: StepContext, plan: EntryPlan, entries: Tens
     pool.view(-1, pool.shape[-1]).index_copy_(0, rows, encode_rows(entries, fmt, pool.dtype))
 
 
-def _locate_rows(ctx: StepContext, spec: CompressorSpec, req: Tensor, pos: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Where the fp32 row of position ``pos`` of request ``req`` lives (same shapes in/out).
-
-    Returns ``(from_step, step_row, state_row)``: this step's token row when ``from_step``, else
-    a row of the flattened state (−1 when the position holds nothing: before the sequence, or a
-    group that is no longer kept).
-    """
-    r = spec.ratio
-    p0 = ctx.start_pos[req]
-    from_step = pos >= p0
-    step_row = ctx.cu_seqlens[req] + (pos - p0)
-    g0 = torch.div(p0, r, rounding_mode="floor") * r           # first position of p0's group
-    base = ctx.slots[req] * spec.state_rows
-    in_partial = (pos >= g0) & ~from_step
-    state_row = torch.where(in_partial, base + spec.partial_offset + pos % r, -1)
-    if spec.overlap:
-        in_prev = (pos >= g0 - r) & (pos < g0) & (pos >= 0)
-        state_row = torch.where(in_prev, base + pos % r, state_row)
-    return from_step, step_row, state_row
-
-
-def _gather_rows(step_rows: Tensor, state_rows: Tensor, fill: float, where: tuple[Tensor, ...]
-                 ) -> Tensor:
-    """Rows [..., w] picked from this step's rows or the flat state; ``fill`` where empty."""
-    from_step, step_row, state_row = where
-    a = step_rows.index_select(0, step_row.clamp(0, max(step_rows.shape[0] - 1, 0)).reshape(-1))
-    b = state_rows.index_select(0, state_row.clamp_min(0).reshape(-1))
-    shape = (*from_step.shape, step_rows.shape[-1])
-    a, b = a.view(shape), b.view(shape)
-    out = torch.where(from_step[..., None], a, b)
-    empty = (~from_step & (state_row < 0))[..., None]
-    return out.masked_fill(empty, fill)
-
-
-def _softmax_pool(rows_kv: Tensor, rows_score: Tensor) -> Tensor:
-    """Per-channel softmax over the slots (dim 1) weighting the kv rows: [e, slots, d] -> [e, d].
-
-    Computed in float64 and rounded once to fp32: CPU kernels pick vector or scalar code (exp)
-    and reduction orders by tensor shape and thread count, which would make an entry's fp32 bits
-    depend on how many entries the step pools; in float64 those differences vanish in the final
-    rounding, so an entry is the same whatever the split of the sequence into steps.
-    """
-    score = rows_score.double()
-    p = torch.exp(score - score.amax(dim=1, keepdim=True))
-    p = p / p.sum(dim=1, keepdim=True)
-    return (p * rows_kv.double()).sum(dim=1).float()
+def entry_rope(ctx: StepContext, cfg: ModelConfig, layer_id: int, plan: EntryPlan
+               ) -> tuple[Tensor, Tensor]:
+    """(cos, sin) [E, rd/2] of the layer's rotation at the entries' first positions j·r
+    (memoized per step: every layer with the same table and ratio shares them)."""
+    key = ("entry_rope", plan.ratio, rope_params(cfg, layer_id))
+    if key not in ctx.memo:
+        ctx.memo[key] = rope_cos_sin(cfg, layer_id, plan.entry * plan.ratio)
+    return ctx.memo[key]
 
 
 def pool_entries(ctx: StepContext, state: CompressorState, kv: Tensor, score: Tensor
@@ -177,57 +143,37 @@ def pool_entries(ctx: StepContext, state: CompressorState, kv: Tensor, score: Te
 
     ``kv`` / ``score`` [T, coff·d] fp32 are the rows of this step's tokens (score including any
     position bias).  Returns the plan and the pooled entries [E, d] fp32 (before the norm).
-    Shared by the V4 compressor and the V4.1 ratio-2 compressor.
+    The plain-torch path (the twin's pooling); the model's forward runs the fused op instead.
     """
     spec = state.spec
-    r, d = spec.ratio, spec.dim
-    state_kv = state.kv.view(-1, spec.state_width)
-    state_score = state.score.view(-1, spec.state_width)
-    plan = entry_plan(ctx, r)
-    pooled = kv.new_empty(plan.num_entries, d)
-    slots = 2 * r if spec.overlap else r
-    step = max(1, _BLOCK_ELEMS // (slots * spec.state_width))   # bounds the gathered rows
-    k = torch.arange(r, device=kv.device)
-    for e0 in range(0, plan.num_entries, step):
-        ent = plan.entry[e0:e0 + step]
-        cur_pos = ent[:, None] * r + k[None, :]                              # [e, r]
-        req = plan.request[e0:e0 + step, None].expand_as(cur_pos)
-        if spec.overlap:
-            pos = torch.cat((cur_pos - r, cur_pos), dim=1)                    # [e, 2r]
-            req = torch.cat((req, req), dim=1)
-        else:
-            pos = cur_pos
-        where = _locate_rows(ctx, spec, req, pos)
-        rows_kv = _gather_rows(kv, state_kv, 0.0, where)
-        rows_score = _gather_rows(score, state_score, float("-inf"), where)
-        if spec.overlap:
-            # previous group: channels [:d]; current group: channels [d:]
-            rows_kv = torch.cat((rows_kv[:, :r, :d], rows_kv[:, r:, d:]), dim=1)
-            rows_score = torch.cat((rows_score[:, :r, :d], rows_score[:, r:, d:]), dim=1)
-        pooled[e0:e0 + step] = _softmax_pool(rows_kv, rows_score)
-    _update_state(ctx, state, kv, score)
+    plan = entry_plan(ctx, spec.ratio)
+    pooled = torch_compress.compress_pool(kv, score, state.kv, state.score, plan.request,
+                                          plan.entry, ctx.start_pos, ctx.cu_seqlens, ctx.slots,
+                                          spec.ratio, spec.overlap, block_elems=_BLOCK_ELEMS)
+    torch_compress.compress_update_state(kv, score, state.kv, state.score, ctx.start_pos,
+                                         ctx.cu_seqlens, ctx.slots, spec.ratio, spec.overlap)
     return plan, pooled
 
 
-def _update_state(ctx: StepContext, state: CompressorState, kv: Tensor, score: Tensor) -> None:
-    """Keep the open group (and with overlap the last complete group) of every request."""
+def compress_step(ops: SimpleNamespace, ctx: StepContext, state: CompressorState, kv: Tensor,
+                  score: Tensor, norm: RMSNorm, out_dtype: torch.dtype,
+                  rope: tuple[Tensor, Tensor] | None) -> tuple[EntryPlan, Tensor]:
+    """The entries completed in this step, finished (pooled, cast to ``out_dtype``, ``norm``,
+    RoPE with ``rope`` = (cos, sin) at the entries' positions when given), then the carry-over
+    state update: two ops (``compress_entries``, ``compress_update_state``).
+
+    In a static-shape step the candidates that do not complete come out as zeros.
+    """
     spec = state.spec
-    r, R = spec.ratio, ctx.num_requests
-    end = ctx.start_pos + (ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1])
-    g_end = torch.div(end, r, rounding_mode="floor") * r                     # open group start
-    k = torch.arange(r, device=kv.device)
-    pos = g_end[:, None] + k[None, :]                                         # [R, r]
-    pos = torch.where(pos < end[:, None], pos, -1)
-    if spec.overlap:
-        prev = g_end[:, None] - r + k[None, :]
-        pos = torch.cat((prev, pos), dim=1)                                   # [R, 2r]
-    req = torch.arange(R, device=kv.device)[:, None].expand_as(pos)
-    where = _locate_rows(ctx, spec, req, pos)
-    new_kv = _gather_rows(kv, state.kv.view(-1, spec.state_width), 0.0, where)
-    new_score = _gather_rows(score, state.score.view(-1, spec.state_width), float("-inf"),
-                             where)
-    state.kv.index_copy_(0, ctx.slots, new_kv)
-    state.score.index_copy_(0, ctx.slots, new_score)
+    plan = entry_plan(ctx, spec.ratio)
+    cos, sin = rope if rope is not None else (None, None)
+    entries = ops.compress_entries(kv, score, state.kv, state.score, plan.request, plan.entry,
+                                   plan.valid, ctx.start_pos, ctx.cu_seqlens, ctx.slots,
+                                   spec.ratio, spec.overlap, norm.weight, norm.eps, cos, sin,
+                                   out_dtype)
+    ops.compress_update_state(kv, score, state.kv, state.score, ctx.start_pos, ctx.cu_seqlens,
+                              ctx.slots, spec.ratio, spec.overlap)
+    return plan, entries
 
 
 class Compressor(nn.Module):
@@ -263,24 +209,37 @@ class Compressor(nn.Module):
 
         x [T, D].  Returns the plan and the pooled entries [E, d] in fp32 (before the norm).
         """
+        self._check_state(state)
+        kv, score = self._rows(x, ctx)
+        return pool_entries(ctx, state, kv, score)
+
+    def _check_state(self, state: CompressorState) -> None:
         if state.spec != self.spec:
             raise ValueError(f"Compressor(layer {self.layer_id}): state is for {state.spec}; "
                              f"expected {self.spec}")
+
+    def _rows(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
+        """The step's fp32 rows: kv = wkv(x), score = wgate(x) + ape[pos % r]."""
         xf = x.float()
-        kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[ctx.positions % self.spec.ratio]
-        return pool_entries(ctx, state, kv, score)
+        return self.wkv(xf), self.wgate(xf) + self.ape[ctx.positions % self.spec.ratio]
 
     # ------------------------------------------------------------------ entries
     def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor,
                 fmt: RecordFormat | None = None) -> EntryPlan:
         """Pool, normalize, rotate (RoPE at j·r) and store this step's entries into ``pool``
-        (``fmt``: the pool's record format, None for a pool of rows)."""
-        plan, pooled = self.pool(x, ctx, state)
+        (``fmt``: the pool's record format, None for a pool of rows), then update the state.
+
+        The pooling, norm and RoPE of all entries are one op (``compress_entries``), the state
+        update another; what ``pool`` + ``finish`` compute, to the bit on the torch backend.
+        """
+        self._check_state(state)
+        kv, score = self._rows(x, ctx)
+        plan = entry_plan(ctx, self.spec.ratio)
+        rope = entry_rope(ctx, self.cfg, self.layer_id, plan) if plan.num_entries else None
+        plan, entries = compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype,
+                                      rope)
         if plan.num_entries:
-            entries = self.finish(pooled, plan.entry * self.spec.ratio,
-                                  store_quantizes=fmt is not None)
-            write_entries(pool, ctx, plan, entries, fmt)
+            write_entries(pool, ctx, plan, self._stored(entries, fmt is not None), fmt)
         return plan
 
     def finish(self, pooled: Tensor, positions: Tensor, store_quantizes: bool = False) -> Tensor:
@@ -290,12 +249,14 @@ class Compressor(nn.Module):
         as the fake quant does, so it is skipped; the indexer's Hadamard rotation is then
         applied in every numerics (its queries are rotated alike, dsv4.model.indexer).
         """
-        from dsv4.model.layers import rope_cos_sin
-        rd = self.cfg.rope_head_dim
         entries = self.norm(pooled.to(self.dtype))
         cos, sin = rope_cos_sin(self.cfg, self.layer_id, positions)
-        entries = self.ops.apply_rope(entries, cos, sin)
+        return self._stored(self.ops.apply_rope(entries, cos, sin), store_quantizes)
+
+    def _stored(self, entries: Tensor, store_quantizes: bool) -> Tensor:
+        """The official Hadamard rotation / fake quantization of finished entries."""
         from dsv4.formats import fake_quant_fp4, fake_quant_fp8, hadamard_transform
+        rd = self.cfg.rope_head_dim
         if self.rotate and (self.numerics == "official" or store_quantizes):
             entries = hadamard_transform(entries)
         if self.numerics == "official" and not store_quantizes:
@@ -327,6 +288,7 @@ class CompressorV2(nn.Module):
         self.layer_id = layer_id
         self.ratio = r
         self.dtype = dtype
+        self.ops = ops
         hd = cfg.head_dim
         self.spec: CompressorSpec | None = CompressorSpec("attn", r, hd, False) if r > 1 else None
         if r > 1:
@@ -351,5 +313,5 @@ class CompressorV2(nn.Module):
             raise ValueError(f"CompressorV2(layer {self.layer_id}): needs a carry-over state for "
                              f"{self.spec}; got {None if state is None else state.spec}")
         xf = x.float()
-        plan, pooled = pool_entries(ctx, state, self.wkv(xf), self.wgate(xf))
-        return plan, self.norm(pooled.to(self.dtype))
+        return compress_step(self.ops, ctx, state, self.wkv(xf), self.wgate(xf), self.norm,
+                             self.dtype, None)

@@ -11,12 +11,16 @@ import importlib
 from types import SimpleNamespace
 
 # Modules holding torch twins, and the Triton modules that override them by name.
-_TORCH_MODULES = ("dsv4.ops.torch_attn", "dsv4.ops.torch_dense")
-_TRITON_MODULES = ("dsv4.ops.triton_attn", "dsv4.ops.triton_dense", "dsv4.ops.triton_moe")
+_TORCH_MODULES = ("dsv4.ops.torch_attn", "dsv4.ops.torch_dense", "dsv4.ops.torch_norm",
+                  "dsv4.ops.torch_compress")
+_TRITON_MODULES = ("dsv4.ops.triton_attn", "dsv4.ops.triton_dense", "dsv4.ops.triton_moe",
+                   "dsv4.ops.triton_norm", "dsv4.ops.triton_compress")
 
 OP_NAMES = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "sparse_attn",
     "indexer_scores", "topk_indices", "fp8_linear", "moe_experts",
+    "head_norm_rope", "norm_rope",
+    "compress_entries", "compress_update_state",
 )
 
 _cache: dict[str, SimpleNamespace] = {}

@@ -3,9 +3,10 @@ FP8 block (the *-Base checkpoints), and dense stacks.
 
 Same signature as the torch twin ``dsv4.ops.torch_dense.moe_experts``:
 
-1. plan (torch ops, no host sync, so a decode step can be captured in a CUDA graph): sort the
-   (token, pick) pairs by expert and lay them out in row blocks of BM, each block owned by one
-   expert (a static upper bound of blocks; unused blocks exit at once);
+1. plan (``_moe_plan_kernel``, one launch, no host sync, so a decode step can be captured in a
+   CUDA graph; :func:`moe_plan_torch` is its torch twin): sort the (token, pick) pairs by expert
+   and lay them out in row blocks of BM, each block owned by one expert (a static upper bound
+   of blocks; unused blocks exit at once);
 2. ``_moe_up_kernel``: per (block, N tile) the gate and up GEMMs of that expert with the weights
    dequantized in registers (e2m1 codes -> fp16 bits -> fp32 × 2^scale -> compute dtype, exact),
    then the clamped SwiGLU times the routing weight, rounded to the compute dtype;
@@ -20,28 +21,56 @@ MXFP4 bytes pack k = 2j (low nibble) and k = 2j + 1 (high nibble): the kernels m
 and the odd columns of the activation by the two nibble planes separately, so the codes never need
 interleaving.  Under official numerics (``act_block``) the activations are FP8 fake-quantized in
 the kernels while loading, block by block (BK = act_block).
+
+Two MXFP4 GEMM variants (``MoeConfig.fp4_path``):
+
+* ``"dequant"`` (default): every weight element decoded to fp32, times its 2^scale, rounded to
+  the compute dtype, then a compute-dtype MMA (~8 ALU ops per weight element);
+* ``"group_scaled"`` (official numerics only): the e2m1 codes stay fp16 bit patterns (value ×
+  2^-14, exact), the FP8-quantized activation is split exactly into its e4m3 value (exact in
+  fp16) and its per-row power of two; fp16 MMAs per 32-wide K group (16 even + 16 odd codes)
+  give a [BM, BN] fp32 partial, scaled once per group by the e8m0 scale × 2^14 and once per
+  activation block by the row's 2^e.  Every scaling is by a power of two, so the result is the
+  same sum of the same exact products; only the fp32 accumulation order differs.  Under bf16
+  numerics the activation is not exact in fp16 (8 exponent bits), so that case keeps the
+  dequant path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.ops.torch_dense import ExpertWeights
-from dsv4.ops.triton_dense import (INTERPRET, mma, pow2_from_exp, round_to_bf16, round_to_e4m3,
-                                   store_rne, torch_twin_off_gpu, ue8m0_exponent)
+from dsv4.ops.triton_dense import (_INTERPRET_HOST, INTERPRET, mma, pow2_from_exp,
+                                   round_to_bf16, round_to_e4m3, store_rne, torch_twin_off_gpu,
+                                   ue8m0_exponent)
 
 __all__ = ["moe_experts", "moe_experts_with_config", "moe_experts_grouped", "dequant_experts",
-           "MoeConfig", "pick_moe_config", "moe_plan", "DEQUANT_GEMM_MIN_ROWS"]
+           "MoeConfig", "pick_moe_config", "moe_plan", "moe_plan_torch", "DEQUANT_GEMM_MIN_ROWS",
+           "FP4_PATHS", "FP4_PATH", "resolve_fp4_path"]
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _FMT_CODE = {"dense": 0, "fp4": 1, "fp8": 2}
 
 
 # ------------------------------------------------------------------------------ jit helpers
+@triton.jit
+def _e2m1_fp16_planes(byte):
+    """Packed MXFP4 bytes (uint8, any shape) -> (low-nibble, high-nibble) fp16 tensors holding
+    each e2m1 value × 2^-14 exactly: the code's 3 magnitude bits shifted into fp16's
+    exponent/mantissa field (the e2m1 subnormal 0.5 lands on fp16's subnormal 2^-15), the sign
+    bit moved to bit 15."""
+    b = byte.to(tl.int32)
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return (lo.to(tl.uint16).to(tl.float16, bitcast=True),
+            hi.to(tl.uint16).to(tl.float16, bitcast=True))
+
+
 @triton.jit
 def _mxfp4_planes(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, OUT: tl.constexpr):
     """Packed MXFP4 bytes [BN, BKH] (uint8) and their e8m0 exponents [BN, BKH // 16] (uint8)
@@ -51,11 +80,9 @@ def _mxfp4_planes(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, OUT: tl.cons
     (its subnormal 0.5 lands on fp16's subnormal 2^-15, which converts to fp32 exactly); the
     sign bit goes to bit 15.  The scale 2^(s-127) and the 2^14 fold into one fp32 power of two.
     """
-    b = byte.to(tl.int32)
-    lo = ((b & 7) << 9) | ((b & 8) << 12)
-    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-    lo = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo, hi = _e2m1_fp16_planes(byte)
+    lo = lo.to(tl.float32)
+    hi = hi.to(tl.float32)
     f = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)      # 2^(s - 113)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
     return (lo * f).to(OUT), (hi * f).to(OUT)
@@ -155,6 +182,70 @@ def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
     return acc
 
 
+# ------------------------------------------------------------ group-scaled MXFP4 (fp16 MMAs)
+@triton.jit
+def _act_block_exponent(a_ptr, rows, m_mask, k0, stride_am, BK: tl.constexpr):
+    """ue8m0 exponent e [BM] of the FP8 activation quantization of block k0 .. k0+BK of each
+    row (amax floor 1e-4, spec §2.5): the same exponent :func:`_fake_quant_pair` uses."""
+    rk = k0 + tl.arange(0, BK)
+    t = tl.load(a_ptr + rows[:, None] * stride_am + rk[None, :], mask=m_mask[:, None],
+                other=0.0).to(tl.float32)
+    return ue8m0_exponent(tl.maximum(tl.max(tl.abs(t), axis=1), 1e-4))
+
+
+@triton.jit
+def _act_group_e4m3(a_ptr, rows, m_mask, kg, stride_am, inv):
+    """The e4m3 values (even-k, odd-k) [BM, 16] of the 32-wide K group at kg, as fp16 (exact:
+    e4m3 has 3 mantissa bits and exponents -9..8): round(clamp(x · 2^-e, ±448))."""
+    rj = tl.arange(0, 16)
+    base = a_ptr + rows[:, None] * stride_am + (kg + 2 * rj)[None, :]
+    ev = tl.load(base, mask=m_mask[:, None], other=0.0).to(tl.float32)
+    od = tl.load(base + 1, mask=m_mask[:, None], other=0.0).to(tl.float32)
+    qe = round_to_e4m3(tl.clamp(ev * inv[:, None], -448.0, 448.0))
+    qo = round_to_e4m3(tl.clamp(od * inv[:, None], -448.0, 448.0))
+    return qe.to(tl.float16), qo.to(tl.float16)
+
+
+@triton.jit
+def _fp4_block_fetch(w_ptr, s_ptr, e, rn, n_mask, k0, K, stride_we, stride_wn, stride_se,
+                     stride_sn, G: tl.constexpr):
+    """The packed bytes [BN, 16] and e8m0 exponents [BN] of the G 32-wide K groups from k0 of
+    one MXFP4 stack, as a tuple (bytes_0, scales_0, bytes_1, ...).  Groups at or past K load
+    nothing (the loop fetches one block ahead: the loads of block k+1 are in flight while
+    block k is decoded and multiplied)."""
+    e = e.to(tl.int64)
+    rj = tl.arange(0, 16)
+    w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
+    s_rows = s_ptr + e * stride_se + rn * stride_sn
+    t = ()
+    for g in tl.static_range(G):
+        kg = k0 + g * 32
+        ok = n_mask & (kg < K)
+        t = t + (tl.load(w_rows + (kg // 2 + rj)[None, :], mask=ok[:, None], other=0),
+                 tl.load(s_rows + kg // 32, mask=ok, other=127))
+    return t
+
+
+@triton.jit
+def _fp4_group_dot(acc, a_ev, a_od, byte, sc):
+    """acc + (A_group · W_groupᵀ) · 2^(scale-127) for one 32-wide K group of an MXFP4 stack
+    (byte [BN, 16], sc [BN] from :func:`_fp4_block_fetch`).
+
+    The codes enter the fp16 MMA as value × 2^-14; the product sum (fp32) is scaled once by
+    2^(scale - 113) per output column, which restores both powers of two exactly."""
+    lo, hi = _e2m1_fp16_planes(byte)
+    p = tl.dot(a_ev, tl.trans(lo))
+    p = tl.dot(a_od, tl.trans(hi), acc=p)
+    f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)      # 2^(s - 113)
+    return acc + p * f[None, :]
+
+
+@triton.jit
+def _act_scale_and_inverse(ex):
+    """(2^e, 2^-e) fp32 of an exponent vector."""
+    return pow2_from_exp(ex), pow2_from_exp(-ex)
+
+
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
 def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
@@ -162,10 +253,12 @@ def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    QUANT_X: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   GROUP_SCALED: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
-    Rows of ``act`` follow the padded sorted layout of the plan (row = block·BM + i)."""
+    Rows of ``act`` follow the padded sorted layout of the plan (row = block·BM + i).
+    GROUP_SCALED (MXFP4 with QUANT_X only): fp16 MMAs per 32-wide K group (module docstring)."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -179,16 +272,42 @@ def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt
         OUT: tl.constexpr = x_ptr.dtype.element_ty
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            x_ev, x_od = _load_act_tile(x_ptr, tok, m_mask, k0, stride_xm, FMT, BK, QUANT_X, OUT)
-            g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
-                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0)
-            acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
-            u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
-                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0)
-            acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
+        if GROUP_SCALED:
+            G: tl.constexpr = BK // 32
+            nxt1 = _fp4_block_fetch(w1_ptr, s1_ptr, e, rn, n_mask, 0, K, stride_we, stride_wn,
+                                    stride_se, stride_sn, G)
+            nxt3 = _fp4_block_fetch(w3_ptr, s3_ptr, e, rn, n_mask, 0, K, stride_we, stride_wn,
+                                    stride_se, stride_sn, G)
+            for k0 in range(0, K, BK):
+                cur1 = nxt1
+                cur3 = nxt3
+                nxt1 = _fp4_block_fetch(w1_ptr, s1_ptr, e, rn, n_mask, k0 + BK, K, stride_we,
+                                        stride_wn, stride_se, stride_sn, G)
+                nxt3 = _fp4_block_fetch(w3_ptr, s3_ptr, e, rn, n_mask, k0 + BK, K, stride_we,
+                                        stride_wn, stride_se, stride_sn, G)
+                sx, inv = _act_scale_and_inverse(
+                    _act_block_exponent(x_ptr, tok, m_mask, k0, stride_xm, BK))
+                part1 = tl.zeros((BM, BN), dtype=tl.float32)
+                part3 = tl.zeros((BM, BN), dtype=tl.float32)
+                for g in tl.static_range(G):
+                    a_ev, a_od = _act_group_e4m3(x_ptr, tok, m_mask, k0 + g * 32, stride_xm, inv)
+                    part1 = _fp4_group_dot(part1, a_ev, a_od, cur1[2 * g], cur1[2 * g + 1])
+                    part3 = _fp4_group_dot(part3, a_ev, a_od, cur3[2 * g], cur3[2 * g + 1])
+                # The activation's 2^e, once per block (exact).
+                acc1 += part1 * sx[:, None]
+                acc3 += part3 * sx[:, None]
+        else:
+            for k0 in range(0, K, BK):
+                x_ev, x_od = _load_act_tile(x_ptr, tok, m_mask, k0, stride_xm, FMT, BK, QUANT_X,
+                                            OUT)
+                g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
+                                               stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                               OUT, SW_E8M0)
+                acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
+                u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
+                                               stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                               OUT, SW_E8M0)
+                acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         # The twin's w1/w3 GEMMs return the compute dtype: round there before the SwiGLU.
         g = acc1
         u = acc3
@@ -210,8 +329,9 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      QUANT_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
-    """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype)."""
+                     BK: tl.constexpr, GROUP_SCALED: tl.constexpr = False):
+    """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype).
+    GROUP_SCALED: as in :func:`_moe_up_kernel`."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -223,13 +343,30 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
         n_mask = rn < N
         OUT: tl.constexpr = act_ptr.dtype.element_ty
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a_ev, a_od = _load_act_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK, QUANT_A,
-                                        OUT)
-            w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
-                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0)
-            acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
+        if GROUP_SCALED:
+            G: tl.constexpr = BK // 32
+            nxt = _fp4_block_fetch(w2_ptr, s2_ptr, e, rn, n_mask, 0, K, stride_we, stride_wn,
+                                   stride_se, stride_sn, G)
+            for k0 in range(0, K, BK):
+                cur = nxt
+                nxt = _fp4_block_fetch(w2_ptr, s2_ptr, e, rn, n_mask, k0 + BK, K, stride_we,
+                                       stride_wn, stride_se, stride_sn, G)
+                sa, inv = _act_scale_and_inverse(
+                    _act_block_exponent(act_ptr, rm, m_mask, k0, stride_actm, BK))
+                part = tl.zeros((BM, BN), dtype=tl.float32)
+                for g in tl.static_range(G):
+                    a_ev, a_od = _act_group_e4m3(act_ptr, rm, m_mask, k0 + g * 32, stride_actm,
+                                                 inv)
+                    part = _fp4_group_dot(part, a_ev, a_od, cur[2 * g], cur[2 * g + 1])
+                acc += part * sa[:, None]
+        else:
+            for k0 in range(0, K, BK):
+                a_ev, a_od = _load_act_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK,
+                                            QUANT_A, OUT)
+                w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
+                                               stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                               OUT, SW_E8M0)
+                acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
         store_rne(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc,
                   m_mask[:, None] & n_mask[None, :])
 
@@ -272,7 +409,63 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
         tl.store(base + (k0 + tl.arange(0, BK))[None, :], ev, mask=n_mask[:, None])
 
 
+@triton.jit
+def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
+                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr):
+    """The routing plan of :func:`moe_plan_torch`, one program per expert e (program E fills
+    the unused tail): every program histograms all P ids (cheap: P ≤ a few 10^4 int loads from
+    L2) to find its first block, then writes its own pairs in pair order (a running cumsum:
+    stable, so the layout equals the twin's bit for bit), the padding of its last block and
+    the expert of its blocks.  Each output element is written by exactly one program."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, NBINS)
+    counts = tl.zeros((NBINS,), dtype=tl.int32)
+    for p0 in range(0, P, BP):
+        rp = p0 + tl.arange(0, BP)
+        ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
+        # Ids of other shards (and the masked tail) count in bin E, which is ignored.
+        key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        counts += tl.histogram(key, NBINS)
+    blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
+    first_blk = tl.sum(tl.where(bins < e, blocks, 0))
+    if e < E:
+        my_count = tl.sum(tl.where(bins == e, counts, 0))
+        if my_count > 0:
+            my_blocks = (my_count + BM - 1) // BM
+            first_row = first_blk * BM
+            run = my_count * 0
+            for p0 in range(0, P, BP):
+                rp = p0 + tl.arange(0, BP)
+                ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
+                hit = (ids == e) & (rp < P)
+                hit_i = hit.to(tl.int32)
+                dest = first_row + run + tl.cumsum(hit_i, 0) - 1
+                tl.store(pairs_ptr + dest, rp, mask=hit)
+                run += tl.sum(hit_i)
+            pad = first_row + my_count + tl.arange(0, BM)
+            tl.store(pairs_ptr + pad, tl.zeros((BM,), dtype=tl.int32) + P,
+                     mask=pad < (first_blk + my_blocks) * BM)
+            for b0 in range(0, my_blocks, BF):
+                rb = first_blk + b0 + tl.arange(0, BF)
+                tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + e,
+                         mask=rb < first_blk + my_blocks)
+    else:
+        # first_blk is the number of used blocks here: everything after it is unused.
+        for r0 in range(first_blk * BM, NB * BM, BF):
+            rr = r0 + tl.arange(0, BF)
+            tl.store(pairs_ptr + rr, tl.zeros((BF,), dtype=tl.int32) + P, mask=rr < NB * BM)
+        for b0 in range(first_blk, NB, BF):
+            rb = b0 + tl.arange(0, BF)
+            tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + E, mask=rb < NB)
+
+
 # ------------------------------------------------------------------------------ host side
+FP4_PATHS = ("dequant", "group_scaled")
+# The MXFP4 GEMM variant pick_moe_config chooses.  "dequant" until "group_scaled" is measured
+# faster on the GPU (bench/moe_decode.py); not measured yet.
+FP4_PATH = "dequant"
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """Tile plan of one expert call: BM rows per block (each block one expert), N tiles of the
@@ -285,6 +478,18 @@ class MoeConfig:
     warps_up: int = 4
     warps_down: int = 4
     stages: int = 3
+    # "dequant" or "group_scaled" (module docstring); group_scaled applies to MXFP4 experts
+    # under official numerics (act_block set) and falls back to dequant otherwise.
+    fp4_path: str = "dequant"
+
+    def __post_init__(self) -> None:
+        if self.fp4_path not in FP4_PATHS:
+            raise ValueError(f"MoeConfig: fp4_path={self.fp4_path!r} is not supported; "
+                             f"allowed: {FP4_PATHS}")
+        for name in ("BM", "BN_up", "BN_down"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoeConfig: {name} must be a power of two >= 16; found {v}")
 
 
 def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, block_k: int
@@ -297,24 +502,78 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     :func:`moe_experts_grouped` by default)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
+    path = FP4_PATH
     if rows <= 16:
         if num_pairs <= 8:
-            return MoeConfig(BM=16, BN_up=64, BN_down=128, BK=block_k, stages=3)
-        return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3)
+            return MoeConfig(BM=16, BN_up=64, BN_down=128, BK=block_k, stages=3, fp4_path=path)
+        return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3, fp4_path=path)
     if rows <= 32:
-        return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
-    return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
+        return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3, fp4_path=path)
+    return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3, fp4_path=path)
+
+
+# Shared memory the pipelined operand buffers of one program may take (the H200: 227 KB).
+_SMEM_BUDGET = 224 * 1024
+
+
+def _fit_stages(stages: int, rows: int, cols: int, BK: int, itemsize: int) -> int:
+    """Pipeline depth for dense stacks, whose operand tiles (``rows`` activation rows and
+    ``cols`` weight rows of BK elements) the compiler buffers in shared memory once per stage:
+    at most ``stages``, fewer where they would not fit (bf16 BM 64 × 2·128 at 3 stages needs
+    240 KB).  Quantized stacks are decoded in registers and are not buffered this way."""
+    per_stage = (rows + cols) * BK * itemsize
+    return max(1, min(stages, _SMEM_BUDGET // per_stage))
+
+
+def resolve_fp4_path(cfg: MoeConfig, experts: ExpertWeights) -> str:
+    """The GEMM variant a call runs: ``cfg.fp4_path`` for MXFP4 experts under official numerics
+    (``act_block`` set, a multiple of 32); "dequant" otherwise (a bf16 or fp32 activation is
+    not exact in fp16, and FP8 / dense stacks have no e2m1 codes)."""
+    if (cfg.fp4_path == "group_scaled" and experts.fmt == "fp4" and experts.act_block
+            and experts.act_block % 32 == 0):
+        return "group_scaled"
+    return "dequant"
 
 
 def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the (token, pick) pairs by expert into row blocks of BM (torch ops, no host sync).
+    """Sort the (token, pick) pairs by expert into row blocks of BM: one Triton launch on CUDA
+    (and in the interpreter), no host sync, CUDA-graph capturable; the torch twin
+    :func:`moe_plan_torch` elsewhere.  Same outputs, bit for bit:
 
-    Returns ``pairs`` [nb·BM] int32 (pair index t·k + j, or P = T·k for padding) and
-    ``block_expert`` [nb] int32 (the block's expert, or E past the used blocks), with
-    nb = ceil(P / BM) + min(E, P), an upper bound of Σ_e ceil(count_e / BM).
+    ``pairs`` [nb·BM] int32 (pair index t·k + j, ascending within an expert, or P = T·k for
+    padding) and ``block_expert`` [nb] int32 (the block's expert, or E past the used blocks),
+    with nb = ceil(P / BM) + min(E, P), an upper bound of Σ_e ceil(count_e / BM).
     Pairs whose id is outside 0..E-1 (other expert-parallel shards) are left out.
     """
+    if topk_ids.device.type != "cuda" and not _INTERPRET_HOST:
+        return moe_plan_torch(topk_ids, num_experts, BM)
+    if num_experts < 1 or BM < 1 or BM & (BM - 1):
+        raise ValueError(f"moe_plan: expected num_experts >= 1 and BM a power of two; found "
+                         f"num_experts={num_experts}, BM={BM}")
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int64)
+    flat = flat.contiguous()
+    P = flat.numel()
+    E = num_experts
+    nb = triton.cdiv(P, BM) + min(E, P)
+    pairs = torch.empty(nb * BM, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=flat.device)
+    if P == 0:
+        return pairs, block_expert
+    # Histogram bins: E real ones + bin E for skipped ids; >= 32 for the GPU lowering.
+    nbins = max(32, triton.next_power_of_2(E + 1))
+    bp = min(1024, max(64, triton.next_power_of_2(P)))
+    _moe_plan_kernel[(E + 1,)](flat, pairs, block_expert, P, E, nb, BM=BM, NBINS=nbins, BP=bp,
+                               BF=256, num_warps=4)
+    return pairs, block_expert
+
+
+def moe_plan_torch(topk_ids: torch.Tensor, num_experts: int, BM: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of :func:`moe_plan` (about ten torch ops incl. a stable sort; no host
+    sync)."""
     dev = topk_ids.device
     E = num_experts
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -491,8 +750,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     if cfg is None:
         cfg = pick_moe_config(P, E, D, inter, bk)
     if cfg.BK != bk:
-        cfg = MoeConfig(cfg.BM, cfg.BN_up, cfg.BN_down, bk, cfg.warps_up, cfg.warps_down,
-                        cfg.stages)
+        cfg = replace(cfg, BK=bk)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -504,19 +762,27 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     w3, s3, _ = _weight_args(experts, "w3")
     w2, s2, _ = _weight_args(experts, "w2")
     sb = experts.block if experts.fmt == "fp8" else 32
+    gs = resolve_fp4_path(cfg, experts) == "group_scaled"
+    stages_up, stages_down = cfg.stages, cfg.stages
+    if experts.fmt == "dense":
+        size = experts.w1.element_size()
+        stages_up = _fit_stages(cfg.stages, cfg.BM, 2 * cfg.BN_up, cfg.BK, size)
+        stages_down = _fit_stages(cfg.stages, cfg.BM, cfg.BN_down, cfg.BK, size)
     act = torch.empty(nb * cfg.BM, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(nb, triton.cdiv(inter, cfg.BN_up))](
         x, w1, w3, s1, s3, pairs, block_expert, wts, act,
         P, inter, D, E, k, x.stride(0), act.stride(0),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, QUANT_X=quant, HAS_LIMIT=swiglu_limit > 0,
-        BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up, num_stages=cfg.stages)
+        BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, GROUP_SCALED=gs, num_warps=cfg.warps_up,
+        num_stages=stages_up)
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
         act, w2, s2, pairs, block_expert, y, P, D, inter, E, act.stride(0), y.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, QUANT_A=quant,
-        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down, num_stages=cfg.stages)
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, GROUP_SCALED=gs, num_warps=cfg.warps_down,
+        num_stages=stages_down)
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
     return out

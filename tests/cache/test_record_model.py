@@ -116,7 +116,7 @@ def test_v4_fp32_official_differs_only_by_the_bf16_rope_tail(ckpt, monkeypatch) 
     got = _forward(model, ids, RECORD_DTYPE)
     plain = _forward(model, ids, torch.float32)
     rd = model.cfg.rope_head_dim
-    encode, finish = attention_mod.encode_rows, compressor_mod.Compressor.finish
+    encode, stored = attention_mod.encode_rows, compressor_mod.Compressor._stored
 
     def bf16_tail(rows: torch.Tensor) -> torch.Tensor:
         return torch.cat((rows[:, :-rd], rows[:, -rd:].to(torch.bfloat16).to(rows.dtype)), -1)
@@ -124,12 +124,12 @@ def test_v4_fp32_official_differs_only_by_the_bf16_rope_tail(ckpt, monkeypatch) 
     def encode_window(rows: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor:
         return encode(bf16_tail(rows) if fmt is None else rows, fmt, dtype)
 
-    def finish_entries(self, pooled, positions, store_quantizes=False) -> torch.Tensor:
-        entries = finish(self, pooled, positions, store_quantizes)
+    def stored_entries(self, entries: torch.Tensor, store_quantizes: bool) -> torch.Tensor:
+        entries = stored(self, entries, store_quantizes)
         return entries if self.rotate else bf16_tail(entries)  # not the (fp4) index keys
 
     monkeypatch.setattr(attention_mod, "encode_rows", encode_window)
-    monkeypatch.setattr(compressor_mod.Compressor, "finish", finish_entries)
+    monkeypatch.setattr(compressor_mod.Compressor, "_stored", stored_entries)
     tailed = _forward(model, ids, torch.float32)
     assert torch.equal(got, tailed)
     assert not torch.equal(got, plain)  # the tail rounding is visible in fp32

@@ -1,0 +1,228 @@
+"""Plain-torch twin of the compressor ops (spec §3.7, §4.3): gated softmax pooling of a group's
+rows (with ``ape`` already in the scores and the ratio-4 overlap), RMSNorm, RoPE of the rope
+channels, and the carry-over state update.  It is the oracle of ``triton_compress.py`` and what
+runs on CPU; its numerics are those of the model since the first version (bit for bit).
+
+Where the rows of a group live
+------------------------------
+Every token of a step gives fp32 rows ``kv`` / ``score`` [T, W] (W = coff·d; coff = 2 for the
+overlapping compressor).  The rows of positions before the step are in the request's state slot
+``state_kv`` / ``state_score`` [num_slots, coff·r, W]: rows ``[0:r]`` hold the previous complete
+group (overlap only), the next ``r`` rows the open group, at row ``pos % r``.  Entry j of a request
+pools the positions ``j·r .. j·r + r − 1`` (and, with overlap, the previous group ``j·r − r ..``):
+each position is a row of this step (``pos >= start_pos``) or of the state, or empty (kv 0,
+score −inf) when the state does not hold it (before the sequence).
+
+Ops (same signatures in the Triton module)::
+
+    compress_entries(kv, score, state_kv, state_score, request, entry, valid, start_pos,
+                     cu_seqlens, slots, ratio, overlap, norm_weight, norm_eps, cos, sin,
+                     out_dtype) -> [E, d]
+    compress_update_state(kv, score, state_kv, state_score, start_pos, cu_seqlens, slots,
+                          ratio, overlap) -> None      # in place
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv4.ops.torch_attn import apply_rope, rms_norm
+
+__all__ = ["compress_entries", "compress_update_state", "compress_pool", "locate_rows",
+           "check_compress_args", "check_entry_args"]
+
+# Gathered group rows per block of entries stay near this many fp32 elements.
+BLOCK_ELEMS = 1 << 24
+
+
+def check_compress_args(name: str, kv: Tensor, score: Tensor, state_kv: Tensor,
+                        state_score: Tensor, start_pos: Tensor, cu_seqlens: Tensor,
+                        slots: Tensor, ratio: int, overlap: bool) -> int:
+    """Validate the shared arguments of the compressor ops; returns the entry width d."""
+    coff = 2 if overlap else 1
+    if not isinstance(ratio, int) or ratio < 1 or (overlap and ratio < 2):
+        raise ValueError(f"{name}: ratio must be an integer >= 1 (>= 2 with overlap); got "
+                         f"{ratio!r}")
+    if kv.dim() != 2 or score.shape != kv.shape or kv.shape[1] % coff:
+        raise ValueError(f"{name}: kv and score must be the same [T, coff·d] (coff={coff}); "
+                         f"found {tuple(kv.shape)} and {tuple(score.shape)}")
+    W = kv.shape[1]
+    want = (coff * ratio, W)
+    if (state_kv.dim() != 3 or tuple(state_kv.shape[1:]) != want
+            or state_score.shape != state_kv.shape):
+        raise ValueError(f"{name}: state_kv / state_score must be [num_slots, {want[0]}, {W}]; "
+                         f"found {tuple(state_kv.shape)} and {tuple(state_score.shape)}")
+    for t, what in ((kv, "kv"), (score, "score"), (state_kv, "state_kv"),
+                    (state_score, "state_score")):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name}: {what} must be float32; found {t.dtype}")
+    R = start_pos.shape[0]
+    if tuple(cu_seqlens.shape) != (R + 1,) or tuple(slots.shape) != (R,):
+        raise ValueError(f"{name}: start_pos [R], cu_seqlens [R+1], slots [R] expected; found "
+                         f"{tuple(start_pos.shape)}, {tuple(cu_seqlens.shape)}, "
+                         f"{tuple(slots.shape)}")
+    return W // coff
+
+
+def check_entry_args(request: Tensor, entry: Tensor, valid: Tensor | None, norm_weight: Tensor,
+                     d: int, cos: Tensor | None, sin: Tensor | None) -> None:
+    """Validate the per-entry arguments of ``compress_entries`` (entries of width d)."""
+    E = request.shape[0]
+    if request.dim() != 1 or tuple(entry.shape) != (E,):
+        raise ValueError(f"compress_entries: request and entry must be [E]; found "
+                         f"{tuple(request.shape)} and {tuple(entry.shape)}")
+    if valid is not None and (tuple(valid.shape) != (E,) or valid.dtype != torch.bool):
+        raise ValueError(f"compress_entries: valid must be a bool [E={E}] or None; found "
+                         f"{valid.dtype} {tuple(valid.shape)}")
+    if tuple(norm_weight.shape) != (d,):
+        raise ValueError(f"compress_entries: norm_weight must be [{d}]; found "
+                         f"{tuple(norm_weight.shape)}")
+    if (cos is None) != (sin is None):
+        raise ValueError("compress_entries: pass both cos and sin, or neither (no RoPE)")
+    if cos is not None and (cos.dim() != 2 or cos.shape[0] != E or sin.shape != cos.shape
+                            or 2 * cos.shape[1] > d):
+        raise ValueError(f"compress_entries: cos / sin must be [E={E}, rd/2] with rd <= {d}; "
+                         f"found {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
+def locate_rows(request: Tensor, pos: Tensor, start_pos: Tensor, cu_seqlens: Tensor,
+                slots: Tensor, ratio: int, overlap: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Where the row of position ``pos`` of request ``request`` lives (same shapes in/out).
+
+    Returns ``(from_step, step_row, state_row)``: this step's token row when ``from_step``, else
+    a row of the flattened state (−1 when the position holds nothing: before the sequence, or a
+    group that is no longer kept).
+    """
+    r = ratio
+    p0 = start_pos[request]
+    from_step = pos >= p0
+    step_row = cu_seqlens[request] + (pos - p0)
+    g0 = torch.div(p0, r, rounding_mode="floor") * r           # first position of p0's group
+    base = slots[request] * ((2 if overlap else 1) * r)
+    in_partial = (pos >= g0) & ~from_step
+    state_row = torch.where(in_partial, base + (r if overlap else 0) + pos % r, -1)
+    if overlap:
+        in_prev = (pos >= g0 - r) & (pos < g0) & (pos >= 0)
+        state_row = torch.where(in_prev, base + pos % r, state_row)
+    return from_step, step_row, state_row
+
+
+def _gather(step_rows: Tensor, state_rows: Tensor, fill: float, where: tuple[Tensor, ...]
+            ) -> Tensor:
+    """Rows [..., w] picked from this step's rows or the flat state; ``fill`` where empty.
+
+    A step row beyond the step (only the never-stored candidates of a static-shape step ask for
+    one) is clamped into it, which keeps the read in bounds."""
+    from_step, step_row, state_row = where
+    a = step_rows.index_select(0, step_row.clamp(0, max(step_rows.shape[0] - 1, 0)).reshape(-1))
+    b = state_rows.index_select(0, state_row.clamp_min(0).reshape(-1))
+    shape = (*from_step.shape, step_rows.shape[-1])
+    a, b = a.view(shape), b.view(shape)
+    out = torch.where(from_step[..., None], a, b)
+    empty = (~from_step & (state_row < 0))[..., None]
+    return out.masked_fill(empty, fill)
+
+
+def _softmax_pool(rows_kv: Tensor, rows_score: Tensor) -> Tensor:
+    """Per-channel softmax over the slots (dim 1) weighting the kv rows: [e, slots, d] -> [e, d].
+
+    Computed in float64 and rounded once to fp32: CPU kernels pick vector or scalar code (exp)
+    and reduction orders by tensor shape and thread count, which would make an entry's fp32 bits
+    depend on how many entries the step pools; in float64 those differences vanish in the final
+    rounding, so an entry is the same whatever the split of the sequence into steps.
+    """
+    score = rows_score.double()
+    p = torch.exp(score - score.amax(dim=1, keepdim=True))
+    p = p / p.sum(dim=1, keepdim=True)
+    return (p * rows_kv.double()).sum(dim=1).float()
+
+
+def compress_pool(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tensor,
+                  request: Tensor, entry: Tensor, start_pos: Tensor, cu_seqlens: Tensor,
+                  slots: Tensor, ratio: int, overlap: bool, block_elems: int = BLOCK_ELEMS
+                  ) -> Tensor:
+    """The pooled entries [E, d] fp32 (before the norm) of entries ``entry`` of requests
+    ``request``; reads the state, does not change it.  ``block_elems`` bounds the rows gathered
+    at once (the result does not depend on it)."""
+    d = check_compress_args("compress_pool", kv, score, state_kv, state_score, start_pos,
+                            cu_seqlens, slots, ratio, overlap)
+    r, W = ratio, kv.shape[1]
+    flat_kv, flat_score = state_kv.view(-1, W), state_score.view(-1, W)
+    E = request.shape[0]
+    pooled = kv.new_empty(E, d)
+    n_slots = 2 * r if overlap else r
+    step = max(1, block_elems // (n_slots * W))
+    k = torch.arange(r, device=kv.device)
+    for e0 in range(0, E, step):
+        ent = entry[e0:e0 + step]
+        cur_pos = ent[:, None] * r + k[None, :]                              # [e, r]
+        req = request[e0:e0 + step, None].expand_as(cur_pos)
+        if overlap:
+            pos = torch.cat((cur_pos - r, cur_pos), dim=1)                    # [e, 2r]
+            req = torch.cat((req, req), dim=1)
+        else:
+            pos = cur_pos
+        where = locate_rows(req, pos, start_pos, cu_seqlens, slots, r, overlap)
+        rows_kv = _gather(kv, flat_kv, 0.0, where)
+        rows_score = _gather(score, flat_score, float("-inf"), where)
+        if overlap:
+            # previous group: channels [:d]; current group: channels [d:]
+            rows_kv = torch.cat((rows_kv[:, :r, :d], rows_kv[:, r:, d:]), dim=1)
+            rows_score = torch.cat((rows_score[:, :r, :d], rows_score[:, r:, d:]), dim=1)
+        pooled[e0:e0 + step] = _softmax_pool(rows_kv, rows_score)
+    return pooled
+
+
+def compress_entries(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tensor,
+                     request: Tensor, entry: Tensor, valid: Tensor | None, start_pos: Tensor,
+                     cu_seqlens: Tensor, slots: Tensor, ratio: int, overlap: bool,
+                     norm_weight: Tensor,
+                     norm_eps: float, cos: Tensor | None, sin: Tensor | None,
+                     out_dtype: torch.dtype) -> Tensor:
+    """Finished entries [E, d] in ``out_dtype``: pooled (fp32) → cast to ``out_dtype`` →
+    RMSNorm with ``norm_weight`` → RoPE of the last ``2·cos.shape[1]`` channels (none when
+    ``cos`` is None: the V4.1 pre-RoPE latent).
+
+    kv / score [T, W] fp32 (score with ``ape``), state_kv / state_score [slots, coff·r, W]
+    fp32, request / entry [E] int64 (request index, entry id in the request), start_pos [R],
+    cu_seqlens [R+1], slots [R] int64; cos / sin [E, rd/2] fp32 at the entries' positions j·r.
+    ``valid`` [E] bool or None: entries marked False (the candidates of a static-shape step that
+    do not complete) come out as zeros.  Call it before :func:`compress_update_state` of the
+    same step (it reads the old state).
+    """
+    d = check_compress_args("compress_entries", kv, score, state_kv, state_score, start_pos,
+                            cu_seqlens, slots, ratio, overlap)
+    check_entry_args(request, entry, valid, norm_weight, d, cos, sin)
+    pooled = compress_pool(kv, score, state_kv, state_score, request, entry, start_pos,
+                           cu_seqlens, slots, ratio, overlap)
+    out = rms_norm(pooled.to(out_dtype), norm_weight, norm_eps)
+    if cos is not None:
+        out = apply_rope(out, cos, sin)
+    if valid is not None:
+        out = torch.where(valid[:, None], out, 0.0)
+    return out
+
+
+def compress_update_state(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tensor,
+                          start_pos: Tensor, cu_seqlens: Tensor, slots: Tensor, ratio: int,
+                          overlap: bool) -> None:
+    """Keep, in every request's slot, the rows of its open group (and with overlap the last
+    complete group) after this step; other rows become empty (kv 0, score −inf)."""
+    check_compress_args("compress_update_state", kv, score, state_kv, state_score, start_pos,
+                        cu_seqlens, slots, ratio, overlap)
+    r, R, W = ratio, start_pos.shape[0], kv.shape[1]
+    end = start_pos + (cu_seqlens[1:] - cu_seqlens[:-1])
+    g_end = torch.div(end, r, rounding_mode="floor") * r                     # open group start
+    k = torch.arange(r, device=kv.device)
+    pos = g_end[:, None] + k[None, :]                                         # [R, r]
+    pos = torch.where(pos < end[:, None], pos, -1)
+    if overlap:
+        prev = g_end[:, None] - r + k[None, :]
+        pos = torch.cat((prev, pos), dim=1)                                   # [R, 2r]
+    req = torch.arange(R, device=kv.device)[:, None].expand_as(pos)
+    where = locate_rows(req, pos, start_pos, cu_seqlens, slots, r, overlap)
+    new_kv = _gather(kv, state_kv.view(-1, W), 0.0, where)
+    new_score = _gather(score, state_score.view(-1, W), float("-inf"), where)
+    state_kv.index_copy_(0, slots, new_kv)
+    state_score.index_copy_(0, slots, new_score)

@@ -1,0 +1,265 @@
+"""Triton kernels of the compressor ops (spec §3.7, §4.3); same signatures and row conventions as
+the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group's rows live).
+
+* ``compress_entries``: one program per entry locates its group's rows (this step's tokens or
+  the slot's carry-over state), pools them with the per-channel softmax (overlap and ``ape``
+  included), casts to the output dtype, applies the RMSNorm and the RoPE of the rope channels:
+  the whole finish of an entry in one launch instead of ~20 small torch kernels.
+* ``compress_update_state``: one program per (request, channel block) rewrites the request's
+  slot with the rows of its open group (and, with overlap, of the last complete group).
+
+Numerics: the softmax pooling runs in float64 and is rounded once to fp32, as the twin does, so
+pooled values agree with the twin to the last fp32 bit but for rare rounding ties; the norm's
+sum of squares is reduced in another order than torch's, so finished fp32 entries agree to
+~1e-6 relative and bf16 entries to 1 ulp (a pre-rounding difference of a few fp32 ulps can only
+flip a bf16 rounding).  Every bf16 value is rounded to nearest-even by hand (the interpreter's
+own cast truncates).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops import torch_compress as twin
+from dsv4.ops.triton_dense import round_to_bf16, torch_twin_off_gpu
+
+__all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles"]
+
+
+@triton.jit
+def _locate(pos, p0, cu0, slot, T, R: tl.constexpr, OVERLAP: tl.constexpr):
+    """(from_step, step_row, state_row) of positions ``pos`` of one request (twin: locate_rows);
+    step rows are clamped into the step, state_row is −1 where the state holds nothing."""
+    from_step = pos >= p0
+    step_row = tl.minimum(tl.maximum(cu0 + pos - p0, 0), T - 1)
+    g0 = (p0 // R) * R
+    base = slot * ((2 if OVERLAP else 1) * R)
+    # pos % R is taken only where pos >= 0 (Triton's % truncates towards zero).
+    in_partial = (pos >= g0) & (pos < p0)
+    state_row = tl.where(in_partial, base + (R if OVERLAP else 0) + pos % R, -1)
+    if OVERLAP:
+        in_prev = (pos >= g0 - R) & (pos < g0) & (pos >= 0)
+        state_row = tl.where(in_prev, base + pos % R, state_row)
+    return from_step, step_row, state_row
+
+
+@triton.jit
+def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_ptr, valid_ptr,
+                             start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+                             T, D, W, HALF, eps,
+                             R: tl.constexpr, OVERLAP: tl.constexpr, HAS_VALID: tl.constexpr,
+                             HAS_ROPE: tl.constexpr, OUT_BF16: tl.constexpr,
+                             S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    e = tl.program_id(0)
+    req = tl.load(req_ptr + e)
+    ent = tl.load(ent_ptr + e)
+    live = True
+    if HAS_VALID:
+        live = tl.load(valid_ptr + e) != 0
+    out_row = out_ptr + e.to(tl.int64) * D
+    if live:
+        p0 = tl.load(start_ptr + req)
+        cu0 = tl.load(cu_ptr + req)
+        slot = tl.load(slot_ptr + req)
+        s = tl.arange(0, S_BLOCK)
+        if OVERLAP:
+            # slots 0..R-1: the previous group's channels [:d]; R..2R-1: this group's [d:]
+            n_slots = 2 * R
+            pos = ent * R - R + s
+            ch_off = tl.where(s < R, 0, D)
+        else:
+            n_slots = R
+            pos = ent * R + s
+            ch_off = s * 0
+        from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
+        slot_ok = s < n_slots
+        use_step = slot_ok & from_step
+        use_state = slot_ok & (pos < p0) & (state_row >= 0)
+        step_base = step_row.to(tl.int64) * W + ch_off
+        state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
+        # Pass 1: pool channel blocks (float64 softmax over the slots), store them rounded to
+        # the output dtype (the norm's input) and sum their squares.
+        ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for c0 in range(0, D, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            cm = c < D
+            m_step = use_step[:, None] & cm[None, :]
+            m_state = use_state[:, None] & cm[None, :]
+            k_step = tl.load(kv_ptr + step_base[:, None] + c[None, :], mask=m_step, other=0.0)
+            k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state,
+                              other=0.0)
+            g_step = tl.load(score_ptr + step_base[:, None] + c[None, :], mask=m_step,
+                             other=float("-inf"))
+            g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
+                              other=float("-inf"))
+            kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
+            g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
+            p = tl.exp(g - tl.max(g, axis=0)[None, :])
+            p = p / tl.sum(p, axis=0)[None, :]
+            pooled = tl.sum(p * kv, axis=0).to(tl.float32)
+            if OUT_BF16:
+                pooled = round_to_bf16(pooled)
+            pooled = tl.where(cm, pooled, 0.0)
+            ss += pooled * pooled
+            tl.store(out_row + c, pooled.to(out_ptr.dtype.element_ty), mask=cm)
+        # torch's order: mean = sum / d, then 1 / sqrt(mean + eps), each rounded (IEEE ops).
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(ss, axis=0), D.to(tl.float32)) + eps))
+        # Every thread's pass-1 stores must be visible before pass 2 reads them back.
+        tl.debug_barrier()
+        # Pass 2: norm and RoPE over (even, odd) channel pairs; rope pairs are the last HALF.
+        for h0 in range(0, D // 2, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hm = h < D // 2
+            x_e = tl.load(out_row + 2 * h, mask=hm, other=0.0).to(tl.float32)
+            x_o = tl.load(out_row + 2 * h + 1, mask=hm, other=0.0).to(tl.float32)
+            y_e = tl.load(w_ptr + 2 * h, mask=hm, other=0.0) * (x_e * rstd)
+            y_o = tl.load(w_ptr + 2 * h + 1, mask=hm, other=0.0) * (x_o * rstd)
+            if OUT_BF16:
+                y_e = round_to_bf16(y_e)
+                y_o = round_to_bf16(y_o)
+            if HAS_ROPE:
+                i = h - (D // 2 - HALF)
+                rm = hm & (i >= 0)
+                cs = tl.load(cos_ptr + e.to(tl.int64) * HALF + i, mask=rm, other=1.0)
+                sn = tl.load(sin_ptr + e.to(tl.int64) * HALF + i, mask=rm, other=0.0)
+                r_e = y_e * cs - y_o * sn
+                r_o = y_e * sn + y_o * cs
+                if OUT_BF16:
+                    r_e = round_to_bf16(r_e)
+                    r_o = round_to_bf16(r_o)
+                y_e = tl.where(rm, r_e, y_e)
+                y_o = tl.where(rm, r_o, y_o)
+            # A pair is read and written by the same block: all reads first.
+            tl.debug_barrier()
+            tl.store(out_row + 2 * h, y_e.to(out_ptr.dtype.element_ty), mask=hm)
+            tl.store(out_row + 2 * h + 1, y_o.to(out_ptr.dtype.element_ty), mask=hm)
+    else:
+        for c0 in range(0, D, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            tl.store(out_row + c, tl.zeros([BLOCK_D], dtype=tl.float32)
+                     .to(out_ptr.dtype.element_ty), mask=c < D)
+
+
+@triton.jit
+def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_ptr, slot_ptr,
+                           T, W, R: tl.constexpr, OVERLAP: tl.constexpr,
+                           S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cm = c < W
+    p0 = tl.load(start_ptr + i)
+    cu0 = tl.load(cu_ptr + i)
+    end = p0 + (tl.load(cu_ptr + i + 1) - cu0)
+    slot = tl.load(slot_ptr + i)
+    g_end = (end // R) * R                                   # first position of the open group
+    s = tl.arange(0, S_BLOCK)
+    if OVERLAP:
+        n_rows = 2 * R
+        pos = g_end - R + s                                  # last complete group, open group
+    else:
+        n_rows = R
+        pos = g_end + s
+    pos = tl.where(pos < end, pos, -1)                       # open-group rows not yet seen
+    from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
+    row_ok = s < n_rows
+    use_step = row_ok & from_step
+    use_state = row_ok & (pos < p0) & (state_row >= 0)
+    step_off = step_row.to(tl.int64)[:, None] * W + c[None, :]
+    state_off = tl.maximum(state_row, 0).to(tl.int64)[:, None] * W + c[None, :]
+    m_step = use_step[:, None] & cm[None, :]
+    m_state = use_state[:, None] & cm[None, :]
+    kv = tl.where(from_step[:, None], tl.load(kv_ptr + step_off, mask=m_step, other=0.0),
+                  tl.load(skv_ptr + state_off, mask=m_state, other=0.0))
+    g = tl.where(from_step[:, None], tl.load(score_ptr + step_off, mask=m_step,
+                                             other=float("-inf")),
+                 tl.load(ssc_ptr + state_off, mask=m_state, other=float("-inf")))
+    # The slot's rows are read and rewritten by this block (rows move between the open and
+    # the previous group): every read lands before any write.
+    tl.debug_barrier()
+    dst = (slot.to(tl.int64) * n_rows + s)[:, None] * W + c[None, :]
+    m_dst = row_ok[:, None] & cm[None, :]
+    tl.store(skv_ptr + dst, kv, mask=m_dst)
+    tl.store(ssc_ptr + dst, g, mask=m_dst)
+
+
+def entries_tiles(ratio: int, overlap: bool, d: int) -> tuple[int, int, int, int]:
+    """(S_BLOCK, BLOCK_D, BLOCK_H, num_warps) of ``compress_entries``: the slot tile holds ~1K
+    float64 values per channel block (a ratio-128 group: 16 channels at a time, over 16 warps),
+    which keeps ptxas below ~110 registers and without spills for sm_90."""
+    s_block = triton.next_power_of_2(2 * ratio if overlap else ratio)
+    block_d = min(triton.next_power_of_2(d), max(16, 1024 // s_block))
+    block_h = min(triton.next_power_of_2(max(d // 2, 1)), 256)
+    return s_block, block_d, block_h, 16 if s_block >= 64 else 8
+
+
+def state_tiles(ratio: int, overlap: bool, width: int) -> tuple[int, int, int]:
+    """(S_BLOCK, BLOCK_W, num_warps) of ``compress_update_state``: ~2K fp32 values per tile and
+    array over 8 warps (no spills, < ~110 registers for sm_90)."""
+    s_block = triton.next_power_of_2(2 * ratio if overlap else ratio)
+    return s_block, min(triton.next_power_of_2(width), max(16, 2048 // s_block)), 8
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous()
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_compress")
+def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
+                     state_score: torch.Tensor, request: torch.Tensor, entry: torch.Tensor,
+                     valid: torch.Tensor | None, start_pos: torch.Tensor,
+                     cu_seqlens: torch.Tensor, slots: torch.Tensor, ratio: int, overlap: bool,
+                     norm_weight: torch.Tensor, norm_eps: float, cos: torch.Tensor | None,
+                     sin: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Finished entries [E, d] in ``out_dtype`` (fp32 or bf16; other dtypes run the twin):
+    pooled, cast, RMSNorm, RoPE, zeros where ``valid`` is False.  See the torch twin."""
+    d = twin.check_compress_args("compress_entries", kv, score, state_kv, state_score,
+                                 start_pos, cu_seqlens, slots, ratio, overlap)
+    twin.check_entry_args(request, entry, valid, norm_weight, d, cos, sin)
+    state_kv, state_score = state_kv.contiguous(), state_score.contiguous()
+    if out_dtype not in (torch.float32, torch.bfloat16) or d % 2:
+        return twin.compress_entries(kv, score, state_kv, state_score, request, entry, valid,
+                                     start_pos, cu_seqlens, slots, ratio, overlap, norm_weight,
+                                     norm_eps, cos, sin, out_dtype)
+    E = request.shape[0]
+    out = torch.empty(E, d, dtype=out_dtype, device=kv.device)
+    if E == 0:
+        return out
+    s_block, block_d, block_h, num_warps = entries_tiles(ratio, overlap, d)
+    has_rope = cos is not None
+    half = cos.shape[1] if has_rope else 0
+    cos_t = cos.float().contiguous() if has_rope else out
+    sin_t = sin.float().contiguous() if has_rope else out
+    valid_t = valid if valid is not None else out          # bool: read as i1, no conversion
+    _compress_entries_kernel[(E,)](
+        kv.contiguous(), score.contiguous(), state_kv, state_score, _index(request),
+        _index(entry), valid_t, _index(start_pos), _index(cu_seqlens), _index(slots),
+        norm_weight.float().contiguous(), cos_t, sin_t, out,
+        kv.shape[0], d, kv.shape[1], half, float(norm_eps),
+        R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None, HAS_ROPE=has_rope,
+        OUT_BF16=out_dtype == torch.bfloat16, S_BLOCK=s_block, BLOCK_D=block_d,
+        BLOCK_H=block_h, num_warps=num_warps)
+    return out
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_compress")
+def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
+                          state_score: torch.Tensor, start_pos: torch.Tensor,
+                          cu_seqlens: torch.Tensor, slots: torch.Tensor, ratio: int,
+                          overlap: bool) -> None:
+    """Rewrite every request's slot with its open group (and the last complete group with
+    overlap), in place.  See the torch twin."""
+    twin.check_compress_args("compress_update_state", kv, score, state_kv, state_score,
+                             start_pos, cu_seqlens, slots, ratio, overlap)
+    if not (state_kv.is_contiguous() and state_score.is_contiguous()):
+        raise ValueError("compress_update_state: state_kv and state_score must be contiguous "
+                         "(they are updated in place)")
+    R, W = start_pos.shape[0], kv.shape[1]
+    if R == 0:
+        return
+    s_block, block_w, num_warps = state_tiles(ratio, overlap, W)
+    _compress_state_kernel[(R, triton.cdiv(W, block_w))](
+        kv.contiguous(), score.contiguous(), state_kv, state_score, _index(start_pos),
+        _index(cu_seqlens), _index(slots), kv.shape[0], W, R=ratio, OVERLAP=bool(overlap),
+        S_BLOCK=s_block, BLOCK_W=block_w, num_warps=num_warps)

@@ -1,0 +1,709 @@
+"""Offline sm_90 (H200) compilation of every Triton kernel launch of the dsv4 ops, without a GPU.
+
+The Triton interpreter does not type-check like the GPU compiler does (it accepted a helper whose
+constexpr branches returned different dtypes, which the sm_90 compiler rejected), so CI also
+compiles every launch for the H200 on the CPU machine.
+
+How: a *scenario* calls the public op wrappers with CPU tensors at real model shapes (big
+buffers come from ``torch.empty``, which costs no memory until touched).  While it runs,
+:class:`Recorder` replaces ``JITFunction.run``: each launch goes through Triton's own binder and
+``_pack_args`` with the CUDA backend of sm_90 (the same signature, constexprs, divisibility
+attributes and options a launch on the H200 would compile with) and is recorded, not launched.
+The recorder also makes the ops plan tiles for the H200 (``sm_count`` = 132) and makes the
+``torch_twin_off_gpu`` wrappers take the kernel path for CPU tensors.  Every distinct launch is
+then compiled to a cubin with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``.
+
+Adding a case (a new kernel, a new configuration):
+
+1. write a function that calls the op wrapper(s) with CPU tensors whose shapes, dtypes and
+   options are those of the real launch (``torch.empty`` for large buffers; pass explicit tile
+   configs where the GPU would pick them by shape);
+2. decorate it with ``@scenario("area/what")`` (the name shows in the pytest id);
+3. to also cover a constexpr that the GPU path picks differently from the CPU path, wrap the
+   call in ``with RECORDER.override(kernel, NAME=value):``;
+4. if a launch cannot compile and the fix is elsewhere, add a :class:`KnownFailure` (scenario,
+   strings of the launch description, reason) to :data:`KNOWN_FAILURES`: the test then xfails.
+
+Run it by hand: ``python tests/kernels/sm90_cases.py --list`` (scenarios and launches) or
+``python tests/kernels/sm90_cases.py --out r.json`` (compile all; ``--only NAME``).
+TRITON_INTERPRET must be unset (the kernels branch on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCH = 90                # the H200 (Hopper)
+H200_SMS = 132           # streaming multiprocessors of the H200: the ops plan tiles by it
+REPO = Path(__file__).resolve().parents[2]
+
+# name -> function that calls op wrappers; filled by @scenario below.
+SCENARIOS: dict[str, Callable[[], None]] = {}
+# The machinery's own check (test_sm90_compile.py): a launch that must fail to compile and its
+# twin that must compile; run with --canaries only.
+CANARIES: dict[str, Callable[[], None]] = {}
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    """Launches of ``scenario`` whose description (:meth:`Launch.describe`) contains every
+    string of ``match`` are known not to compile / load on the H200: the test xfails on them
+    (and still fails on any other launch).  Remove the entry once the op is fixed."""
+
+    scenario: str
+    match: tuple[str, ...]
+    reason: str
+
+    def covers(self, scenario: str, config: str) -> bool:
+        return scenario == self.scenario and all(m in config for m in self.match)
+
+
+KNOWN_FAILURES: list[KnownFailure] = []
+# (An example of an entry, fixed since: KnownFailure("moe_experts/v4_flash/dense/prefill",
+#  ("_moe_up_kernel[FMT=0,", "BM=64, BN=128, BK=128"), "needs 240 KB of shared memory ..."))
+
+
+def scenario(name: str, canary: bool = False) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register ``fn`` as the scenario ``name`` (``canary``: one that must fail to compile)."""
+    def deco(fn: Callable[[], None]) -> Callable[[], None]:
+        table = CANARIES if canary else SCENARIOS
+        if name in SCENARIOS or name in CANARIES:
+            raise ValueError(f"sm90 scenario {name!r} is registered twice")
+        table[name] = fn
+        return fn
+    return deco
+
+
+# ------------------------------------------------------------------------------ recording
+@dataclass
+class Launch:
+    """One kernel launch as the sm_90 compiler would see it."""
+
+    kernel: Any                      # the JITFunction
+    signature: dict[str, str]
+    constexprs: dict[tuple, Any]
+    attrs: dict[tuple, Any]
+    options: Any                     # the backend's CUDAOptions
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel.fn.__name__
+
+    def describe(self) -> str:
+        """Kernel name, constexprs by name, and the launch options (for failure messages)."""
+        names = self.kernel.arg_names
+        ce = ", ".join(f"{names[p[0]]}={v!r}" for p, v in sorted(self.constexprs.items())
+                       if len(p) == 1)
+        types = ", ".join(f"{k}:{v}" for k, v in self.signature.items() if v != "constexpr")
+        o = self.options
+        return (f"{self.kernel.fn.__module__}.{self.kernel_name}[{ce}] "
+                f"num_warps={o.num_warps} num_stages={o.num_stages} ({types})")
+
+    def key(self) -> str:
+        """Identity for deduplication: kernel, argument types (ints specialized to constexpr 1
+        included), constexprs and options.  The divisibility hints (``attrs``) are left out: they
+        only refine address analysis, and keeping them would multiply the compiles; the first
+        launch seen (real shapes) supplies them."""
+        text = repr((self.kernel.fn.__module__, self.kernel_name, sorted(self.signature.items()),
+                     sorted(self.constexprs.items()), sorted(self.options.__dict__.items())))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Recorder:
+    """Records the launches of the scenarios instead of running them (see the module doc)."""
+
+    launches: list[Launch] = field(default_factory=list)
+    overrides: dict[Any, dict[str, Any]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def override(self, kernel: Any, **constexprs: Any) -> Iterator[None]:
+        """Launches of ``kernel`` inside the block get these constexpr values instead (for
+        choices the ops make by device type, e.g. a precision tried on CUDA only)."""
+        before = self.overrides.get(kernel)
+        self.overrides[kernel] = {**(before or {}), **constexprs}
+        try:
+            yield
+        finally:
+            if before is None:
+                del self.overrides[kernel]
+            else:
+                self.overrides[kernel] = before
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Patch the launch path and the device queries of the ops while the block runs."""
+        from triton import knobs
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime import jit as jit_mod
+
+        import dsv4.ops
+        from dsv4.ops import triton_dense
+
+        backend = make_backend(GPUTarget("cuda", ARCH, 32))
+        binders: dict[Any, Callable] = {}
+        recorder = self
+
+        def record_run(kernel: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+            # The same steps as JITFunction.run up to the compile, with the sm_90 backend.
+            kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+            kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            kwargs.update(recorder.overrides.get(kernel, {}))
+            if kernel not in binders:
+                binders[kernel] = jit_mod.create_function_from_signature(
+                    kernel.signature, kernel.params, backend)
+            bound, spec, opts = binders[kernel](*args, **kwargs)
+            options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                                      spec, opts)
+            recorder.launches.append(Launch(kernel, signature, constexprs, attrs, options))
+
+        # Every ops module (new ones too) is imported so that its copies of sm_count and of
+        # _INTERPRET_HOST (True: the kernel path for CPU tensors) are patched.
+        modules = [importlib.import_module(f"dsv4.ops.{m.name}")
+                   for m in pkgutil.iter_modules(dsv4.ops.__path__)]
+        real_sm_count = triton_dense.sm_count
+        patches = [(m, "sm_count", lambda device: H200_SMS) for m in modules
+                   if getattr(m, "sm_count", None) is real_sm_count]
+        patches += [(m, "_INTERPRET_HOST", True) for m in modules if hasattr(m, "_INTERPRET_HOST")]
+        saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+        saved_run = jit_mod.JITFunction.run
+        jit_mod.JITFunction.run = record_run
+        for m, name, value in patches:
+            setattr(m, name, value)
+        try:
+            yield
+        finally:
+            jit_mod.JITFunction.run = saved_run
+            for m, name, value in saved:
+                setattr(m, name, value)
+
+
+RECORDER = Recorder()
+
+
+def record(names: list[str]) -> tuple[dict[str, list[str]], dict[str, Launch], dict[str, str]]:
+    """Run the scenarios ``names``; returns (scenario -> launch keys, key -> launch,
+    scenario -> recording error)."""
+    table = {**SCENARIOS, **CANARIES}
+    per_scenario: dict[str, list[str]] = {}
+    launches: dict[str, Launch] = {}
+    errors: dict[str, str] = {}
+    with RECORDER.active():
+        for name in names:
+            RECORDER.launches.clear()
+            try:
+                table[name]()
+            except Exception:
+                errors[name] = traceback.format_exc(limit=6)
+            keys = []
+            for launch in RECORDER.launches:
+                k = launch.key()
+                launches.setdefault(k, launch)
+                if k not in keys:
+                    keys.append(k)
+            per_scenario[name] = keys
+    return per_scenario, launches, errors
+
+
+# Largest shared memory one block may use on the H200 (227 KB, opt-in): a kernel needing more
+# compiles, then fails at load time on the GPU ("out of resource: shared memory").
+H200_MAX_SHARED = 232448
+
+
+def compile_launch(launch: Launch) -> Any:
+    """Compile one recorded launch for sm_90 down to a cubin; raises on a compile error and when
+    the kernel needs more shared memory than an H200 block has."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = triton.compiler.ASTSource(fn=launch.kernel, signature=launch.signature,
+                                    constexprs=launch.constexprs, attrs=launch.attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", ARCH, 32),
+                            options=launch.options.__dict__)
+    shared = kernel.metadata.shared
+    if shared > H200_MAX_SHARED:
+        raise RuntimeError(f"needs {shared} bytes of shared memory per block; the H200 has "
+                           f"{H200_MAX_SHARED} (lower num_stages or the tile sizes)")
+    return kernel
+
+
+def toolchain_problem() -> str | None:
+    """Why sm_90 cannot be compiled here (no NVIDIA backend / ptxas), or None."""
+    try:
+        import triton.backends
+        if "nvidia" not in triton.backends.backends:
+            return "the installed triton has no NVIDIA backend"
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(ARCH).path
+        if not path or not os.path.exists(path):
+            return f"ptxas not found ({path!r})"
+    except Exception as e:  # an unusual triton build: report, do not crash the suite
+        return f"triton's NVIDIA toolchain is unusable: {type(e).__name__}: {e}"
+    return None
+
+
+# ------------------------------------------------------------------------------ scenarios
+@dataclass(frozen=True)
+class ModelDims:
+    """The dims of a real checkpoint that the kernels see (spec §1; tests/checkpoint)."""
+
+    name: str
+    dim: int
+    heads: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    index_heads: int
+    inter: int
+    experts: int
+    block: int              # weight / act-quant block (V4.1: 32)
+    head_dim: int = 512
+    index_dim: int = 128
+    topk: int = 6
+    window: int = 128
+    index_topk: int = 512
+
+    def fp8_shapes(self) -> list[tuple[int, int]]:
+        """(N, K) of the FP8 Linears: wq_a, wq_b, wkv, wo_b, indexer wq_b, shared w1/w3, w2."""
+        return [(self.q_lora, self.dim), (self.heads * self.head_dim, self.q_lora),
+                (self.head_dim, self.dim), (self.dim, self.o_groups * self.o_lora),
+                (self.index_heads * self.index_dim, self.q_lora), (self.inter, self.dim),
+                (self.dim, self.inter)]
+
+
+V4_FLASH = ModelDims("v4_flash", 4096, 64, 1024, 8, 1024, 64, 2048, 256, 128)
+V4_PRO = ModelDims("v4_pro", 7168, 128, 1536, 16, 1024, 64, 3072, 384, 128, index_topk=1024)
+V41_FLASH = ModelDims("v41_flash", 5120, 64, 1280, 8, 1024, 32, 2304, 384, 32)
+MODELS = (V4_FLASH, V4_PRO, V41_FLASH)
+# Token counts: single decode, odd and 16-aligned decode batches, and prefill (the ops' tile
+# plans and Triton's int specialization (== 1, % 16) both depend on them).
+DECODE_T = (1, 5, 16, 32, 64)
+PREFILL_T = 2048
+# Experts actually allocated: the kernels see E only as an int (same % 16 class as 256/384),
+# while the tile plans are picked for the real expert count.
+E_ALLOC = 16
+
+
+def _empty(*shape: int, dtype: Any) -> Any:
+    """An uninitialized CPU tensor; byte dtypes (e4m3, e8m0) are made as uint8 and viewed."""
+    import torch
+    if dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        return torch.empty(*shape, dtype=torch.uint8).view(dtype)
+    return torch.empty(*shape, dtype=dtype)
+
+
+def _fp8_linear(m: ModelDims, Ms: tuple[int, ...], x_dtype: Any = None,
+                scale_fp32: bool = False) -> None:
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    x_dtype = x_dtype or torch.bfloat16
+    for N, K in m.fp8_shapes():
+        w = _empty(N, K, dtype=torch.float8_e4m3fn)
+        sdt = torch.float32 if scale_fp32 else torch.float8_e8m0fnu
+        s = _empty(-(-N // m.block), K // m.block, dtype=sdt)
+        for M in Ms:
+            td.fp8_linear(_empty(M, K, dtype=x_dtype), w, s, m.block, x_dtype)
+
+
+for _m in MODELS:
+    scenario(f"fp8_linear/{_m.name}/decode")(lambda m=_m: _fp8_linear(m, DECODE_T))
+    scenario(f"fp8_linear/{_m.name}/prefill")(lambda m=_m: _fp8_linear(m, (PREFILL_T,)))
+
+
+@scenario("fp8_linear/v4_flash/fp32_scales_and_fp32_act")
+def _fp8_linear_fp32() -> None:
+    import torch
+    _fp8_linear(V4_FLASH, (1, PREFILL_T), scale_fp32=True)
+    _fp8_linear(V4_FLASH, (1, 16, PREFILL_T), x_dtype=torch.float32)
+
+
+@scenario("act_quant")
+def _act_quant() -> None:
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    for dtype in (torch.bfloat16, torch.float32):
+        for block in (128, 32):
+            td.act_quant(_empty(PREFILL_T, 4096, dtype=dtype), block)
+
+
+def _mhc(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    dtype = dtype or torch.bfloat16
+    n, D = 4, m.dim
+    f32 = torch.float32
+    for T in Ts:
+        x = _empty(T, n, D, dtype=dtype)
+        # On CUDA the mixes try tf32x3 first and fall back to ieee: both must compile.
+        for prec in ("tf32x3", "ieee"):
+            with RECORDER.override(td._hc_mix_partial_kernel, PRECISION=prec):
+                td.hc_pre(x, _empty((2 + n) * n, n * D, dtype=f32), _empty(3, dtype=f32),
+                          _empty((2 + n) * n, dtype=f32), 1e-6, 1e-6, 20)
+                td.hc_head(x, _empty(n, n * D, dtype=f32), _empty(1, dtype=f32),
+                           _empty(n, dtype=f32), 1e-6, 1e-6)
+        td.hc_post(_empty(T, D, dtype=dtype), x, _empty(T, n, dtype=f32),
+                   _empty(T, n, n, dtype=f32))
+
+
+for _m in MODELS:
+    scenario(f"mhc/{_m.name}/bf16")(lambda m=_m: _mhc(m, DECODE_T[:3] + (PREFILL_T,)))
+scenario("mhc/v4_flash/fp32")(lambda: _mhc(V4_FLASH, (1, PREFILL_T), __import__("torch").float32))
+
+
+def _kv_sources(kind: str, m: ModelDims) -> tuple[Any, Any]:
+    """(window source, compressed source) of a cache kind: dense bf16 pools or record pools."""
+    import torch
+
+    from dsv4.cache import formats as cf
+    rows = 4096
+    if kind == "dense":
+        return (_empty(rows, m.head_dim, dtype=torch.bfloat16),
+                _empty(rows, m.head_dim, dtype=torch.bfloat16))
+    if kind == "v4_record":                      # 584-byte records for both pools
+        f = cf.v4_kv_record(m.head_dim, 64)
+        return (cf.PackedRows(_empty(rows, f.record_bytes, dtype=torch.uint8), f),) * 2
+    fw = cf.fp8_record(m.head_dim, cf.V41_WINDOW_BLOCK)              # V4.1: 528 B window
+    fc = cf.fp4_record(m.head_dim, cf.V41_LATENT_BLOCK, "e4m3")      # 288 B compressed
+    return (cf.PackedRows(_empty(rows, fw.record_bytes, dtype=torch.uint8), fw),
+            cf.PackedRows(_empty(rows, fc.record_bytes, dtype=torch.uint8), fc))
+
+
+def _sparse_attn(kind: str, m: ModelDims, Ts: tuple[int, ...], heads: int | None = None) -> None:
+    """bf16 queries over window-only (ratio-0 layers) and window + compressed sources.  The
+    compressed list is the CSA top-k; the HCA's all-entries list only changes an int.  p_dtype
+    (official numerics) is left at None here: with bf16 rows its constexpr branch is dead code,
+    so the binary compiles the same code (the live fp32 case is in the fp32 scenario)."""
+    import torch
+
+    from dsv4.ops import triton_attn as ta
+    H = heads or m.heads
+    win, comp = _kv_sources(kind, m)
+    i32 = torch.int32
+    for T in Ts:
+        q = _empty(T, H, m.head_dim, dtype=torch.bfloat16)
+        sink = _empty(H, dtype=torch.float32)
+        idx_w = _empty(T, m.window, dtype=i32)
+        for kv_b, idx_b in ((None, None), (comp, _empty(T, m.index_topk, dtype=i32))):
+            ta.sparse_attn(q, win, idx_w, kv_b, idx_b, sink, 0.04)
+
+
+# Decode (one token: T specialized to 1, split-KV plan) and prefill (one-pass plan) per cache
+# kind; a 16-token decode batch (split-KV, T not 1) for the V4 records.  sparse_attn compiles
+# are the slowest (~3-5 s of CPU each): keep this list lean.
+for _kind, _m, _ts in (("dense", V4_FLASH, (1, 512)), ("v4_record", V4_FLASH, (1, 16, 512)),
+                       ("v41_records", V41_FLASH, (1, 512))):
+    scenario(f"sparse_attn/{_kind}")(lambda k=_kind, m=_m, ts=_ts: _sparse_attn(k, m, ts))
+scenario("sparse_attn/v4_record/tp8_heads")(
+    lambda: _sparse_attn("v4_record", V4_FLASH, (1, 512), heads=8))
+
+
+@scenario("sparse_attn/fp32_and_split_dv")
+def _sparse_attn_variants() -> None:
+    import torch
+
+    from dsv4.ops import triton_attn as ta
+    win, comp = _kv_sources("dense", V4_FLASH)
+    T = 512
+    q = _empty(T, 64, 512, dtype=torch.float32)
+    idx_w, idx_c = _empty(T, 128, dtype=torch.int32), _empty(T, 512, dtype=torch.int32)
+    sink = _empty(64, dtype=torch.float32)
+    # fp32 queries (the GPU tests' dtype): ieee dots, and P rounded to bf16 is live code here.
+    # (fp32 launches take 12-20 s of CPU each to compile: one only.)
+    ta.sparse_attn(q, win.float(), idx_w, comp.float(), idx_c, sink, 0.04, torch.bfloat16)
+    # Plans the benches sweep: the head dim split across programs (N_DV > 1).
+    for dv in (128, 256):
+        cfg = ta.AttnConfig(BH=64, BN=32, num_warps=8, num_stages=2, dv=dv)
+        ta.sparse_attn_with_config(q.bfloat16(), win, idx_w, comp, idx_c, sink, 0.04, None, cfg)
+
+
+def _indexer(m: ModelDims, keys_kind: str) -> None:
+    import torch
+
+    from dsv4.cache import formats as cf
+    from dsv4.ops import triton_attn as ta
+    h, dI, L = m.index_heads, m.index_dim, 2048
+    if keys_kind == "fp4_records":               # 68-byte e2m1 keys, ue8m0 per 32
+        f = cf.fp4_record(dI, cf.V4_INDEX_BLOCK, "e8m0")
+        keys = cf.PackedRows(_empty(8192, f.record_bytes, dtype=torch.uint8), f)
+    else:
+        keys = _empty(8192, dI, dtype=torch.bfloat16)
+    for T in (1, 5, 512):
+        ta.indexer_scores(_empty(T, h, dI, dtype=torch.bfloat16), _empty(T, h, dtype=torch.float32),
+                          keys, torch.zeros(T, L, dtype=torch.int64),
+                          torch.full((T,), L, dtype=torch.int64))
+
+
+for _m in (V4_FLASH, V41_FLASH):
+    for _k in ("fp4_records", "dense"):
+        scenario(f"indexer_scores/{_m.name}/{_k}")(lambda m=_m, k=_k: _indexer(m, k))
+
+
+def _experts(m: ModelDims, fmt: str, official: bool, scale_fp32: bool = False) -> Any:
+    """ExpertWeights of E_ALLOC experts at the real widths of ``m``, as the model stores them."""
+    import torch
+
+    from dsv4.ops.torch_dense import ExpertWeights
+    E, D, inter, b = E_ALLOC, m.dim, m.inter, m.block
+    act = b if official else None
+    if fmt == "dense":
+        return ExpertWeights(*(_empty(E, a, c, dtype=torch.bfloat16)
+                               for a, c in ((inter, D), (inter, D), (D, inter))), act)
+    if fmt == "fp4":
+        w = [_empty(E, a, c // 2, dtype=torch.int8)
+             for a, c in ((inter, D), (inter, D), (D, inter))]
+        s = [_empty(E, a, c // 32, dtype=torch.float8_e8m0fnu)
+             for a, c in ((inter, D), (inter, D), (D, inter))]
+        return ExpertWeights(w[0], w[1], w[2], act, "fp4", s[0], s[1], s[2], b)
+    sdt = torch.float32 if scale_fp32 else torch.float8_e8m0fnu
+    w = [_empty(E, a, c, dtype=torch.float8_e4m3fn)
+         for a, c in ((inter, D), (inter, D), (D, inter))]
+    s = [_empty(E, -(-a // b), c // b, dtype=sdt) for a, c in ((inter, D), (inter, D), (D, inter))]
+    return ExpertWeights(w[0], w[1], w[2], act, "fp8", s[0], s[1], s[2], b)
+
+
+def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
+    import torch
+
+    from dsv4.ops import triton_moe as tm
+    # (tokens run here, tokens whose real-E plan is used): decode 1 / 16 tokens, a 1K batch
+    # (32-row blocks), an 8K prefill (64-row blocks).
+    plans = ((1, 1), (5, 16)) if phase == "decode" else ((64, 1024), (64, 8192))
+    for official in (False, True):
+        ex = _experts(m, fmt, official, scale_fp32)
+        bk = tm._block_k(ex, m.dim, m.inter)
+        for T, T_real in plans:
+            cfg = tm.pick_moe_config(T_real * m.topk, m.experts, m.dim, m.inter, bk)
+            gen = torch.Generator().manual_seed(T)
+            ids = torch.randint(0, E_ALLOC, (T, m.topk), generator=gen)
+            cfgs = [cfg]
+            if fmt == "fp4" and official and hasattr(cfg, "fp4_path"):
+                # MXFP4 under official numerics has two GEMM variants: both must compile.
+                cfgs = [dataclasses.replace(cfg, fp4_path=p) for p in ("dequant", "group_scaled")]
+            for c in cfgs:
+                tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16), ids,
+                                           torch.rand(T, m.topk), ex, 10.0, c)
+            # The routing plan's constexprs follow the real expert and pair counts.
+            tm.moe_plan(torch.randint(0, m.experts, (T_real, m.topk), generator=gen),
+                        m.experts, cfg.BM)
+
+
+# MXFP4 experts (V4-Flash / Pro, V4.1-Flash), FP8 experts (the *-Base checkpoints), dense
+# experts (bf16 stacks: tiny and unquantized models).
+for _m, _f in ((V4_FLASH, "fp4"), (V41_FLASH, "fp4"), (V4_FLASH, "fp8"), (V4_FLASH, "dense")):
+    for _ph in ("decode", "prefill"):
+        scenario(f"moe_experts/{_m.name}/{_f}/{_ph}")(lambda m=_m, f=_f, ph=_ph: _moe(m, f, ph))
+scenario("moe_experts/v4_flash/fp8_fp32_scales")(
+    lambda: (_moe(V4_FLASH, "fp8", "decode", True), _moe(V4_FLASH, "fp8", "prefill", True)))
+
+
+@scenario("moe_experts/grouped_and_dequant")
+def _moe_grouped() -> None:
+    import torch
+
+    from dsv4.ops import triton_moe as tm
+    m = V4_FLASH
+    real_grouped_mm = torch._grouped_mm
+
+    def shape_only(a: Any, b: Any, offs: Any) -> Any:   # the CPU GEMM itself is not under test
+        return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype)
+
+    torch._grouped_mm = shape_only
+    try:
+        for fmt, fp32 in (("fp4", False), ("fp8", False), ("fp8", True)):
+            gen = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, E_ALLOC, (64, m.topk), generator=gen)
+            tm.moe_experts_grouped(_empty(64, m.dim, dtype=torch.bfloat16), ids,
+                                   torch.rand(64, m.topk), _experts(m, fmt, False, fp32), 10.0)
+    finally:
+        torch._grouped_mm = real_grouped_mm
+
+
+def _norm_rope(m: ModelDims) -> None:
+    """RMSNorm / RoPE kernels (dsv4.ops.triton_norm) at the attention's and indexer's widths;
+    the row tile follows the row count, so decode and prefill both run."""
+    import torch
+    tn = importlib.import_module("dsv4.ops.triton_norm")
+    bf16, f32 = torch.bfloat16, torch.float32
+    for T in (1, 16, PREFILL_T):
+        cos, sin = _empty(T, 32, dtype=f32), _empty(T, 32, dtype=f32)
+        for d in (m.dim, m.q_lora, m.head_dim):
+            tn.rms_norm(_empty(T, d, dtype=bf16), _empty(d, dtype=f32), 1e-6)
+        q = _empty(T, m.heads, m.head_dim, dtype=bf16)
+        for inverse in (False, True):
+            tn.apply_rope(q, cos, sin, inverse)
+        for inplace in (False, True):                   # the attention runs it in place
+            tn.head_norm_rope(q, cos, sin, 1e-6, not m.name.startswith("v41"), inplace)
+        tn.rms_norm(_empty(T, m.head_dim, dtype=f32), _empty(m.head_dim, dtype=f32), 1e-6)
+        tn.apply_rope(_empty(T, m.index_heads, m.index_dim, dtype=bf16), cos, sin)
+        for fp8_block in (0, 64):                       # bf16 / official numerics
+            tn.norm_rope(_empty(T, m.head_dim, dtype=bf16), _empty(m.head_dim, dtype=f32),
+                         cos, sin, 1e-6, fp8_block)
+
+
+for _m in (V4_FLASH, V41_FLASH):
+    scenario(f"norm_rope/{_m.name}")(lambda m=_m: _norm_rope(m))
+
+
+def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
+    """The compressor's two kernels (dsv4.ops.triton_compress): finished entries (pool, norm,
+    RoPE, bf16 out) and the carry-over state update, for a decode step (one token, one entry,
+    a static-shape valid mask) and a prefill (2048 tokens)."""
+    import torch
+    tc = importlib.import_module("dsv4.ops.triton_compress")
+    f32, i64 = torch.float32, torch.int64
+    coff = 2 if overlap else 1
+    W = coff * d
+    state_kv = _empty(64, coff * ratio, W, dtype=f32)
+    state_score = _empty(64, coff * ratio, W, dtype=f32)
+    for T, valid in ((1, True), (PREFILL_T, False)):
+        E = max(1, T // ratio)
+        kv, score = _empty(T, W, dtype=f32), _empty(T, W, dtype=f32)
+        start, cu = torch.zeros(1, dtype=i64), torch.tensor([0, T], dtype=i64)
+        slots = torch.zeros(1, dtype=i64)
+        cos = _empty(E, 32, dtype=f32) if rope else None
+        sin = _empty(E, 32, dtype=f32) if rope else None
+        tc.compress_entries(kv, score, state_kv, state_score, torch.zeros(E, dtype=i64),
+                            torch.arange(E, dtype=i64),
+                            torch.ones(E, dtype=torch.bool) if valid else None, start, cu, slots,
+                            ratio, overlap, _empty(d, dtype=f32), 1e-6, cos, sin, torch.bfloat16)
+        tc.compress_update_state(kv, score, state_kv, state_score, start, cu, slots, ratio,
+                                 overlap)
+
+
+# V4: the overlapping ratio-4 KV and indexer compressors, the ratio-128 one; V4.1: ratios 2, 1.
+for _r, _ov, _d, _rope in ((4, True, 512, True), (128, False, 512, True), (4, True, 128, True),
+                           (2, False, 512, True), (1, False, 512, True)):
+    scenario(f"compress/r{_r}{'_overlap' if _ov else ''}_d{_d}")(
+        lambda r=_r, ov=_ov, d=_d, rp=_rope: _compress(r, ov, d, rp))
+
+
+# ------------------------------------------------------------------------------ canaries
+# A helper that returns a different dtype from a constexpr branch than after it: the sm_90
+# compiler rejects it (the interpreter runs it), as it rejected load_rows once.
+_CANARY_SRC: dict[str, Any] = {}
+
+
+def _canary_kernel() -> Any:
+    """The canary kernel (defined on first use: this module must import without triton)."""
+    if not _CANARY_SRC:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _load_either(ptr, offs, AS_F32: tl.constexpr):
+            if AS_F32:
+                return tl.load(ptr + offs).to(tl.float32)
+            return tl.load(ptr + offs)
+
+        @triton.jit
+        def canary_mixed_return_kernel(x_ptr, y_ptr, AS_F32: tl.constexpr):
+            offs = tl.arange(0, 16)
+            tl.store(y_ptr + offs, _load_either(x_ptr, offs, AS_F32).to(tl.float32))
+
+        _CANARY_SRC["kernel"] = canary_mixed_return_kernel
+    return _CANARY_SRC["kernel"]
+
+
+def _launch_canary(as_f32: bool) -> None:
+    import torch
+    _canary_kernel()[(1,)](torch.empty(16, dtype=torch.bfloat16),
+                           torch.empty(16, dtype=torch.float32), AS_F32=as_f32)
+
+
+scenario("canary/mixed_return_dtypes", canary=True)(lambda: _launch_canary(True))
+scenario("canary/single_return_dtype", canary=True)(lambda: _launch_canary(False))
+
+
+# ------------------------------------------------------------------------------ command line
+# Rough CPU seconds of one compile by kernel (measured here), to balance the shards.
+_COST = {"_sparse_attn_kernel": 5.0, "_moe_up_kernel": 1.0, "_moe_down_kernel": 0.6}
+
+
+def shard_keys(launches: dict[str, Launch], i: int, n: int) -> set[str]:
+    """The launches shard i of n compiles: longest first onto the least loaded shard (the same
+    deterministic split in every shard)."""
+    load = [0.0] * n
+    mine: set[str] = set()
+    order = sorted(launches, key=lambda k: (-_COST.get(launches[k].kernel_name, 0.3), k))
+    for key in order:
+        s = load.index(min(load))
+        load[s] += _COST.get(launches[key].kernel_name, 0.3)
+        if s == i:
+            mine.add(key)
+    return mine
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas runs as one)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Record the scenarios and compile this shard's share of the distinct launches."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", action="append", default=[], help="scenario name (repeatable)")
+    p.add_argument("--canaries", action="store_true", help="also run the must-fail scenarios")
+    p.add_argument("--shard", default="0/1", help="i/n: compile launches i, i+n, ...")
+    p.add_argument("--list", action="store_true", help="list scenarios and launches, compile none")
+    p.add_argument("--out", help="write the JSON results here")
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("sm90_cases: unset TRITON_INTERPRET (the GPU compiler must see the real kernels)")
+        return 2
+    sys.path.insert(0, str(REPO))
+    names = a.only or list(SCENARIOS) + (list(CANARIES) if a.canaries else [])
+    unknown = [n for n in names if n not in SCENARIOS and n not in CANARIES]
+    if unknown:
+        print(f"sm90_cases: unknown scenarios {unknown}")
+        return 2
+    result: dict[str, Any] = {"toolchain": toolchain_problem()}
+    per_scenario, launches, errors = record(names)
+    result.update(scenarios=per_scenario, record_errors=errors, launches={})
+    i, n = (int(v) for v in a.shard.split("/"))
+    mine = shard_keys(launches, i, n)
+    for key, launch in launches.items():
+        entry = {"kernel": launch.kernel_name, "config": launch.describe(), "error": None}
+        if not a.list and key in mine and result["toolchain"] is None:
+            t0, c0 = time.perf_counter(), _cpu_seconds()
+            try:
+                compile_launch(launch)
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"[-4000:]
+            entry["seconds"] = round(time.perf_counter() - t0, 2)
+            entry["cpu_seconds"] = round(_cpu_seconds() - c0, 2)  # incl. ptxas
+        result["launches"][key] = entry
+    if a.list:
+        for name, keys in per_scenario.items():
+            print(name + (f"  RECORDING FAILED: {errors[name]}" if name in errors else ""))
+            for k in keys:
+                print("   ", result["launches"][k]["config"])
+        print(f"{len(launches)} distinct launches")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.modules.setdefault("sm90_cases", sys.modules["__main__"])
+    raise SystemExit(main())

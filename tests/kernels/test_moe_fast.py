@@ -1,0 +1,131 @@
+"""The routing-plan kernel and the group-scaled MXFP4 expert GEMMs on the GPU at V4-Flash shapes
+(D 4096, I 2048, 256 experts, top-6), against the torch twins (skipped without CUDA).  Outputs
+are allocated over NaN-poisoned memory so an element the kernels never write shows up."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
+
+DEV = "cuda"
+E, D, INTER, TOPK = 256, 4096, 2048, 6
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _poison() -> None:
+    torch.cuda.synchronize()
+    for mb in (1, 8, 64, 512):
+        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device=DEV)
+        del t
+    torch.cuda.synchronize()
+
+
+def _stacks(gen: torch.Generator, act_block):
+    from dsv4.ops.torch_dense import ExpertWeights
+
+    def stack(n: int, k: int):
+        w = torch.randint(-128, 128, (E, n, k // 2), generator=gen, device=DEV, dtype=torch.int8)
+        s = torch.randint(118, 123, (E, n, k // 32), generator=gen, device=DEV)
+        return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = stack(INTER, D), stack(INTER, D), stack(D, INTER)
+    return ExpertWeights(w1, w3, w2, act_block, "fp4", s1, s3, s2, 128)
+
+
+def _routing(T: int, gen: torch.Generator):
+    ids = torch.rand(T, E, generator=gen, device=DEV).topk(TOPK, dim=-1).indices
+    w = torch.rand(T, TOPK, generator=gen, device=DEV) + 0.1
+    return ids, w / w.sum(-1, keepdim=True) * 1.5
+
+
+@pytest.mark.parametrize("T,BM", [(1, 16), (16, 16), (64, 16), (256, 16), (8192, 64), (777, 32)])
+def test_plan_kernel_equals_twin_gpu(T: int, BM: int) -> None:
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    ids, _ = _routing(T, gen)
+    if T > 2:
+        ids[1, 2] = -1
+        ids[2, 0] = E + 5
+    _poison()
+    pairs, bexp = tri.moe_plan(ids, E, BM)
+    pairs_ref, bexp_ref = tri.moe_plan_torch(ids, E, BM)
+    assert torch.equal(pairs, pairs_ref) and torch.equal(bexp, bexp_ref)
+    p32, b32 = tri.moe_plan(ids.to(torch.int32), E, BM)
+    assert torch.equal(p32, pairs_ref) and torch.equal(b32, bexp_ref)
+
+
+def test_plan_kernel_in_a_cuda_graph() -> None:
+    """Captured once, replayed on new ids written into the captured input: the twin's plan."""
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    ids, _ = _routing(64, gen)
+    static = ids.clone()
+    tri.moe_plan(static, E, 16)                    # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pairs, bexp = tri.moe_plan(static, E, 16)
+    for seed in (6, 7):
+        new, _ = _routing(64, torch.Generator(device=DEV).manual_seed(seed))
+        static.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_pairs, ref_bexp = tri.moe_plan_torch(new, E, 16)
+        assert torch.equal(pairs, ref_pairs) and torch.equal(bexp, ref_bexp)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 256, 2048])
+def test_group_scaled_gpu(T: int) -> None:
+    """Official numerics (act_block 128), bf16 compute: the group-scaled path against the twin
+    and against the dequant path; every output element written and finite."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(100 + T)
+    ex = _stacks(gen, 128)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    if T == 7:
+        ids[3, 1] = -1
+    base = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
+    gs = tri.MoeConfig(base.BM, base.BN_up, base.BN_down, base.BK, base.warps_up,
+                       base.warps_down, base.stages, fp4_path="group_scaled")
+    dq = tri.MoeConfig(base.BM, base.BN_up, base.BN_down, base.BK, base.warps_up,
+                       base.warps_down, base.stages, fp4_path="dequant")
+    _poison()
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, gs)
+    assert y.shape == (T, D) and bool(torch.isfinite(y).all())
+    y_dq = tri.moe_experts_with_config(x, ids, w, ex, 10.0, dq)
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert _rel(y, y_ref) < 1e-2
+    assert _rel(y, y_dq) < 1e-2
+
+
+def test_group_scaled_fp32_gpu() -> None:
+    """fp32 compute: no bf16 rounding points, so the two paths differ only in fp32 order."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    ex = _stacks(gen, 128)
+    x = torch.randn(5, D, generator=gen, device=DEV)
+    ids, w = _routing(5, gen)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    gs = tri.MoeConfig(16, 64, 128, fp4_path="group_scaled")
+    _poison()
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, gs)
+    assert bool(torch.isfinite(y).all())
+    assert _rel(y, y_ref) < 1e-5

@@ -1,0 +1,357 @@
+"""The compressor ops (dsv4/ops/torch_compress.py, triton_compress.py).
+
+* twin tests (CPU, always): argument checks, entries against the float64 formula over steps
+  that split a sequence, the ``valid`` zeros;
+* interpreter tests (``test_interp_*``): the Triton kernels against the twin at tiny shapes;
+  they need ``TRITON_INTERPRET=1`` before triton is imported, so a normal run starts them in a
+  child pytest (``test_kernels_in_interpreter``);
+* GPU tests (``test_gpu_*``, skipped without CUDA): V4-Flash shapes, 64 requests.
+
+Tolerances, kernel vs twin: both pool in float64 and round once to fp32, but the norm's sum of
+squares is reduced in another order (and the GPU may fuse the RoPE products into FMAs), so fp32
+entries agree to ~1e-6 relative; a bf16 entry can then differ by one bf16 ulp where that small
+fp32 difference straddles a rounding boundary of one of its bf16 roundings.  The state update
+only moves values: bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4.ops import torch_compress as twin
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+REPO = Path(__file__).resolve().parents[2]
+needs_interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (run by "
+                                  "test_kernels_in_interpreter)")
+needs_cuda = pytest.mark.skipif(INTERP or not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ----------------------------------------------------------------------------- random cases
+@dataclass
+class Case:
+    """One step of R requests for one compressor: its rows, state, entries and RoPE rows."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+    state_kv: torch.Tensor
+    state_score: torch.Tensor
+    request: torch.Tensor
+    entry: torch.Tensor
+    valid: torch.Tensor | None
+    start_pos: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slots: torch.Tensor
+    ratio: int
+    overlap: bool
+    weight: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+    def entries(self, op, out_dtype: torch.dtype) -> torch.Tensor:
+        return op(self.kv, self.score, self.state_kv, self.state_score, self.request, self.entry,
+                  self.valid, self.start_pos, self.cu_seqlens, self.slots, self.ratio,
+                  self.overlap, self.weight, 1e-6, self.cos, self.sin, out_dtype)
+
+    def update(self, op, state_kv: torch.Tensor, state_score: torch.Tensor) -> None:
+        op(self.kv, self.score, state_kv, state_score, self.start_pos, self.cu_seqlens,
+           self.slots, self.ratio, self.overlap)
+
+
+def make_case(ratio: int, overlap: bool, d: int, starts: list[int], lens: list[int], *,
+              rope: int = 8, seed: int = 0, static: bool = False, device: str = "cpu",
+              scratch_rows: int = 0) -> Case:
+    """A step whose requests start at ``starts`` with ``lens`` tokens, random rows and a random
+    (partly empty) state.  ``static``: one candidate entry per request with a ``valid`` mask,
+    as a static-shape decode step plans them; ``scratch_rows`` padding rows (position 0,
+    one shared scratch slot) are appended."""
+    gen = torch.Generator().manual_seed(seed)
+    coff = 2 if overlap else 1
+    W, R0 = coff * d, len(starts)
+    starts = list(starts) + [0] * scratch_rows
+    lens = list(lens) + [1] * scratch_rows
+    R, T = len(starts), sum(lens)
+    n_slots = R0 + 3
+    kv = torch.randn(T, W, generator=gen)
+    score = torch.randn(T, W, generator=gen) * 2
+    state_kv = torch.randn(n_slots, coff * ratio, W, generator=gen)
+    state_score = torch.randn(n_slots, coff * ratio, W, generator=gen) * 2
+    empty = torch.rand(n_slots, coff * ratio, generator=gen) < 0.2
+    state_score[empty] = float("-inf")
+    state_kv[empty] = 0.0
+    slots = torch.cat((torch.randperm(n_slots - 1, generator=gen)[:R0],
+                       torch.full((scratch_rows,), n_slots - 1)))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    if static:
+        request = list(range(R))
+        entry = [max((s + 1) // ratio - 1, 0) for s in starts]
+        valid = torch.tensor([(s + 1) % ratio == 0 for s in starts])
+    else:
+        request = [i for i, (s, n) in enumerate(zip(starts, lens))
+                   for _ in range(s // ratio, (s + n) // ratio)]
+        entry = [j for s, n in zip(starts, lens) for j in range(s // ratio, (s + n) // ratio)]
+        valid = None
+    E = len(request)
+    weight = torch.rand(d, generator=gen) + 0.5
+    cos = sin = None
+    if rope:
+        angles = torch.rand(E, rope // 2, generator=gen) * 6.3
+        cos, sin = torch.cos(angles), torch.sin(angles)
+    long = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    out = Case(kv, score, state_kv, state_score, long(request), long(entry), valid, long(starts),
+               cu, slots.long(), ratio, overlap, weight, cos, sin)
+    for name, value in vars(out).items():
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, value.to(device))
+    return out
+
+
+def assert_within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> None:
+    """Every element of the bf16 ``got`` within ``ulps`` bf16 ulps of ``want``."""
+    g, w = got.float(), want.float()
+    assert torch.equal(g.isnan(), w.isnan())
+    g, w = g.nan_to_num(), w.nan_to_num()
+    mag = torch.maximum(g.abs(), w.abs()).clamp_min(2.0 ** -126)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)
+    bad = (g - w).abs() > ulps * ulp
+    assert not bad.any(), f"{int(bad.sum())} elements beyond {ulps} ulp; max diff " \
+                          f"{(g - w).abs().max().item()}"
+
+
+# ------------------------------------------------------------------------------- twin tests
+def _formula(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """Pooled entries of one whole sequence from the spec's formula, in float64."""
+    d = kv.shape[1] // (2 if overlap else 1)
+    out = []
+    for j in range(kv.shape[0] // ratio):
+        cur = slice(j * ratio, j * ratio + ratio)
+        k_rows, s_rows = kv[cur, -d:].double(), score[cur, -d:].double()
+        if overlap and j > 0:
+            prev = slice(j * ratio - ratio, j * ratio)
+            k_rows = torch.cat((kv[prev, :d].double(), k_rows))
+            s_rows = torch.cat((score[prev, :d].double(), s_rows))
+        out.append((torch.softmax(s_rows, 0) * k_rows).sum(0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False), (2, False)])
+def test_twin_pools_a_split_sequence_like_the_formula(ratio: int, overlap: bool) -> None:
+    gen = torch.Generator().manual_seed(ratio)
+    d, n = 8, 37
+    coff = 2 if overlap else 1
+    kv = torch.randn(n, coff * d, generator=gen)
+    score = torch.randn(n, coff * d, generator=gen)
+    state_kv = torch.zeros(2, coff * ratio, coff * d)
+    state_score = torch.full_like(state_kv, float("-inf"))
+    weight = torch.rand(d, generator=gen) + 0.5
+    got, pos = [], 0
+    for size in (3, 1, 9, 1, 1, 22):
+        end = pos + size
+        req = torch.zeros((end // ratio) - (pos // ratio), dtype=torch.int64)
+        ent = torch.arange(pos // ratio, end // ratio)
+        args = (kv[pos:end], score[pos:end], state_kv, state_score)
+        geo = (torch.tensor([pos]), torch.tensor([0, size]), torch.tensor([1]), ratio, overlap)
+        got.append(twin.compress_entries(*args, req, ent, None, *geo, weight, 1e-6, None, None,
+                                         torch.float32))
+        twin.compress_update_state(*args, *geo)
+        pos = end
+    pooled = _formula(kv, score, ratio, overlap)
+    want = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + 1e-6) * weight.double()
+    torch.testing.assert_close(torch.cat(got).double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(state_score[0]).all()          # the other slot is untouched
+
+
+def test_twin_zeros_entries_that_do_not_complete() -> None:
+    case = make_case(4, True, 16, [3, 6, 7, 0], [1, 1, 1, 1], static=True)
+    out = case.entries(twin.compress_entries, torch.float32)
+    assert case.valid.tolist() == [True, False, True, False]
+    assert (out[~case.valid] == 0).all() and (out[case.valid] != 0).any()
+    assert out[case.valid].isfinite().all()
+
+
+def test_twin_rejects_bad_arguments() -> None:
+    case = make_case(4, True, 16, [0, 5], [9, 3])
+    with pytest.raises(ValueError, match="state_kv"):
+        twin.compress_update_state(case.kv, case.score, case.state_kv[:, :4], case.state_score,
+                                   case.start_pos, case.cu_seqlens, case.slots, 4, True)
+    with pytest.raises(ValueError, match="float32"):
+        twin.compress_update_state(case.kv.double(), case.score.double(), case.state_kv,
+                                   case.state_score, case.start_pos, case.cu_seqlens,
+                                   case.slots, 4, True)
+    case.weight = case.weight[:8]
+    with pytest.raises(ValueError, match="norm_weight"):
+        case.entries(twin.compress_entries, torch.float32)
+
+
+def test_ops_table_has_the_compressor_ops() -> None:
+    from dsv4.ops import get_ops
+
+    ops = get_ops("torch")
+    assert ops.compress_entries is twin.compress_entries
+    assert ops.compress_update_state is twin.compress_update_state
+
+
+# ------------------------------------------------------------------------ interpreter tests
+def test_kernels_in_interpreter() -> None:
+    """Run this file's ``test_interp_*`` in a child pytest with TRITON_INTERPRET=1."""
+    if INTERP:
+        pytest.skip("TRITON_INTERPRET is set: the interp tests are collected directly")
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
+         str(Path(__file__).resolve())], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, (f"interpreter tests failed (rc={proc.returncode}):\n"
+                                  f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 12, f"interp tests did not run:\n{proc.stdout}"
+
+
+def _compare(case: Case, out_dtype: torch.dtype) -> None:
+    from dsv4.ops import triton_compress as tri
+
+    want = case.entries(twin.compress_entries, out_dtype)
+    got = case.entries(tri.compress_entries, out_dtype)
+    assert got.dtype == want.dtype == out_dtype and got.shape == want.shape
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    else:
+        assert_within_ulp(got, want)
+    skv, ssc = case.state_kv.clone(), case.state_score.clone()
+    case.update(twin.compress_update_state, case.state_kv, case.state_score)
+    case.update(tri.compress_update_state, skv, ssc)
+    assert torch.equal(skv, case.state_kv) and torch.equal(ssc, case.state_score)
+
+
+# Per ratio: requests whose groups come from the state only, the step only, or both (starts
+# mid-group), one-token steps that complete a group or not, a chunk spanning several groups.
+_STEPS = {4: ([0, 5, 3, 10, 14, 21], [9, 3, 1, 7, 2, 1]),
+          8: ([0, 13, 7, 20, 30, 47], [19, 3, 1, 12, 2, 1]),
+          2: ([0, 5, 3, 10, 14, 21], [9, 3, 1, 7, 2, 1])}
+
+
+@needs_interp
+@pytest.mark.parametrize("ratio,overlap,rope", [(4, True, 8), (8, False, 8), (2, False, 0)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_interp_entries_and_state(ratio: int, overlap: bool, rope: int,
+                                  out_dtype: torch.dtype) -> None:
+    starts, lens = _STEPS[ratio]
+    _compare(make_case(ratio, overlap, 16, starts, lens, rope=rope, seed=ratio), out_dtype)
+
+
+@needs_interp
+def test_interp_ratio_128_and_odd_width() -> None:
+    # A full ratio-128 group from the state plus the step; d = 24 leaves a partial channel block.
+    _compare(make_case(128, False, 24, [100, 0], [60, 130], rope=8, seed=5), torch.float32)
+    _compare(make_case(4, True, 24, [2, 7], [11, 1], rope=8, seed=6), torch.bfloat16)
+
+
+@needs_interp
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (128, False)])
+def test_interp_static_candidates_and_padding(ratio: int, overlap: bool) -> None:
+    starts = [ratio - 1, 2 * ratio + 1, 3 * ratio - 1, 0]
+    case = make_case(ratio, overlap, 16, starts, [1] * 4, static=True, scratch_rows=2, seed=7)
+    from dsv4.ops import triton_compress as tri
+
+    want = case.entries(twin.compress_entries, torch.float32)
+    got = case.entries(tri.compress_entries, torch.float32)
+    assert case.valid.tolist() == [True, False, True, False, False, False]
+    assert (got[~case.valid] == 0).all()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    # Padding rows share the scratch slot (its final rows are either row's): compare the rest.
+    skv, ssc = case.state_kv.clone(), case.state_score.clone()
+    case.update(twin.compress_update_state, case.state_kv, case.state_score)
+    case.update(tri.compress_update_state, skv, ssc)
+    real = case.slots[:4]
+    assert torch.equal(skv[real], case.state_kv[real])
+    assert torch.equal(ssc[real], case.state_score[real])
+
+
+@needs_interp
+@pytest.mark.parametrize("layer_kind", ["csa_attn", "csa_index", "hca"])
+def test_interp_model_compressor_matches_torch_ops(layer_kind: str) -> None:
+    """The model's Compressor with the Triton op table stores the entries of the torch one over
+    a prefill chunk and decode steps (its state carried by the kernels)."""
+    sys.path.insert(0, str(REPO / "tests" / "model"))
+    from test_attention_helpers import LAYER_CSA, LAYER_HCA, tiny_config
+
+    from dsv4.cache.tensors import HybridCache
+    from dsv4.model.compressor import Compressor
+    from dsv4.model.context import StepContext
+    from dsv4.ops import get_ops
+
+    cfg = tiny_config()
+    layer = LAYER_HCA if layer_kind == "hca" else LAYER_CSA
+    name = "index" if layer_kind == "csa_index" else "attn"
+    gen = torch.Generator().manual_seed(3)
+    pools, comps = [], []
+    for backend in ("torch", "triton"):
+        cache = HybridCache.allocate(cfg, 4, 2, 128, torch.float32)
+        state = cache.compressor_state(layer, name)
+        comp = Compressor(cfg, layer, state.spec, "bf16", get_ops(backend), torch.float32,
+                          rotate=name == "index")
+        comps.append((comp, cache, state))
+    with torch.no_grad():
+        for p_t, p_k in zip(comps[0][0].parameters(), comps[1][0].parameters()):
+            p_t.copy_(torch.randn(p_t.shape, generator=gen) * 0.5)
+            p_k.copy_(p_t)
+    x = torch.randn(140, cfg.dim, generator=gen)
+    pos = 0
+    for n in (131, 1, 1, 1, 6):
+        ctx = StepContext.build(torch.zeros(n, dtype=torch.long), [n], [pos], [1], [[0, 1]])
+        pools = []
+        for comp, cache, state in comps:
+            pool = (cache.index_key_pool(layer) if name == "index"
+                    else cache.compressed_pool(layer))
+            comp(x[pos:pos + n], ctx, state, pool, None)
+            pools.append(pool)
+        torch.testing.assert_close(pools[1], pools[0], rtol=2e-6, atol=1e-6)
+        assert torch.equal(comps[1][2].kv, comps[0][2].kv)
+        pos += n
+    assert pools[0].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------- GPU tests
+@needs_cuda
+@pytest.mark.parametrize("ratio,overlap,d", [(4, True, 512), (4, True, 128), (128, False, 512),
+                                             (2, False, 512)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_flash_shapes(ratio: int, overlap: bool, d: int, out_dtype: torch.dtype) -> None:
+    """V4-Flash shapes (rope 64; V4.1's ratio 2 without RoPE): a 64-request static decode step
+    (two padding rows) and a mixed prefill step of chunks and decode rows."""
+    from dsv4.ops import triton_compress as tri
+
+    rope = 0 if ratio == 2 else 64
+    gen = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, 40 * ratio, (62,), generator=gen).tolist()
+    starts[:8] = [(k + 1) * ratio - 1 for k in range(8)]        # some candidates complete
+    for static in (True, False):
+        if static:
+            case = make_case(ratio, overlap, d, starts, [1] * 62, rope=rope, static=True,
+                             scratch_rows=2, device="cuda")
+        else:
+            lens = [3 * ratio + 5, 2 * ratio, 1, 17] + [1] * 60
+            case = make_case(ratio, overlap, d, [0, ratio + 3] + starts[:62], lens, rope=rope,
+                             device="cuda")
+        want = case.entries(twin.compress_entries, out_dtype)
+        got = case.entries(tri.compress_entries, out_dtype)
+        if out_dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert_within_ulp(got, want)
+        skv, ssc = case.state_kv.clone(), case.state_score.clone()
+        case.update(twin.compress_update_state, case.state_kv, case.state_score)
+        case.update(tri.compress_update_state, skv, ssc)
+        real = case.slots[:62] if static else case.slots
+        assert torch.equal(skv[real], case.state_kv[real])
+        assert torch.equal(ssc[real], case.state_score[real])
