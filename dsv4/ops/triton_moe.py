@@ -3,7 +3,7 @@ FP8 block (the *-Base checkpoints), and dense stacks.
 
 Same signature as the torch twin ``dsv4.ops.torch_dense.moe_experts``:
 
-1. plan (``_moe_plan_kernel``, one launch, no host sync, so a decode step can be captured in a
+1. plan (``dsv4.ops.triton_moe_plan``: one launch, no host sync, so a decode step can be captured in a
    CUDA graph; :func:`moe_plan_torch` is its torch twin): sort the (token, pick) pairs by expert
    and lay them out in row blocks of BM, each block owned by one expert (a static upper bound
    of blocks; unused blocks exit at once);
@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.torch_dense import ExpertWeights
-from dsv4.ops.triton_dense import (_INTERPRET_HOST, INTERPRET, mma, pow2_from_exp,
+from dsv4.ops.triton_moe_plan import moe_plan, moe_plan_torch
+from dsv4.ops.triton_dense import (INTERPRET, mma, pow2_from_exp,
                                    round_to_bf16, round_to_e4m3, store_rne, torch_twin_off_gpu,
                                    ue8m0_exponent)
 
@@ -409,56 +410,6 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
         tl.store(base + (k0 + tl.arange(0, BK))[None, :], ev, mask=n_mask[:, None])
 
 
-@triton.jit
-def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
-                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr):
-    """The routing plan of :func:`moe_plan_torch`, one program per expert e (program E fills
-    the unused tail): every program histograms all P ids (cheap: P ≤ a few 10^4 int loads from
-    L2) to find its first block, then writes its own pairs in pair order (a running cumsum:
-    stable, so the layout equals the twin's bit for bit), the padding of its last block and
-    the expert of its blocks.  Each output element is written by exactly one program."""
-    e = tl.program_id(0)
-    bins = tl.arange(0, NBINS)
-    counts = tl.zeros((NBINS,), dtype=tl.int32)
-    for p0 in range(0, P, BP):
-        rp = p0 + tl.arange(0, BP)
-        ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
-        # Ids of other shards (and the masked tail) count in bin E, which is ignored.
-        key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-        counts += tl.histogram(key, NBINS)
-    blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
-    first_blk = tl.sum(tl.where(bins < e, blocks, 0))
-    if e < E:
-        my_count = tl.sum(tl.where(bins == e, counts, 0))
-        if my_count > 0:
-            my_blocks = (my_count + BM - 1) // BM
-            first_row = first_blk * BM
-            run = my_count * 0
-            for p0 in range(0, P, BP):
-                rp = p0 + tl.arange(0, BP)
-                ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
-                hit = (ids == e) & (rp < P)
-                hit_i = hit.to(tl.int32)
-                dest = first_row + run + tl.cumsum(hit_i, 0) - 1
-                tl.store(pairs_ptr + dest, rp, mask=hit)
-                run += tl.sum(hit_i)
-            pad = first_row + my_count + tl.arange(0, BM)
-            tl.store(pairs_ptr + pad, tl.zeros((BM,), dtype=tl.int32) + P,
-                     mask=pad < (first_blk + my_blocks) * BM)
-            for b0 in range(0, my_blocks, BF):
-                rb = first_blk + b0 + tl.arange(0, BF)
-                tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + e,
-                         mask=rb < first_blk + my_blocks)
-    else:
-        # first_blk is the number of used blocks here: everything after it is unused.
-        for r0 in range(first_blk * BM, NB * BM, BF):
-            rr = r0 + tl.arange(0, BF)
-            tl.store(pairs_ptr + rr, tl.zeros((BF,), dtype=tl.int32) + P, mask=rr < NB * BM)
-        for b0 in range(first_blk, NB, BF):
-            rb = b0 + tl.arange(0, BF)
-            tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + E, mask=rb < NB)
-
-
 # ------------------------------------------------------------------------------ host side
 FP4_PATHS = ("dequant", "group_scaled")
 # The MXFP4 GEMM variant pick_moe_config chooses.  "dequant" until "group_scaled" is measured
@@ -533,67 +484,6 @@ def resolve_fp4_path(cfg: MoeConfig, experts: ExpertWeights) -> str:
             and experts.act_block % 32 == 0):
         return "group_scaled"
     return "dequant"
-
-
-def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the (token, pick) pairs by expert into row blocks of BM: one Triton launch on CUDA
-    (and in the interpreter), no host sync, CUDA-graph capturable; the torch twin
-    :func:`moe_plan_torch` elsewhere.  Same outputs, bit for bit:
-
-    ``pairs`` [nb·BM] int32 (pair index t·k + j, ascending within an expert, or P = T·k for
-    padding) and ``block_expert`` [nb] int32 (the block's expert, or E past the used blocks),
-    with nb = ceil(P / BM) + min(E, P), an upper bound of Σ_e ceil(count_e / BM).
-    Pairs whose id is outside 0..E-1 (other expert-parallel shards) are left out.
-    """
-    if topk_ids.device.type != "cuda" and not _INTERPRET_HOST:
-        return moe_plan_torch(topk_ids, num_experts, BM)
-    if num_experts < 1 or BM < 1 or BM & (BM - 1):
-        raise ValueError(f"moe_plan: expected num_experts >= 1 and BM a power of two; found "
-                         f"num_experts={num_experts}, BM={BM}")
-    flat = topk_ids.reshape(-1)
-    if flat.dtype not in (torch.int32, torch.int64):
-        flat = flat.to(torch.int64)
-    flat = flat.contiguous()
-    P = flat.numel()
-    E = num_experts
-    nb = triton.cdiv(P, BM) + min(E, P)
-    pairs = torch.empty(nb * BM, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(nb, dtype=torch.int32, device=flat.device)
-    if P == 0:
-        return pairs, block_expert
-    # Histogram bins: E real ones + bin E for skipped ids; >= 32 for the GPU lowering.
-    nbins = max(32, triton.next_power_of_2(E + 1))
-    bp = min(1024, max(64, triton.next_power_of_2(P)))
-    _moe_plan_kernel[(E + 1,)](flat, pairs, block_expert, P, E, nb, BM=BM, NBINS=nbins, BP=bp,
-                               BF=256, num_warps=4)
-    return pairs, block_expert
-
-
-def moe_plan_torch(topk_ids: torch.Tensor, num_experts: int, BM: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch twin of :func:`moe_plan` (about ten torch ops incl. a stable sort; no host
-    sync)."""
-    dev = topk_ids.device
-    E = num_experts
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    P = flat.numel()
-    nb = triton.cdiv(P, BM) + min(E, P)
-    key = torch.where((flat >= 0) & (flat < E), flat, E)
-    sorted_key, order = torch.sort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
-    counts.index_add_(0, key, torch.ones_like(key))
-    blocks = (counts[:E] + BM - 1) // BM
-    blk_end = torch.cumsum(blocks, 0)
-    first_row = (blk_end - blocks) * BM                                     # [E]
-    first_pair = torch.cumsum(counts, 0) - counts                           # [E+1]
-    rank = torch.arange(P, device=dev) - first_pair[sorted_key]
-    valid = sorted_key < E
-    dest = torch.where(valid, first_row[sorted_key.clamp(max=E - 1)] + rank, nb * BM)
-    pairs = torch.full((nb * BM + 1,), P, dtype=torch.int32, device=dev)
-    pairs.scatter_(0, dest, order.to(torch.int32))
-    block_expert = torch.searchsorted(blk_end, torch.arange(nb, device=dev), right=True)
-    return pairs[:-1], block_expert.to(torch.int32)
 
 
 def _check_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
