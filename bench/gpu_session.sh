@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Everything that waits for a GPU, in one command for one device call (1x H200, < 10 min):
+#   bash bench/gpu_session.sh            (logs and JSON under $OUT, or ./gpu_out)
+# Stages are time-boxed so a slow one cannot eat the others; each writes <stage>.log.
+# The numbers go to docs/PERFORMANCE.md with this command, the date and the hardware.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+stage() {  # stage NAME SECONDS CMD...
+    local name=$1 secs=$2; shift 2
+    echo "=== $name (limit ${secs}s): $*"
+    local t0=$SECONDS
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - t0))s"
+    tail -n 4 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
+
+# 1. Correctness of every kernel at real shapes (the GPU halves of the kernel tests).
+stage gpu_tests 240 python -m pytest -q -x -p no:cacheprovider \
+    tests/kernels/test_gpu_kernels.py tests/kernels/test_moe_fast.py \
+    tests/kernels/test_triton_norm.py tests/kernels/test_triton_compress.py \
+    $(ls tests/kernels/test_triton_route.py tests/kernels/test_triton_index.py \
+         tests/kernels/test_triton_records.py 2>/dev/null) \
+    tests/engine/test_cuda_graphs_gpu.py
+# 2. Kernel timings against their floors.
+stage moe_decode 90 python bench/moe_decode.py --out "$OUT/moe_decode.json"
+stage norm_rope 30 python bench/norm_rope.py --out "$OUT/norm_rope.json"
+stage compressor 30 python bench/compressor.py --out "$OUT/compressor.json"
+# 3. End to end, 4 V4-Flash layers: decode B=1/16/64 at 8K context and 8K prefill, both MXFP4
+#    expert GEMM variants.
+for path in dequant group_scaled; do
+    stage "flash_$path" 100 python bench/flash_bench.py --layers 4 --prefill 8192 \
+        --decode-batches 1,16,64 --ctx 8192 --steps 3 --budget 90 --fp4-path "$path" \
+        --out "$OUT/flash_$path.json"
+done

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The two-GPU half (nvidia-h200-x2, < 10 min): TP graphs test, then the full-size V4-Flash
+# (43 layers, random weights made on the GPUs, EP, CUDA graphs) served through the engine.
+#   bash bench/gpu_session_x2.sh         (logs and JSON under $OUT, or ./gpu_out)
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+timeout 120 python -m pytest -q -x -p no:cacheprovider tests/dist/test_tp_graphs_gpu.py \
+    > "$OUT/tp_graphs_test.log" 2>&1
+echo "tp graphs test: exit $?"; tail -n 3 "$OUT/tp_graphs_test.log"
+timeout 450 torchrun --nproc-per-node 2 bench/tp_bench.py --layers 43 --ep --graphs \
+    --budget 420 --out "$OUT/tp_flash.json" > "$OUT/tp_bench.log" 2>&1
+echo "tp_bench: exit $?"; tail -n 30 "$OUT/tp_bench.log"
