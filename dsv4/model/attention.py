@@ -20,9 +20,9 @@ What a layer publishes for later layers of the same step (top-k, candidates) liv
 ``ctx.memo``; the pools are found by source layer through the cache.
 
 Record caches (kv_cache_dtype "fp8", ``dsv4.cache.formats``): rows are packed on write
-(``encode_rows``), which rounds exactly as the official fake quant of that site, so the fake
-quant is skipped there; the ops get the pools as ``PackedRows`` (``rows_view``) and dequantize
-only the rows they gather.
+(``encode_rows``, as the ops ``encode_records`` / ``write_records``), which rounds exactly as
+the official fake quant of that site, so the fake quant is skipped there; the ops get the pools
+as ``PackedRows`` (``rows_view``) and dequantize only the rows they gather.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-from dsv4.cache.formats import encode_rows, rows_view
+from dsv4.cache.formats import rows_view
 from dsv4.cache.tensors import HybridCache, compressor_specs
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
@@ -97,12 +97,43 @@ def _static_window_plan(ctx: StepContext, window: int) -> dict[str, Tensor]:
     every token written (each is its request's newest), all from device tensors."""
     W = window
     pos, slot = ctx.positions, ctx.slots                 # one token per request: row t = request t
-    count = torch.clamp(pos + 1, max=W)
-    k = torch.arange(W, device=ctx.device)
-    wpos = pos[:, None] - count[:, None] + 1 + k[None, :]
-    idx = torch.where(k[None, :] < count[:, None], slot[:, None] * W + wpos % W, -1)
-    tokens = torch.arange(pos.shape[0], device=ctx.device)
-    return {"idx": idx.to(torch.int32), "ring_tokens": tokens, "ring_rows": slot * W + pos % W}
+    # Visible positions max(0, p−W+1) + k for k = 0.., valid while <= p.
+    wpos = (pos - (W - 1)).clamp_(min=0)[:, None] + torch.arange(W, device=ctx.device)
+    base = slot * W
+    idx = (wpos % W + base[:, None]).masked_fill_(wpos > pos[:, None], -1)
+    return {"idx": idx.to(torch.int32), "ring_tokens": ctx.request_of_token,
+            "ring_rows": base + pos % W}
+
+
+def _token_entry_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
+    """[T, L] pool rows of each token's request's entries (:func:`entry_pool_rows` per token).
+    A static-shape step's token t is request t: no gather."""
+    rows = entry_pool_rows(ctx, ratio, page_size)
+    return rows if ctx.static is not None else rows[ctx.request_of_token]
+
+
+def _picked_rows(ctx: StepContext, ratio: int, page_size: int, ids: Tensor) -> Tensor:
+    """[T, k] int32 pool rows of the top-k entry ids ``ids`` (−1 stays −1)."""
+    rows = _token_entry_rows(ctx, ratio, page_size)
+    if not rows.shape[1]:
+        return ids.to(torch.int32)
+    return rows.gather(1, ids.clamp_min(0)).masked_fill_(ids < 0, -1).to(torch.int32)
+
+
+def _visible_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
+    """[T, L] int32 pool rows of every entry visible to each token, −1 after them (HCA; the
+    same for every layer of the ratio: memoized per step)."""
+    key = ("visible_rows", ratio, page_size)
+    if key not in ctx.memo:
+        rows = _token_entry_rows(ctx, ratio, page_size)
+        if ctx.static is None:
+            # Prefill / mixed: a token sees fewer entries than its request's last token.
+            j = torch.arange(rows.shape[1], device=rows.device)
+            rows = rows.masked_fill(j[None, :] >= visible_entries(ctx, ratio)[:, None], -1)
+        # Static decode: token t is its request's last token, and entry_pool_rows holds −1
+        # past its (pos + 1) // r entries already.
+        ctx.memo[key] = rows.to(torch.int32)
+    return ctx.memo[key]
 
 
 class Attention(nn.Module):
@@ -194,13 +225,14 @@ class Attention(nn.Module):
         fmt = cache.window_format
         width = ring.shape[-1]
         flat = ring.view(-1, width)
-        new_rows = encode_rows(kv, fmt, ring.dtype)
         decode = ctx.is_decode
         plan = window_plan(ctx, self.window, decode)
         if decode:
-            # One token per request: write first, then attend straight to the ring.
-            flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
+            # One token per request: encode + write first (one fused op), then attend straight
+            # to the ring.
+            self.ops.write_records(flat, plan["ring_rows"], kv, plan["ring_tokens"], fmt)
             return rows_view(flat, fmt), plan["idx"]
+        new_rows = self.ops.encode_records(kv, fmt, ring.dtype)
         source = torch.cat((ring[ctx.slots].view(-1, width), new_rows), dim=0)
         flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
         return rows_view(source, fmt), plan["idx"]
@@ -214,16 +246,12 @@ class Attention(nn.Module):
         fmt = cache.compressed_format
         if self.compressor is not None:
             self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool, fmt)
-        rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]  # [T, L]
         if self.indexer is not None:
             ids = self.indexer(x, qr, ctx, cache, cos, sin)                    # [T, k]
-            picked = rows.gather(1, ids.clamp_min(0)) if rows.shape[1] else ids
-            idx_b = torch.where(ids >= 0, picked, -1)
+            idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids)
         else:
-            n_visible = visible_entries(ctx, self.ratio)
-            j = torch.arange(rows.shape[1], device=x.device)
-            idx_b = torch.where(j[None, :] < n_visible[:, None], rows, -1)
-        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b.to(torch.int32)
+            idx_b = _visible_rows(ctx, self.ratio, cache.page_size)
+        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b
 
     def _compressed_source_v41(self, x: Tensor, qr: Tensor, ctx: StepContext,
                                cache: HybridCache, cos: Tensor, sin: Tensor
@@ -242,11 +270,12 @@ class Attention(nn.Module):
                 key_fmt = cache.index_key_format
                 keys = self.indexer.keys_from_latent(  # type: ignore[union-attr]
                     latent, cos_e, sin_e, quantize=key_fmt is None)
-                write_entries(cache.index_key_pool(self.layer_id), ctx, plan, keys, key_fmt)
+                write_entries(cache.index_key_pool(self.layer_id), ctx, plan, keys, key_fmt,
+                              ops=self.ops)
                 entries = self.ops.apply_rope(latent, cos_e, sin_e)
                 if fmt is None:
                     entries = quant_compressed_latent(entries, self.numerics)
-                write_entries(pool, ctx, plan, entries, fmt)
+                write_entries(pool, ctx, plan, entries, fmt, ops=self.ops)
         if self.indexer is not None:
             ids = self.indexer(x, qr, ctx, cache, cos, sin)
         else:
@@ -255,10 +284,8 @@ class Attention(nn.Module):
                 raise ValueError(f"Attention(layer {self.layer_id}): reuses the top-k of layer "
                                  f"{self.topk_source}, which has not run in this step")
             ids = ctx.memo[key]
-        rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]  # [T, L]
-        picked = rows.gather(1, ids.clamp_min(0)) if rows.shape[1] else ids
-        idx_b = torch.where(ids >= 0, picked, -1)
-        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b.to(torch.int32)
+        idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids)
+        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> Tensor:

@@ -32,7 +32,7 @@ from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rop
 from dsv4.ops import torch_compress
 
 __all__ = ["Compressor", "CompressorV2", "EntryPlan", "entry_plan", "entry_pool_rows",
-           "write_entries", "pool_entries", "compress_step", "entry_rope"]
+           "entry_write_rows", "write_entries", "pool_entries", "compress_step", "entry_rope"]
 
 # Gathered group rows per block of entries stay near this many fp32 elements.
 _BLOCK_ELEMS = 1 << 24
@@ -66,11 +66,13 @@ def entry_plan(ctx: StepContext, ratio: int) -> EntryPlan:
     """Entries j with ``start_pos <= j·r + r − 1 < end_pos`` of every request (memoized)."""
     key = ("entry_plan", ratio)
     if key not in ctx.memo and ctx.static is not None:
-        # Decode: request t's token at position p completes entry (p+1)/r − 1 when r | p+1.
-        end = ctx.positions + 1
-        req = torch.arange(ctx.num_requests, device=ctx.device)
-        ent = torch.clamp(torch.div(end, ratio, rounding_mode="floor") - 1, min=0)
-        ctx.memo[key] = EntryPlan(ratio, req, ent, [], [], valid=end % ratio == 0)
+        # Decode: request t's token at position p completes entry (p+1)/r − 1 when r | p+1,
+        # i.e. floor((p+1−r)/r), when p % r == r − 1.  Token t is request t: the request ids are
+        # the step's (memoized) request_of_token.
+        pos = ctx.positions
+        ent = torch.div(pos - (ratio - 1), ratio, rounding_mode="floor").clamp_(min=0)
+        ctx.memo[key] = EntryPlan(ratio, ctx.request_of_token, ent, [], [],
+                                  valid=pos % ratio == ratio - 1)
     if key not in ctx.memo:
         first = [s // ratio for s in ctx.start_pos_host]
         counts = [e // ratio - f for e, f in zip(ctx.end_pos_host, first)]
@@ -90,13 +92,15 @@ def entry_pool_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
     key = ("entry_rows", ratio, page_size)
     if key not in ctx.memo and ctx.static is not None:
         # Static shape: every column of the block table, L = max_pages · page_size // r.
+        # Entry j exists when its last position j·r + r − 1 <= pos; a page id < 0 gives rows
+        # <= −1 (page·epp + j % epp), clamped to −1.
         epp = page_size // ratio
-        L = ctx.block_tables.shape[1] * epp
-        j = torch.arange(L, device=ctx.device)
-        pages = ctx.block_tables[:, j // epp]
-        n_ent = torch.div(ctx.positions + 1, ratio, rounding_mode="floor")
-        have = (j[None, :] < n_ent[:, None]) & (pages >= 0)
-        ctx.memo[key] = torch.where(have, pages * epp + j % epp, -1)
+        bt = ctx.block_tables
+        R, L = bt.shape[0], bt.shape[1] * epp
+        rows = ((bt * epp)[:, :, None] + torch.arange(epp, device=ctx.device)).view(R, L)
+        last = torch.arange(ratio - 1, L * ratio, ratio, device=ctx.device)
+        rows = rows.masked_fill_(last[None, :] > ctx.positions[:, None], -1)
+        ctx.memo[key] = rows.clamp_(min=-1)
     if key not in ctx.memo:
         epp = page_size // ratio
         n_ent = [e // ratio for e in ctx.end_pos_host]
@@ -110,21 +114,48 @@ def entry_pool_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
     return ctx.memo[key]
 
 
+def entry_write_rows(ctx: StepContext, plan: EntryPlan, entries_per_page: int) -> Tensor:
+    """[E] flat pool rows the plan's entries are stored at (memoized per step and ratio: the
+    attention and index-key pools of a ratio, and every layer of it, share them).  In a
+    static-shape step the candidates that do not complete go to the scratch page."""
+    key = ("entry_write_rows", plan.ratio, entries_per_page)
+    if key not in ctx.memo:
+        epp = entries_per_page
+        page = ctx.block_tables[plan.request, plan.entry // epp]
+        if plan.valid is not None:
+            page = torch.where(plan.valid, page, ctx.static.scratch_page)
+        ctx.memo[key] = page * epp + plan.entry % epp
+    return ctx.memo[key]
+
+
 def write_entries(pool: Tensor, ctx: StepContext, plan: EntryPlan, entries: Tensor,
-                  fmt: RecordFormat | None = None) -> None:
+                  fmt: RecordFormat | None = None, ops: SimpleNamespace | None = None, *,
+                  hadamard: bool = False, zeroed: bool = False) -> None:
     """Store ``entries`` [E, d] at their rows of ``pool`` [num_pages, page_size // r, d]
-    (packed as ``fmt`` records when the pool holds records [.., record_bytes])."""
+    (packed as ``fmt`` records when the pool holds records [.., record_bytes]); with ``ops``,
+    encode and scatter are its one fused ``write_records`` op (the same bytes).
+
+    ``hadamard``: store ``formats.hadamard_transform(entries)`` (fused into the write with
+    ``ops``).  ``zeroed``: the caller guarantees that a static-shape step's candidates that do
+    not complete are zeros already (``compress_entries`` makes them so).
+    """
     if plan.num_entries == 0:
         return
-    epp = pool.shape[1]
-    page = ctx.block_tables[plan.request, plan.entry // epp]
-    if plan.valid is not None:
-        # Static shape: entries that do not complete go to the scratch page (zeros, so that
-        # nothing non-finite sits there).
-        page = torch.where(plan.valid, page, ctx.static.scratch_page)
+    rows = entry_write_rows(ctx, plan, pool.shape[1])
+    if plan.valid is not None and not zeroed:
+        # Static shape: the scratch page gets zeros, so that nothing non-finite sits there.
         entries = torch.where(plan.valid[:, None], entries, 0.0)
-    rows = page * epp + plan.entry % epp
-    pool.view(-1, pool.shape[-1]).index_copy_(0, rows, encode_rows(entries, fmt, pool.dtype))
+    flat = pool.view(-1, pool.shape[-1])
+    if ops is not None:
+        if hadamard:
+            ops.write_records(flat, rows, entries, None, fmt, hadamard=True)
+        else:
+            ops.write_records(flat, rows, entries, None, fmt)
+        return
+    if hadamard:
+        from dsv4.formats import hadamard_transform
+        entries = hadamard_transform(entries)
+    flat.index_copy_(0, rows, encode_rows(entries, fmt, pool.dtype))
 
 
 def entry_rope(ctx: StepContext, cfg: ModelConfig, layer_id: int, plan: EntryPlan
@@ -239,7 +270,14 @@ class Compressor(nn.Module):
         plan, entries = compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype,
                                       rope)
         if plan.num_entries:
-            write_entries(pool, ctx, plan, self._stored(entries, fmt is not None), fmt)
+            if fmt is not None:
+                # Record pool: packing rounds as the fake quant would; the indexer's Hadamard
+                # rotation is fused into the record write (the bytes _stored + write give).
+                write_entries(pool, ctx, plan, entries, fmt, ops=self.ops, hadamard=self.rotate,
+                              zeroed=True)
+            else:
+                write_entries(pool, ctx, plan, self._stored(entries, False), fmt, ops=self.ops,
+                              zeroed=True)
         return plan
 
     def finish(self, pooled: Tensor, positions: Tensor, store_quantizes: bool = False) -> Tensor:

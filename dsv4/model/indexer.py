@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-from dsv4.cache.formats import rows_view
+from dsv4.cache.formats import V4_INDEX_BLOCK, V41_INDEX_BLOCK, rows_view
 from dsv4.cache.tensors import CompressorSpec, HybridCache
 from dsv4.config import ModelConfig
 from dsv4.model.compressor import Compressor, entry_pool_rows
@@ -56,12 +56,24 @@ class _IndexScorer(nn.Module):
                                    dtype=dtype)
         # weights_proj(x) · dI^-0.5 · h^-0.5 (the q·k scale folded into the head weights)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        # FP4 block of the queries' official fake quant (the keys' block, spec §3.8, §4.5).
+        self.fp4_block = V41_INDEX_BLOCK if cfg.is_v41 else V4_INDEX_BLOCK
 
-    def scores(self, q: Tensor, x: Tensor, flat_keys: Tensor, ctx: StepContext,
+    def queries(self, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, hadamard: bool
+                ) -> tuple[Tensor, Tensor]:
+        """(index queries [T, h, dI], head weights [T, h] fp32) of the step, one fused op after
+        the two GEMMs: RoPE of each head's tail, the Hadamard rotation when ``hadamard`` (V4),
+        the FP4 fake quant in official numerics, ``weights_proj(x) · weight_scale``."""
+        T = x.shape[0]
+        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        fp4_block = self.fp4_block if self.numerics == "official" else 0
+        return self.ops.indexer_queries(q, self.weights_proj(x), cos, sin, self.weight_scale,
+                                        hadamard, fp4_block)
+
+    def scores(self, q: Tensor, w: Tensor, flat_keys: Tensor, ctx: StepContext,
                cache: HybridCache) -> tuple[Tensor, Tensor]:
-        """(scores [T, entries], visible entries [T]) of queries q [T, h, dI] against the
-        layer's key pool rows ``flat_keys``."""
-        w = (self.weights_proj(x) * self.weight_scale).float()
+        """(scores [T, entries], visible entries [T]) of queries q [T, h, dI] with head weights
+        w [T, h] fp32 against the layer's key pool rows ``flat_keys``."""
         n_visible = visible_entries(ctx, self.ratio)
         key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
         return self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible), n_visible
@@ -84,22 +96,17 @@ class Indexer(_IndexScorer):
         x [T, D] is the attention input, qr [T, q_lora] the normalized query latent, cos/sin the
         layer's RoPE rows at the tokens' positions.
         """
-        T = x.shape[0]
         keys = cache.index_key_pool(self.layer_id)
         key_fmt = cache.index_key_format
         self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"), keys, key_fmt)
 
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        q = self.ops.apply_rope(q, cos, sin)
-        from dsv4.formats import fake_quant_fp4, hadamard_transform
-        if self.numerics == "official":
-            q = fake_quant_fp4(hadamard_transform(q), 32)
-        elif key_fmt is not None:
-            # fp4 record keys are stored Hadamard-rotated in every numerics: rotate the queries
-            # alike (an orthogonal rotation of both leaves q·k unchanged).
-            q = hadamard_transform(q)
+        # Official numerics rotate (Hadamard) then FP4-quantize the queries.  fp4 record keys are
+        # stored Hadamard-rotated in every numerics: the queries are rotated alike then (an
+        # orthogonal rotation of both leaves q·k unchanged).
+        q, w = self.queries(x, qr, cos, sin,
+                            hadamard=self.numerics == "official" or key_fmt is not None)
         flat_keys = rows_view(keys.view(-1, keys.shape[-1]), key_fmt)
-        scores, n_visible = self.scores(q, x, flat_keys, ctx, cache)
+        scores, n_visible = self.scores(q, w, flat_keys, ctx, cache)
         return self.ops.topk_indices(scores, n_visible, self.topk)
 
 
@@ -158,15 +165,14 @@ class IndexerV2(_IndexScorer):
         Scores run against the key pool of the layer's KV source, which for a KV source is its
         own (spec §6.13: never another source's keys).
         """
-        from dsv4.model.v41 import (index_queries, restrict_to_candidates,
-                                    select_candidate_blocks, topk_sorted)
+        from dsv4.model.v41 import restrict_to_candidates, select_candidate_blocks, topk_sorted
 
         cfg = self.cfg
         keys = cache.index_key_pool(self.layer_id)
         keys = rows_view(keys.view(-1, keys.shape[-1]), cache.index_key_format)
-        q = index_queries(self.wq_b(qr), self.n_heads, self.head_dim, cos, sin, self.numerics,
-                          ops=self.ops)
-        scores, n_visible = self.scores(q, x, keys, ctx, cache)
+        # No Hadamard in V4.1 (spec §4.5 scoring step 1).
+        q, w = self.queries(x, qr, cos, sin, hadamard=False)
+        scores, n_visible = self.scores(q, w, keys, ctx, cache)
         if self.is_candidate_source:
             # From the unrestricted (causally masked) scores (spec §4.5 item 5).
             ctx.memo[(CANDIDATES_MEMO, self.layer_id)] = select_candidate_blocks(

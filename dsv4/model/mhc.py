@@ -3,7 +3,8 @@
 The residual stream of V4 is ``n_hc`` parallel copies ``X [T, n_hc, D]``. Before each sublayer,
 ``hc_pre`` collapses them into the sublayer input and derives ``post`` / ``comb``; after it,
 ``hc_post`` expands the output back into ``n_hc`` streams. ``hc_head`` collapses the streams once
-more before the final norm.
+more before the final norm. ``post_pre`` fuses a post with the next sublayer's pre (V4 chains
+them within and across blocks).
 
 The official tensors are flat attributes of their owner (``layers.{L}.hc_attn_fn``,
 ``hc_head_base``, ...). Here each triple lives in a small module (``hc_attn.fn``,
@@ -56,6 +57,22 @@ class HyperConnection(_FlatOfficialNames, nn.Module):
              comb: torch.Tensor) -> torch.Tensor:
         """Sublayer output [T, D] + residual streams [T, n, D] -> new streams [T, n, D]."""
         return self.ops.hc_post(out, x_res, post, comb)
+
+    def post_pre(self, out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor, following: HyperConnection
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This side's ``post`` fused with ``following.pre`` on the new streams (spec §3.5).
+
+        Returns ``(x_new [T, n, D], y [T, D], post' [T, n], comb' [T, n, n])``, the same as
+        ``x_new = self.post(...)`` then ``following.pre(x_new)``; one pass over x_new instead of
+        two on the Triton path.  Op tables without ``hc_post_pre`` run the two ops.
+        """
+        fused = getattr(self.ops, "hc_post_pre", None)
+        if fused is None:
+            x_new = self.post(out, x_res, post, comb)
+            return (x_new, *following.pre(x_new))
+        return fused(out, x_res, post, comb, following.fn, following.scale, following.base,
+                     following.norm_eps, following.hc_eps, following.iters)
 
 
 class HyperHead(_FlatOfficialNames, nn.Module):

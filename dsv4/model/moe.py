@@ -26,7 +26,8 @@ from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.dist.sharding import splits_shared_expert
 from dsv4.formats import FP4_BLOCK
 from dsv4.model.layers import Linear, check_numerics, keeps_quantized, set_parameter
-from dsv4.ops.torch_dense import ExpertWeights, swiglu
+from dsv4.ops import get_ops
+from dsv4.ops.torch_dense import ExpertWeights
 
 _EXPERT_NAME = re.compile(r"^(\d+)\.(w1|w2|w3)\.weight$")
 
@@ -43,10 +44,15 @@ def _dense(value: Any, dtype: torch.dtype) -> torch.Tensor:
 class Gate(nn.Module):
     """Router of one MoE layer: ``weight`` [E, D] (fp32 math), ``bias`` [E] on learned layers
     or ``tid2eid`` [vocab, k] on hash layers.  V4.1 (spec §4.8) adds ``bias_vl`` [E], the
-    selection bias of image tokens, ``gate_temp`` and the ``+1e-20`` normalization."""
+    selection bias of image tokens, ``gate_temp`` and the ``+1e-20`` normalization.
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    ``ops``: the op table whose ``moe_route`` routes the V4 gate logits (default: the torch
+    twins)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, ops: SimpleNamespace | None = None
+                 ) -> None:
         super().__init__()
+        self.ops = ops if ops is not None else get_ops("torch")
         self.top_k = cfg.n_activated_experts
         self.num_experts = cfg.n_routed_experts
         self.route_scale = cfg.route_scale
@@ -88,14 +94,12 @@ class Gate(nn.Module):
                                      self.top_k, self.route_scale, self.gate_temp,
                                      self.norm_topk_prob)
             return weights, ids
-        scores = F.softplus(F.linear(x.float(), self.weight)).sqrt()
+        # The gate GEMM stays a torch GEMM (fp32); everything after it is one op (one kernel).
+        logits = F.linear(x.float(), self.weight)
         if self.is_hash:
-            ids = self.tid2eid[input_ids]
-        else:
-            ids = (scores + self.bias).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
-        return weights, ids
+            return self.ops.moe_route(logits, None, self.tid2eid, input_ids, self.top_k,
+                                      self.route_scale)
+        return self.ops.moe_route(logits, self.bias, None, None, self.top_k, self.route_scale)
 
 
 class Experts(nn.Module):
@@ -228,8 +232,9 @@ class SharedExpert(nn.Module):
     (the current V4 release clamps the shared expert too, spec §6.1)."""
 
     def __init__(self, cfg: ModelConfig, fmt: str, numerics: str, dtype: torch.dtype,
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None, ops: SimpleNamespace | None = None) -> None:
         super().__init__()
+        self.ops = ops if ops is not None else get_ops("torch")
         b, d = cfg.weight_block_size, cfg.dim
         # Tensor parallel (with or without expert parallel): a slice of the intermediate dim.
         i_lo, i_hi = (parallel or SINGLE).split(cfg.moe_inter_dim, "moe_intermediate_size")
@@ -240,8 +245,9 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(d, i, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
-        return self.w2(a.to(x.dtype))
+        # One op for the clamp + silu + product + rounding to x's dtype (w2's input).
+        a = self.ops.swiglu_act(self.w1(x), self.w3(x), self.swiglu_limit, x.dtype)
+        return self.w2(a)
 
 
 class MoE(nn.Module):
@@ -264,16 +270,16 @@ class MoE(nn.Module):
         expert_quantized = cfg.quantized and cfg.expert_dtype in ("fp4", "fp8")
         # Under official numerics a quantized expert GEMM sees FP8 fake-quantized inputs (§2.5).
         act_block = cfg.weight_block_size if numerics == "official" and expert_quantized else None
-        self.gate = Gate(cfg, layer_id)
+        self.gate = Gate(cfg, layer_id, ops)
         self.experts = Experts(cfg, act_block, dtype, parallel=self.parallel)
         # Several ranks: the shared expert is split, or held whole by rank 0 when its slices
         # would cut FP8 scale blocks (None on the other ranks; dsv4.dist.sharding).
         self.shared_experts: SharedExpert | None = None
         par = self.parallel
         if not par.enabled or splits_shared_expert(cfg, par.world_size):
-            self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype, par)
+            self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype, par, ops)
         elif par.is_driver:
-            self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype)
+            self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype, ops=ops)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,6 +291,9 @@ class MoE(nn.Module):
         if self.experts.expert_offset:
             ids = ids - self.experts.expert_offset  # local ids; other ranks' experts are skipped
         routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
+        if self.shared_experts is not None and not self.parallel.enabled:
+            # One rank: the fp32 sum and the rounding to x's dtype in one op.
+            return self.ops.moe_combine(routed, self.shared_experts(x), x.dtype)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x).float()
         # Several ranks: fp32 partial sums (routed + shared) are summed over the ranks.

@@ -106,26 +106,34 @@ class _Sublayers(nn.Module):
         self.ffn = MoE(moe_cfg or cfg, layer_id, numerics, ops, dtype, parallel=parallel)
 
 
+HcPre = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (y [T, D], post [T, n], comb [T, n, n])
+
+
 class Block(_Sublayers):
     """One V4 block (spec §3.5): mHC around attention, then mHC around the MoE.
 
-    ``forward(x [T, n_hc, D], ctx, cache) -> [T, n_hc, D]``.
+    ``forward(x [T, n_hc, D], ctx, cache) -> [T, n_hc, D]``.  Chained (what ``Transformer``
+    does): ``forward(x, ctx, cache, attn_pre, next_hc) -> (x, next_pre)`` where ``attn_pre`` is
+    ``hc_attn.pre(x)`` already computed (fused into the previous block's last post) and
+    ``next_pre = next_hc.pre(x_out)`` comes out of this block's last post (``hc_post_pre``).
+    Each post inside a block is fused with the following pre the same way.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
                  dtype: torch.dtype, parallel: Parallel | None = None) -> None:
         super().__init__(cfg, layer_id, numerics, ops, dtype, None, parallel)
 
-    def forward(self, x: torch.Tensor, ctx: Any, cache: Any) -> torch.Tensor:
-        residual = x
-        y, post, comb = self.hc_attn.pre(x)
+    def forward(self, x: torch.Tensor, ctx: Any, cache: Any, attn_pre: HcPre | None = None,
+                next_hc: HyperConnection | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, HcPre]:
+        y, post, comb = self.hc_attn.pre(x) if attn_pre is None else attn_pre
         y = self.attn(self.attn_norm(y), ctx, cache)
-        x = self.hc_attn.post(y, residual, post, comb)
-
-        residual = x
-        y, post, comb = self.hc_ffn.pre(x)
+        x, y, post, comb = self.hc_attn.post_pre(y, x, post, comb, self.hc_ffn)
         y = self.ffn(self.ffn_norm(y), ctx.input_ids)
-        return self.hc_ffn.post(y, residual, post, comb)
+        if next_hc is None:
+            return self.hc_ffn.post(y, x, post, comb)
+        x, *next_pre = self.hc_ffn.post_pre(y, x, post, comb, next_hc)
+        return x, (next_pre[0], next_pre[1], next_pre[2])
 
 
 class MTPBlock(Block):
@@ -312,8 +320,14 @@ class Transformer(nn.Module):
         if self.cfg.is_v41:
             return self._forward_v41(ctx, cache)
         x = expand_streams(self.embed(ctx.input_ids), self.cfg.hc_mult)
-        for layer in self.layers:
-            x = layer(x, ctx, cache)
+        layers = list(self.layers)
+        # Each block's last hc_post computes the next block's attention pre in the same pass.
+        pre = layers[0].hc_attn.pre(x) if layers else None
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                x, pre = layer(x, ctx, cache, pre, layers[i + 1].hc_attn)
+            else:
+                x = layer(x, ctx, cache, pre)
         x = x[ctx.logits_indices]
         return self.norm(self.hc_head(x))
 

@@ -13,8 +13,12 @@ from types import SimpleNamespace
 # Modules holding torch twins, and the Triton modules that override them by name.
 _TORCH_MODULES = ("dsv4.ops.torch_attn", "dsv4.ops.torch_dense", "dsv4.ops.torch_norm",
                   "dsv4.ops.torch_compress")
+_TORCH_MODULES += ("dsv4.ops.torch_index", "dsv4.ops.torch_records")
+_TORCH_MODULES += ("dsv4.ops.torch_route",)
 _TRITON_MODULES = ("dsv4.ops.triton_attn", "dsv4.ops.triton_dense", "dsv4.ops.triton_moe",
                    "dsv4.ops.triton_norm", "dsv4.ops.triton_compress")
+_TRITON_MODULES += ("dsv4.ops.triton_index", "dsv4.ops.triton_records")
+_TRITON_MODULES += ("dsv4.ops.triton_route",)
 
 OP_NAMES = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "sparse_attn",
@@ -22,6 +26,9 @@ OP_NAMES = (
     "head_norm_rope", "norm_rope",
     "compress_entries", "compress_update_state",
 )
+OP_NAMES += ("indexer_queries", "encode_records", "write_records")
+OP_NAMES += ("moe_route", "swiglu_act", "moe_combine")
+OP_NAMES += ("hc_post_pre",)
 
 _cache: dict[str, SimpleNamespace] = {}
 

@@ -1,5 +1,5 @@
-"""Plain-torch twins of the dense hot ops: mHC (hc_pre / hc_post / hc_head), the FP8 block GEMM
-with fused activation quantization, and the routed-expert SwiGLU (spec §2.5, §3.4, §3.9, §3.10).
+"""Plain-torch twins of the dense hot ops: mHC (hc_pre / hc_post / hc_post_pre / hc_head), the
+FP8 block GEMM with fused activation quantization, and the routed-expert SwiGLU (spec §2.5, §3.4, §3.9, §3.10).
 
 These are the oracles for the Triton kernels and what runs on CPU. Shapes follow
 docs/ARCHITECTURE.md: tokens are flattened, ``x`` of the mHC ops is ``[T, n_hc, D]``.
@@ -80,6 +80,21 @@ def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
     mixed = torch.matmul(comb.float().transpose(-1, -2), x_res.float())
     y = post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + mixed
     return y.to(x_res.dtype)
+
+
+def hc_post_pre(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float, iters: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post`` of one sublayer followed by the ``hc_pre`` of the next (spec §3.5).
+
+    out, x_res, post, comb as :func:`hc_post`; fn, scale, base, eps, iters as :func:`hc_pre`
+    (the next sublayer's).  Returns ``(x_new [T, n, D], y [T, D], post' [T, n], comb' [T, n, n])``.
+    Exactly the two ops composed, so the bits equal the unfused chain.
+    """
+    x_new = hc_post(out, x_res, post, comb)
+    y, post_next, comb_next = hc_pre(x_new, fn, scale, base, norm_eps, hc_eps, iters)
+    return x_new, y, post_next, comb_next
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

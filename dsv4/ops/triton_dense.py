@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["fp8_linear", "fp8_linear_with_config", "act_quant", "Fp8GemmConfig",
-           "pick_fp8_config", "hc_pre", "hc_post", "hc_head", "mma", "round_to_bf16",
-           "store_rne"]
+           "pick_fp8_config", "hc_pre", "hc_post", "hc_post_pre", "hc_head", "mma",
+           "round_to_bf16", "store_rne"]
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _E4M3 = torch.float8_e4m3fn
@@ -584,3 +584,137 @@ def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
             out.contiguous(), x_res.contiguous(), post.float().contiguous(),
             comb.float().contiguous(), y, D, N=n, BD=BD, num_warps=4)
     return y
+
+
+# ------------------------------------------------------------ mHC post fused with the next pre
+@triton.jit
+def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, part_ptr, sq_ptr,
+                        T, D, d_per_split, N: tl.constexpr, NJ: tl.constexpr,
+                        NJP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """hc_post for BT tokens and one D range of all n streams, stored once, plus the next
+    pre's split-K partials (Σ x_new² and x_new @ fn^T over that range) from the stored values.
+
+    Partials go to ``part [splits, T, NJP]`` / ``sq [splits, T]`` exactly as
+    ``_hc_mix_partial_kernel`` writes them, so ``_hc_collapse_kernel`` finishes the pre.
+    """
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    rt = pid_t * BT + tl.arange(0, BT)
+    t_mask = rt < T
+    rn = tl.arange(0, N)
+    rj = tl.arange(0, NJP)
+    j_mask = rj < NJ
+    # One chunk flattened as (stream k, d) -> k·BD + d, the row-major order of [N, BD]; its
+    # fn column is k·D + d (fn is laid out over flatten(x) = [n·D]).
+    rkd = tl.arange(0, N * BD)
+    k_of = rkd // BD
+    d_of = rkd % BD
+    post = tl.load(post_ptr + rt[:, None] * N + rn[None, :], mask=t_mask[:, None], other=0.0)
+    acc = tl.zeros((BT, NJP), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
+    d0 = split * d_per_split
+    for dd in range(0, d_per_split, BD):
+        rd = d0 + dd + tl.arange(0, BD)
+        d_mask = (rd < D) & (dd + tl.arange(0, BD) < d_per_split)
+        m2 = t_mask[:, None] & d_mask[None, :]
+        o = tl.load(out_ptr + rt[:, None] * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
+        new = post[:, :, None] * o[:, None, :]  # [BT, k, BD]
+        for j in tl.static_range(N):
+            xr_j = tl.load(xr_ptr + rt[:, None] * (N * D) + j * D + rd[None, :], mask=m2,
+                           other=0.0).to(tl.float32)
+            comb_j = tl.load(comb_ptr + rt[:, None] * (N * N) + j * N + rn[None, :],
+                             mask=t_mask[:, None], other=0.0)  # comb[t, j, k]
+            new += comb_j[:, :, None] * xr_j[:, None, :]
+        # The next pre reads the streams as stored: round first (RNE, as store_rne does), so
+        # its statistics see the same values hc_pre(x_new) would.
+        if xnew_ptr.dtype.element_ty == tl.bfloat16:
+            new = round_to_bf16(new)
+        new = new.to(xnew_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(xnew_ptr + rt[:, None, None] * (N * D) + rn[None, :, None] * D
+                 + rd[None, None, :], new.to(xnew_ptr.dtype.element_ty),
+                 mask=t_mask[:, None, None] & d_mask[None, None, :])
+        sq += tl.sum(tl.sum(new * new, axis=2), axis=1)
+        f_d = d0 + dd + d_of
+        f_mask = (f_d < D) & (dd + d_of < d_per_split)
+        fv = tl.load(fn_ptr + rj[None, :] * (N * D) + (k_of * D + f_d)[:, None],
+                     mask=f_mask[:, None] & j_mask[None, :], other=0.0)
+        acc += tl.dot(tl.reshape(new, (BT, N * BD)), fv, input_precision=PRECISION)
+    base = split * T
+    tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
+             mask=t_mask[:, None] & j_mask[None, :])
+    tl.store(sq_ptr + base + rt, sq, mask=t_mask)
+
+
+def _check_post_args(name: str, out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> None:
+    if x_res.dim() != 3 or out.shape != (x_res.shape[0], x_res.shape[2]):
+        raise ValueError(f"{name}: out must be [T, D] and x_res [T, n, D]; found "
+                         f"{tuple(out.shape)} and {tuple(x_res.shape)}")
+    T, n, _ = x_res.shape
+    if tuple(post.shape) != (T, n) or tuple(comb.shape) != (T, n, n):
+        raise ValueError(f"{name}: post must be [{T}, {n}] and comb [{T}, {n}, {n}]; found "
+                         f"{tuple(post.shape)} and {tuple(comb.shape)}")
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{name}: n_hc must be a power of two for the Triton kernel; found {n}")
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def hc_post_pre(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float, iters: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post`` of one sublayer fused with the ``hc_pre`` of the next (spec §3.4, §3.5).
+
+    out [T, D]; x_res [T, n, D]; post [T, n]; comb [T, n, n] (this sublayer's);
+    fn [(2+n)·n, n·D], scale [3], base [(2+n)·n] (the next sublayer's).  Returns
+    ``(x_new [T, n, D] x_res.dtype, y [T, D], post' [T, n] fp32, comb' [T, n, n] fp32)`` =
+    ``(x_new, *hc_pre(x_new, ...))`` with ``x_new = hc_post(out, x_res, post, comb)``.
+
+    Two launches instead of three: one kernel writes x_new and the next pre's split-K partials
+    (RMS statistic and 24-wide projection), then the collapse kernel of hc_pre finishes.
+    """
+    _check_post_args("hc_post_pre", out, x_res, post, comb)
+    if iters < 1:
+        raise ValueError(f"hc_post_pre: iters must be >= 1; found {iters}")
+    T, n, D = x_res.shape
+    rows = (2 + n) * n
+    if tuple(fn.shape) != (rows, n * D):
+        raise ValueError(f"hc_post_pre: fn must be [{rows}, {n * D}] for x_res "
+                         f"{tuple(x_res.shape)}; found {tuple(fn.shape)}")
+    dev = x_res.device
+    x_new = torch.empty(T, n, D, dtype=x_res.dtype, device=dev)
+    y = torch.empty(T, D, dtype=x_res.dtype, device=dev)
+    post_n = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb_n = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if not T:
+        return x_new, y, post_n, comb_n
+    njp = max(16, triton.next_power_of_2(rows))
+    BT = 64 if T >= 1024 else 16
+    # A chunk is n·BD = 128 values of flatten(x), the BK of the plain mixes kernel.
+    BD = max(triton.cdiv(16, n), min(128 // n, triton.next_power_of_2(D)))
+    tiles = triton.cdiv(T, BT)
+    want = max(1, triton.cdiv(2 * sm_count(dev), tiles))
+    d_per_split = max(BD, triton.cdiv(triton.cdiv(D, want), BD) * BD)
+    splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, T, njp, dtype=torch.float32, device=dev)
+    sq = torch.empty(splits, T, dtype=torch.float32, device=dev)
+    args = (out.contiguous(), x_res.contiguous(), post.float().contiguous(),
+            comb.float().contiguous(), fn.float().contiguous(), x_new, part, sq, T, D,
+            d_per_split)
+    precisions = _HC_PRECISIONS if dev.type == "cuda" else ["ieee"]
+    for i, prec in enumerate(precisions):
+        try:
+            _hc_post_mix_kernel[(tiles, splits)](*args, N=n, NJ=rows, NJP=njp, BT=BT, BD=BD,
+                                                 PRECISION=prec, num_warps=4, num_stages=3)
+            break
+        except Exception:  # compile-time rejection of the precision: drop it for good
+            if i + 1 == len(precisions):
+                raise
+            _HC_PRECISIONS.remove(prec)
+    BDC = min(1024, triton.next_power_of_2(D))
+    _hc_collapse_kernel[(T, triton.cdiv(D, BDC))](
+        x_new, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post_n,
+        comb_n, T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
+        SP=triton.next_power_of_2(splits), BD=BDC, HEAD=False, num_warps=4)
+    return x_new, y, post_n, comb_n

@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.util
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import dsv4.model.attention as attention_mod
 import dsv4.model.compressor as compressor_mod
 from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.tensors import HybridCache
@@ -116,19 +116,31 @@ def test_v4_fp32_official_differs_only_by_the_bf16_rope_tail(ckpt, monkeypatch) 
     got = _forward(model, ids, RECORD_DTYPE)
     plain = _forward(model, ids, torch.float32)
     rd = model.cfg.rope_head_dim
-    encode, stored = attention_mod.encode_rows, compressor_mod.Compressor._stored
+    stored = compressor_mod.Compressor._stored
 
     def bf16_tail(rows: torch.Tensor) -> torch.Tensor:
         return torch.cat((rows[:, :-rd], rows[:, -rd:].to(torch.bfloat16).to(rows.dtype)), -1)
 
-    def encode_window(rows: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor:
-        return encode(bf16_tail(rows) if fmt is None else rows, fmt, dtype)
+    # The window ring is written by the attention's ops encode_records / write_records: wrap
+    # those of each attention layer (its compressors and indexer keep their own op table, so
+    # the fp4 index keys are not touched).
+    for layer in model.layers:
+        att = layer.attn
+        table = dict(vars(att.ops))
+
+        def encode_window(rows, fmt, dtype, _op=table["encode_records"]):
+            return _op(bf16_tail(rows) if fmt is None else rows, fmt, dtype)
+
+        def write_window(pool, dst, rows, src, fmt, _op=table["write_records"]):
+            return _op(pool, dst, bf16_tail(rows) if fmt is None else rows, src, fmt)
+
+        table.update(encode_records=encode_window, write_records=write_window)
+        monkeypatch.setattr(att, "ops", SimpleNamespace(**table))
 
     def stored_entries(self, entries: torch.Tensor, store_quantizes: bool) -> torch.Tensor:
         entries = stored(self, entries, store_quantizes)
         return entries if self.rotate else bf16_tail(entries)  # not the (fp4) index keys
 
-    monkeypatch.setattr(attention_mod, "encode_rows", encode_window)
     monkeypatch.setattr(compressor_mod.Compressor, "_stored", stored_entries)
     tailed = _forward(model, ids, torch.float32)
     assert torch.equal(got, tailed)

@@ -369,6 +369,30 @@ for _m in MODELS:
 scenario("mhc/v4_flash/fp32")(lambda: _mhc(V4_FLASH, (1, PREFILL_T), __import__("torch").float32))
 
 
+def _mhc_fused(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
+    """hc_post fused with the next hc_pre (dsv4.ops.triton_dense.hc_post_pre): the post + mixes
+    kernel in both precisions the GPU may pick, then the shared collapse kernel."""
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    dtype = dtype or torch.bfloat16
+    n, D = 4, m.dim
+    f32 = torch.float32
+    for T in Ts:
+        for prec in ("tf32x3", "ieee"):
+            with RECORDER.override(td._hc_post_mix_kernel, PRECISION=prec):
+                td.hc_post_pre(_empty(T, D, dtype=dtype), _empty(T, n, D, dtype=dtype),
+                               _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32),
+                               _empty((2 + n) * n, n * D, dtype=f32), _empty(3, dtype=f32),
+                               _empty((2 + n) * n, dtype=f32), 1e-6, 1e-6, 20)
+
+
+for _m in MODELS:
+    scenario(f"mhc_fused/{_m.name}/bf16")(lambda m=_m: _mhc_fused(m, DECODE_T[:3] + (PREFILL_T,)))
+scenario("mhc_fused/v4_flash/fp32")(
+    lambda: _mhc_fused(V4_FLASH, (1, PREFILL_T), __import__("torch").float32))
+
+
 def _kv_sources(kind: str, m: ModelDims) -> tuple[Any, Any]:
     """(window source, compressed source) of a cache kind: dense bf16 pools or record pools."""
     import torch
@@ -594,6 +618,85 @@ for _r, _ov, _d, _rope in ((4, True, 512, True), (128, False, 512, True), (4, Tr
                            (2, False, 512, True), (1, False, 512, True)):
     scenario(f"compress/r{_r}{'_overlap' if _ov else ''}_d{_d}")(
         lambda r=_r, ov=_ov, d=_d, rp=_rope: _compress(r, ov, d, rp))
+
+
+def _moe_glue(m: ModelDims) -> None:
+    """The MoE glue kernels (dsv4.ops.triton_route): routing after the gate GEMM (learned and
+    hash layers), the shared expert's SwiGLU (whole and a tensor-parallel eighth) and the
+    routed + shared combine, at decode and prefill token counts."""
+    import torch
+    tr = importlib.import_module("dsv4.ops.triton_route")
+    f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
+    for T in DECODE_T + (PREFILL_T,):
+        logits = _empty(T, m.experts, dtype=f32)
+        tr.moe_route(logits, _empty(m.experts, dtype=f32), None, None, m.topk, 1.5)
+        tr.moe_route(logits, None, torch.zeros(1000, m.topk, dtype=i64),
+                     torch.zeros(T, dtype=i64), m.topk, 1.5)
+        for inter in (m.inter, m.inter // 8):
+            tr.swiglu_act(_empty(T, inter, dtype=bf16), _empty(T, inter, dtype=bf16), 10.0, bf16)
+        tr.swiglu_act(_empty(T, m.inter, dtype=f32), _empty(T, m.inter, dtype=f32), 0.0, f32)
+        tr.moe_combine(_empty(T, m.dim, dtype=f32), _empty(T, m.dim, dtype=bf16), bf16)
+
+
+for _m in MODELS:
+    scenario(f"moe_glue/{_m.name}")(lambda m=_m: _moe_glue(m))
+
+
+def _indexer_queries(m: ModelDims) -> None:
+    """The indexer's fused query path (dsv4.ops.triton_index): RoPE + Hadamard (V4) + FP4 fake
+    quant (official) + head weights, at decode and prefill token counts; bf16 (GPU) and fp32
+    (the GPU tests' dtype)."""
+    import torch
+    ti = importlib.import_module("dsv4.ops.triton_index")
+    bf16, f32 = torch.bfloat16, torch.float32
+    h, dI = m.index_heads, m.index_dim
+    v4 = not m.name.startswith("v41")
+    # V4: official (Hadamard + FP4), bf16 with fp4 record keys (Hadamard), plain; V4.1: no
+    # Hadamard.
+    sites = ((True, 32), (True, 0), (False, 0)) if v4 else ((False, 32), (False, 0))
+    for T in DECODE_T + (PREFILL_T,):
+        cos, sin = _empty(T, 32, dtype=f32), _empty(T, 32, dtype=f32)
+        for dt in (bf16, f32) if T == 1 else (bf16,):
+            q, w = _empty(T, h, dI, dtype=dt), _empty(T, h, dtype=dt)
+            for hadamard, fp4_block in sites:
+                ti.indexer_queries(q, w, cos, sin, dI ** -0.5 * h ** -0.5, hadamard, fp4_block)
+
+
+for _m in (V4_FLASH, V4_PRO, V41_FLASH):
+    scenario(f"indexer_queries/{_m.name}")(lambda m=_m: _indexer_queries(m))
+
+
+def _records(v41: bool) -> None:
+    """The fused cache writes (dsv4.ops.triton_records): encode rows into the record formats
+    (V4: 584-byte window / compressed, fp4 index keys; V4.1: fp8 window, fp4 compressed latent,
+    fp4 index keys) or a plain bf16 / fp32 pool, scattered into pool rows; a decode step (one
+    row per request, gathered) and a prefill (2048 rows, encode only and scatter)."""
+    import torch
+    from dsv4.cache import formats as cf
+    tr = importlib.import_module("dsv4.ops.triton_records")
+    bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
+    if v41:
+        fmts = [cf.fp8_record(512, cf.V41_WINDOW_BLOCK),
+                cf.fp4_record(512, cf.V41_LATENT_BLOCK, "e4m3"),
+                cf.fp4_record(128, cf.V41_INDEX_BLOCK, "e8m0")]
+    else:
+        fmts = [cf.v4_kv_record(512, 64), cf.fp4_record(128, cf.V4_INDEX_BLOCK, "e8m0")]
+    for T in DECODE_T + (PREFILL_T,):
+        idx = torch.arange(T, dtype=i64)
+        for fmt in fmts:
+            pool = _empty(8192, fmt.record_bytes, dtype=torch.uint8)
+            for dt in (bf16, f32) if T == 1 else (bf16,):
+                rows = _empty(T, fmt.dim, dtype=dt)
+                tr.write_records(pool, idx, rows, idx, fmt)
+                tr.write_records(pool, idx, rows, None, fmt)
+                tr.encode_records(rows, fmt, torch.uint8)
+        for dt in (bf16, f32):                          # plain rings (kv_cache_dtype "auto")
+            tr.write_records(_empty(8192, 512, dtype=dt), idx, _empty(T, 512, dtype=dt), idx,
+                             None)
+
+
+scenario("records/v4")(lambda: _records(False))
+scenario("records/v41")(lambda: _records(True))
 
 
 # ------------------------------------------------------------------------------ canaries

@@ -1,0 +1,218 @@
+"""Triton kernels of the MoE glue (spec §3.9), one launch each, same signatures as the twins in
+``dsv4/ops/torch_route.py``:
+
+* ``moe_route``: after the gate GEMM, ``sqrt(softplus)``, the top-k of ``s + bias`` (or the
+  ``tid2eid`` row of hash layers), the gather, normalization and ``route_scale`` (replaces 7-8
+  torch kernels).  A program holds BLOCK_T token rows of all E scores in registers and takes
+  the k maxima one after the other, so the ids come out in descending order like
+  ``torch.topk``.  Ties: among exactly equal ``s + bias`` the lowest expert id is taken first
+  (torch.topk documents no order for ties; with fp32 scores from a real gate GEMM plus a
+  learned bias, exact ties do not arise in practice).
+* ``swiglu_act``: the clamped SwiGLU of the shared expert, fp32 math, one rounding to the
+  output dtype (replaces 7 kernels: two casts, two clamps, silu, mul, cast).
+* ``moe_combine``: routed (fp32) + shared, rounded to the output dtype (replaces 3).
+
+Numerics: softplus is ``x`` above 20, else ``log1p(exp(x))``, and silu ``x / (1 + exp(-x))``,
+as torch computes them.  On the GPU ``exp`` / ``log1p`` are libdevice's (the CUDA math library
+torch's own kernels call), square root and divisions are IEEE-rounded, products are compiled
+without FMA contraction: the results should match torch's CUDA kernels bit for bit (not
+measured yet).  The interpreter has no libdevice: there ``log1p`` is computed with Goldberg's
+``log(u) · x / (u − 1)`` (a few ulp) — the tests bound the difference to the CPU twins (ids
+equal, weights 1e-6 relative).  The sum of the k picked weights is sequential in pick order.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsv4.ops.torch_route import check_route_args
+from dsv4.ops.triton_dense import INTERPRET, store_rne, torch_twin_off_gpu
+
+__all__ = ["moe_combine", "moe_route", "swiglu_act"]
+
+_TILE = 2048          # elements per program tile (token rows × padded experts / channels)
+_MAX_EXPERTS = 4096   # one program row holds every score of a token: wider gates run the twin
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _exp(x):
+    if INTERPRET:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
+
+
+@triton.jit
+def _softplus(x):
+    """torch's softplus (beta 1, threshold 20) in fp32."""
+    e = _exp(x)
+    if INTERPRET:
+        # Goldberg: log1p(e) = log(u) · e / (u − 1) with u = 1 + e (exact where u == 1).
+        u = 1.0 + e
+        den = tl.where(u == 1.0, 1.0, u - 1.0)
+        lp = tl.where(u == 1.0, e, tl.log(u) * tl.div_rn(e, den))
+    else:
+        lp = libdevice.log1p(e)
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr,
+                  T, E, stride_l, route_scale,
+                  K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Routing of BLOCK_T tokens: weights [T, K] fp32 and ids [T, K] int64."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0)
+    s = tl.sqrt_rn(_softplus(x))
+    kcols = tl.arange(0, KP)
+    picked_w = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    picked_id = tl.zeros((BLOCK_T, KP), dtype=tl.int64)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if HASH:
+        tok = tl.load(input_ids_ptr + r64, mask=row_ok, other=0)
+        for j in tl.static_range(K):
+            e = tl.load(tid2eid_ptr + tok * K + j, mask=row_ok, other=0)
+            w = tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)
+            total = total + w
+            picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
+            picked_id = tl.where(kcols[None, :] == j, e.to(tl.int64)[:, None], picked_id)
+    else:
+        b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+        sel = tl.where(mask, s + b[None, :], float("-inf"))
+        for j in tl.static_range(K):
+            m = tl.max(sel, axis=1)
+            # The lowest id among equal maxima; min() keeps a NaN row's id in range.
+            e = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
+            e = tl.minimum(e, E - 1)
+            hit = cols[None, :] == e[:, None]
+            w = tl.sum(tl.where(hit, s, 0.0), axis=1)
+            sel = tl.where(hit, float("-inf"), sel)
+            total = total + w
+            picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
+            picked_id = tl.where(kcols[None, :] == j, e.to(tl.int64)[:, None], picked_id)
+    out = tl.div_rn(picked_w, total[:, None]) * route_scale
+    omask = row_ok[:, None] & (kcols[None, :] < K)
+    tl.store(w_ptr + r64[:, None] * K + kcols[None, :], out, mask=omask)
+    tl.store(ids_ptr + r64[:, None] * K + kcols[None, :], picked_id, mask=omask)
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, y_ptr, n_rows, n_cols, stride_g, stride_u, limit,
+                   LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = silu(min(g, limit)) · clamp(u, ±limit) over a [BLOCK_R, BLOCK_C] tile (fp32 math)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    g = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    if LIMIT:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    act = tl.div_rn(g, 1.0 + _exp(-g))
+    store_rne(y_ptr + rows[:, None] * n_cols + cols[None, :], act * u, mask)
+
+
+@triton.jit
+def _combine_kernel(routed_ptr, shared_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    """y = routed + shared (fp32 sum, one rounding to y's dtype), flat contiguous tensors."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    r = tl.load(routed_ptr + offs, mask=mask, other=0.0)
+    s = tl.load(shared_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    store_rne(y_ptr + offs, r + s, mask)
+
+
+def _twin(name: str, *args: Any) -> Any:
+    return getattr(importlib.import_module("dsv4.ops.torch_route"), name)(*args)
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_route")
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+              input_ids: torch.Tensor | None, top_k: int, route_scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of the gate logits [T, E] fp32, one kernel: (weights [T, k] fp32, ids [T, k]
+    int64); see ``torch_route.moe_route``."""
+    check_route_args(logits, bias, tid2eid, input_ids, top_k)
+    T, E = logits.shape
+    if E > _MAX_EXPERTS:
+        return _twin("moe_route", logits, bias, tid2eid, input_ids, top_k, route_scale)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(_TILE // block_e, triton.next_power_of_2(T)))
+    is_hash = tid2eid is not None
+    dummy = logits
+    _route_kernel[(triton.cdiv(T, block_t),)](
+        logits, dummy if is_hash else bias.float().contiguous(),
+        tid2eid.contiguous() if is_hash else dummy,
+        input_ids.contiguous() if is_hash else dummy, weights, ids,
+        T, E, logits.stride(0), float(route_scale),
+        K=int(top_k), KP=triton.next_power_of_2(top_k), HASH=is_hash,
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4, enable_fp_fusion=False)
+    return weights, ids
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_route")
+def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """Clamped SwiGLU, fp32 math, ``out_dtype`` out, one kernel; gate, up [..., I]."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu_act: gate and up must have one shape; found "
+                         f"{tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype not in _FLOAT_DTYPES or up.dtype not in _FLOAT_DTYPES \
+            or out_dtype not in _FLOAT_DTYPES or gate.dim() == 0:
+        return _twin("swiglu_act", gate, up, limit, out_dtype)
+    n_cols = gate.shape[-1]
+    g2 = gate.reshape(-1, n_cols)
+    u2 = up.reshape(-1, n_cols)
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
+    y = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
+    n_rows = g2.shape[0]
+    if y.numel() == 0:
+        return y
+    block_c = min(1024, triton.next_power_of_2(n_cols))
+    block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(n_rows)))
+    _swiglu_kernel[(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))](
+        g2, u2, y, n_rows, n_cols, g2.stride(0), u2.stride(0), float(limit),
+        LIMIT=limit > 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+        enable_fp_fusion=False)
+    return y
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_route")
+def moe_combine(routed: torch.Tensor, shared: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """``routed`` (fp32) + ``shared``, rounded to ``out_dtype``, one kernel."""
+    if routed.shape != shared.shape or routed.dtype != torch.float32:
+        raise ValueError(f"moe_combine: expected routed fp32 and shared of one shape; found "
+                         f"{routed.dtype} {tuple(routed.shape)} and {tuple(shared.shape)}")
+    if shared.dtype not in _FLOAT_DTYPES or out_dtype not in _FLOAT_DTYPES:
+        return _twin("moe_combine", routed, shared, out_dtype)
+    y = torch.empty(routed.shape, dtype=out_dtype, device=routed.device)
+    n = y.numel()
+    if n:
+        block = 1024
+        _combine_kernel[(triton.cdiv(n, block),)](routed.contiguous(), shared.contiguous(), y, n,
+                                                  BLOCK=block, num_warps=4)
+    return y

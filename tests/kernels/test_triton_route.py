@@ -1,0 +1,296 @@
+"""Fused MoE glue (``dsv4/ops/torch_route.py`` twins, ``dsv4/ops/triton_route.py`` kernels).
+
+* twins against the MoE code they replaced (bit for bit), argument checks, op-table wiring,
+  the MoE module running the ops of its table — plain CPU;
+* ``test_interp_*``: the kernels against the twins in the Triton interpreter, re-run in a child
+  with ``TRITON_INTERPRET=1`` by :func:`test_kernels_in_interpreter`;
+* ``test_gpu_*``: V4-Flash shapes on the GPU (skipped without CUDA).
+
+Bounds: ids identical; routing weights and fp32 SwiGLU within 1e-6 relative (exp / log1p of
+the interpreter vs torch's vectorized CPU ones; division and square root are IEEE in both);
+bf16 outputs equal except rare one-ulp differences (an fp32 value next to a bf16 rounding
+boundary); the combine is exact.  Ties in the top-k: the kernel takes the lowest id first
+(checked against a stable sort; random fp32 logits give no ties).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4.ops import get_ops, torch_route
+from dsv4.ops.torch_dense import swiglu
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+interp_only = pytest.mark.skipif(
+    not INTERP, reason="interpreter test: run by test_kernels_in_interpreter in a child process")
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _route_inputs(T: int, E: int, k: int, gen: torch.Generator, device: str = "cpu"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gate logits of a real-looking gate (x·Wᵀ), a selection bias, a hash table, token ids."""
+    x = torch.randn(T, 64, generator=gen)
+    w = torch.randn(E, 64, generator=gen) * 0.3
+    logits = F.linear(x, w)
+    bias = torch.randn(E, generator=gen) * 0.05
+    tid2eid = torch.rand(50, E, generator=gen).topk(k, dim=-1).indices
+    ids = torch.randint(0, 50, (T,), generator=gen)
+    return logits.to(device), bias.to(device), tid2eid.to(device), ids.to(device)
+
+
+def _unfused_route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                   input_ids: torch.Tensor | None, k: int, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate.forward's code after the GEMM before the fusion (verbatim)."""
+    scores = F.softplus(logits).sqrt()
+    if tid2eid is not None:
+        ids = tid2eid[input_ids]
+    else:
+        ids = (scores + bias).topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    weights = weights / weights.sum(dim=-1, keepdim=True) * scale
+    return weights, ids
+
+
+def _assert_rel(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.double() - want.double()).abs()
+    bound = rel * want.double().abs() + 1e-30
+    assert bool((err <= bound).all()), f"max rel error {(err / bound).max().item() * rel:.3g}"
+
+
+def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for rare one-ulp bf16 differences."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = got != want
+    assert diff.float().mean().item() <= 0.01
+    ulp = want.float().abs() * 2.0 ** -7 + 1e-30
+    assert bool(((got.float() - want.float()).abs() <= ulp)[diff].all())
+
+
+# ------------------------------------------------------------------------ twins (plain CPU)
+@pytest.mark.parametrize("hash_routed", [False, True])
+def test_route_twin_is_the_unfused_code(hash_routed: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits, bias, tid2eid, ids = _route_inputs(9, 32, 4, gen)
+    args = (None, tid2eid, ids) if hash_routed else (bias, None, None)
+    w, e = torch_route.moe_route(logits, *args, 4, 1.5)
+    w0, e0 = _unfused_route(logits, *args, 4, 1.5)
+    assert torch.equal(e, e0) and torch.equal(w, w0) and e.dtype == torch.int64
+    assert torch.allclose(w.sum(-1), torch.full((9,), 1.5))
+
+
+@pytest.mark.parametrize("limit", [0.0, 10.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_and_combine_twins_are_the_unfused_code(limit: float, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    g = (torch.randn(5, 48, generator=gen) * 8).to(dtype)
+    u = (torch.randn(5, 48, generator=gen) * 8).to(dtype)
+    got = torch_route.swiglu_act(g, u, limit, dtype)
+    assert torch.equal(got, swiglu(g, u, limit).to(dtype))
+    if limit:  # the clamp really acts on this data
+        assert not torch.equal(got, swiglu(g, u, 0.0).to(dtype))
+    routed = torch.randn(5, 48, generator=gen)
+    assert torch.equal(torch_route.moe_combine(routed, g, dtype), (routed + g.float()).to(dtype))
+
+
+def test_twins_reject_bad_input() -> None:
+    logits = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="logits"):
+        torch_route.moe_route(logits.double(), torch.zeros(8), None, None, 2, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        torch_route.moe_route(logits, torch.zeros(8), None, None, 9, 1.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        torch_route.moe_route(logits, None, None, None, 2, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        torch_route.moe_route(logits, torch.zeros(7), None, None, 2, 1.0)
+    with pytest.raises(ValueError, match="tid2eid"):
+        torch_route.moe_route(logits, None, torch.zeros(4, 3, dtype=torch.int64),
+                              torch.zeros(3, dtype=torch.int64), 2, 1.0)
+    with pytest.raises(ValueError, match="input_ids"):
+        torch_route.moe_route(logits, None, torch.zeros(4, 2, dtype=torch.int64), None, 2, 1.0)
+    with pytest.raises(ValueError, match="swiglu_act"):
+        torch_route.swiglu_act(torch.zeros(2, 4), torch.zeros(2, 5), 1.0, torch.float32)
+    with pytest.raises(ValueError, match="moe_combine"):
+        torch_route.moe_combine(torch.zeros(2, 4).bfloat16(), torch.zeros(2, 4), torch.float32)
+
+
+def test_op_table_has_the_fused_ops() -> None:
+    pytest.importorskip("triton")
+    from dsv4.ops import triton_route
+
+    t, k = get_ops("torch"), get_ops("triton")
+    for name in ("moe_route", "swiglu_act", "moe_combine"):
+        assert getattr(t, name) is getattr(torch_route, name)
+        assert getattr(k, name) is getattr(triton_route, name)
+
+
+def test_moe_runs_the_ops_of_its_table() -> None:
+    """The MoE's gate, shared expert and combine call the table's ops (a recording table)."""
+    from types import SimpleNamespace
+
+    from dsv4.config import ModelConfig
+    from dsv4.model.moe import MoE
+
+    calls: list[str] = []
+    base = get_ops("torch")
+
+    def rec(name: str):
+        def fn(*args, **kwargs):
+            calls.append(name)
+            return getattr(base, name)(*args, **kwargs)
+        return fn
+
+    table = SimpleNamespace(**{**vars(base), **{n: rec(n) for n in
+                                                ("moe_route", "swiglu_act", "moe_combine")}})
+    cfg = ModelConfig.from_dict(_tiny_cfg())
+    for layer in (0, 1):                     # hash-routed, learned
+        moe = MoE(cfg, layer, "bf16", table, torch.float32)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        if moe.gate.is_hash:
+            moe.gate.tid2eid.copy_(torch.arange(2).repeat(cfg.vocab_size, 1))
+        calls.clear()
+        x = torch.randn(3, cfg.dim)
+        out = moe(x, torch.tensor([1, 2, 3]))
+        assert calls == ["moe_route", "swiglu_act", "moe_combine"] and out.shape == x.shape
+
+
+def _tiny_cfg() -> dict:
+    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "qk_rope_head_dim": 16, "q_lora_rank": 16, "o_groups": 1, "o_lora_rank": 16,
+            "moe_intermediate_size": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus",
+            "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+            "swiglu_limit": 10.0, "sliding_window": 8, "index_n_heads": 2,
+            "index_head_dim": 32, "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 3,
+            "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "max_position_embeddings": 4096, "num_nextn_predict_layers": 0,
+            "compress_ratios": [0, 0], "bos_token_id": 0, "eos_token_id": 1,
+            "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def test_triton_ops_run_the_twins_off_gpu() -> None:
+    if INTERP:
+        pytest.skip("the interpreter runs the kernels themselves on CPU")
+    pytest.importorskip("triton")
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(2)
+    logits, bias, _, _ = _route_inputs(4, 16, 3, gen)
+    w, e = tri.moe_route(logits, bias, None, None, 3, 2.0)
+    w0, e0 = torch_route.moe_route(logits, bias, None, None, 3, 2.0)
+    assert torch.equal(w, w0) and torch.equal(e, e0)
+
+
+def test_kernels_in_interpreter() -> None:
+    """Run this file's ``test_interp_*`` tests with ``TRITON_INTERPRET=1`` in a child."""
+    if INTERP:
+        pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp_",
+         str(HERE)], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (f"interpreter tests failed (rc={proc.returncode}):\n"
+                                  f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+# ------------------------------------------------------------------------ kernels (interpreter)
+@interp_only
+@pytest.mark.parametrize("T,E,k", [(1, 256, 6), (37, 256, 6), (5, 24, 3)])
+@pytest.mark.parametrize("hash_routed", [False, True])
+def test_interp_route_matches_twin(T: int, E: int, k: int, hash_routed: bool) -> None:
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(T * 1000 + E)
+    logits, bias, tid2eid, ids = _route_inputs(T, E, k, gen)
+    logits[0, :3] = torch.tensor([25.0, -30.0, 1e-3])  # softplus' linear branch, tiny values
+    args = (None, tid2eid, ids) if hash_routed else (bias, None, None)
+    w, e = tri.moe_route(logits, *args, k, 2.5)
+    w0, e0 = torch_route.moe_route(logits, *args, k, 2.5)
+    assert torch.equal(e, e0)
+    _assert_rel(w, w0, 1e-6)
+
+
+@interp_only
+def test_interp_route_ties_take_the_lowest_id() -> None:
+    from dsv4.ops import triton_route as tri
+
+    # Four distinct logit values over 16 experts, no bias: many exact ties.
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 4, (6, 16), generator=gen).float()
+    w, e = tri.moe_route(logits, torch.zeros(16), None, None, 5, 1.0)
+    order = torch.sort(-logits, dim=-1, stable=True).indices[:, :5]   # lowest id first on ties
+    assert torch.equal(e, order)
+    w0 = F.softplus(logits).sqrt().gather(1, order)
+    _assert_rel(w, w0 / w0.sum(-1, keepdim=True), 1e-6)
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [0.0, 10.0])
+def test_interp_swiglu_matches_twin(dtype: torch.dtype, limit: float) -> None:
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.randn(7, 1100, generator=gen) * 6).to(dtype)   # two column tiles, a ragged one
+    u = (torch.randn(7, 1100, generator=gen) * 6).to(dtype)
+    want = torch_route.swiglu_act(g, u, limit, dtype)
+    got = tri.swiglu_act(g, u, limit, dtype)
+    if dtype == torch.float32:
+        _assert_rel(got, want, 1e-6)
+    else:
+        _assert_bf16_close(got, want)
+    # A strided view (the halves of one [T, 2I] buffer) gives the same values.
+    both = torch.cat([g, u], dim=1)
+    assert torch.equal(tri.swiglu_act(both[:, :1100], both[:, 1100:], limit, dtype), got)
+
+
+@interp_only
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_interp_combine_is_exact(out_dtype: torch.dtype) -> None:
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(6)
+    routed = torch.randn(5, 300, generator=gen) * 3
+    shared = (torch.randn(5, 300, generator=gen) * 3).bfloat16()
+    assert torch.equal(tri.moe_combine(routed, shared, out_dtype),
+                       torch_route.moe_combine(routed, shared, out_dtype))
+
+
+# ------------------------------------------------------------------------ GPU (V4-Flash shapes)
+@gpu_only
+@pytest.mark.parametrize("T", [1, 16, 8192])
+def test_gpu_v4_flash_shapes(T: int) -> None:
+    from dsv4.ops import triton_route as tri
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(T)
+    logits, bias, tid2eid, ids = _route_inputs(T, 256, 6, gen, dev)
+    for args in ((bias, None, None), (None, tid2eid, ids)):
+        w, e = tri.moe_route(logits, *args, 6, 1.5)
+        w0, e0 = torch_route.moe_route(logits, *args, 6, 1.5)
+        assert torch.equal(e, e0)
+        _assert_rel(w, w0, 1e-6)
+    g = (torch.randn(T, 2048, generator=gen) * 6).to(dev, torch.bfloat16)
+    u = (torch.randn(T, 2048, generator=gen) * 6).to(dev, torch.bfloat16)
+    _assert_bf16_close(tri.swiglu_act(g, u, 10.0, torch.bfloat16),
+                       torch_route.swiglu_act(g, u, 10.0, torch.bfloat16))
+    routed = torch.randn(T, 4096, generator=gen).to(dev)
+    shared = torch.randn(T, 4096, generator=gen).to(dev, torch.bfloat16)
+    assert torch.equal(tri.moe_combine(routed, shared, torch.bfloat16),
+                       torch_route.moe_combine(routed, shared, torch.bfloat16))
