@@ -7,7 +7,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+# The kernels written without a GPU (dsv4.ops.UNVERIFIED_ON_GPU) are what this session checks.
+export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
 stage() {  # stage NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     echo "=== $name (limit ${secs}s): $*"

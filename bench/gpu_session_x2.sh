@@ -6,7 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 timeout 120 python -m pytest -q -x -p no:cacheprovider tests/dist/test_tp_graphs_gpu.py \
     > "$OUT/tp_graphs_test.log" 2>&1

@@ -189,15 +189,19 @@ def topk_indices(scores: Tensor, n_visible: Tensor, k: int) -> Tensor:
     picks first (ascending entry id) and −1 after them.
     """
     T, L = scores.shape
-    out = torch.full((T, k), -1, dtype=torch.int64, device=scores.device)
     if k == 0 or L == 0:
-        return out
+        return torch.full((T, k), -1, dtype=torch.int64, device=scores.device)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     kk = order.shape[1]
-    n_pick = torch.clamp(n_visible.to(torch.int64), max=k)
-    keep = torch.arange(kk, device=scores.device)[None, :] < n_pick[:, None]
-    # Sort the kept ids ascending (dropped ones pushed past the end) then blank them.
+    # Column c is dropped when c >= min(k, n_visible) (c < kk <= k: the k bound never drops).
+    drop = torch.arange(kk, device=scores.device)[None, :] >= n_visible[:, None]
+    # Sort the kept ids ascending (dropped ones pushed past the end) then blank them; in-place
+    # fills, so that a decode step launches few kernels.
     big = torch.iinfo(torch.int64).max
-    picked = torch.sort(torch.where(keep, order, big), dim=-1).values
-    out[:, :kk] = torch.where(picked == big, -1, picked)
+    picked = torch.sort(order.masked_fill(drop, big), dim=-1).values
+    picked = picked.masked_fill_(picked == big, -1)
+    if kk == k:
+        return picked
+    out = torch.full((T, k), -1, dtype=torch.int64, device=scores.device)
+    out[:, :kk] = picked
     return out

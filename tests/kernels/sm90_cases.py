@@ -699,6 +699,28 @@ scenario("records/v4")(lambda: _records(False))
 scenario("records/v41")(lambda: _records(True))
 
 
+def _records_hadamard() -> None:
+    """The V4 indexer compressor's index keys: Hadamard rotation fused into the fp4 record write
+    (``write_records(..., hadamard=True)``), bf16 entries (the model's) and fp32, decode and
+    prefill entry counts; a plain fp32 pool (kv_cache_dtype "auto" keeps the twin's path in
+    the model, compiled here for completeness)."""
+    import torch
+    from dsv4.cache import formats as cf
+    tr = importlib.import_module("dsv4.ops.triton_records")
+    fmt = cf.fp4_record(128, cf.V4_INDEX_BLOCK, "e8m0")
+    for T in DECODE_T + (PREFILL_T,):
+        idx = torch.arange(T, dtype=torch.int64)
+        for dt in (torch.bfloat16, torch.float32):
+            tr.write_records(_empty(8192, fmt.record_bytes, dtype=torch.uint8), idx,
+                             _empty(T, 128, dtype=dt), None, fmt, hadamard=True)
+    tr.write_records(_empty(8192, 128, dtype=torch.float32), torch.arange(4),
+                     _empty(4, 128, dtype=torch.float32),
+                     None, None, hadamard=True)
+
+
+scenario("records/hadamard")(_records_hadamard)
+
+
 # ------------------------------------------------------------------------------ canaries
 # A helper that returns a different dtype from a constexpr branch than after it: the sm_90
 # compiler rejects it (the interpreter runs it), as it rejected load_rows once.

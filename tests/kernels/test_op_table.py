@@ -1,0 +1,27 @@
+"""The op table: Triton kernels not yet checked on a GPU stay out of the engine's "triton" table
+unless DSV4_UNVERIFIED_KERNELS=1 (the tests set it: tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import dsv4.ops as ops
+
+
+def test_unverified_kernels_are_twins_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch_ops = ops.get_ops("torch")
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "0")
+    off = ops.get_ops("triton")
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    on = ops.get_ops("triton")
+    assert ops.UNVERIFIED_ON_GPU <= set(ops.OP_NAMES)
+    for name in ops.UNVERIFIED_ON_GPU:
+        assert getattr(off, name) is getattr(torch_ops, name), name
+        assert getattr(on, name) is not getattr(torch_ops, name), name  # a kernel exists
+    for name in ("sparse_attn", "fp8_linear", "moe_experts", "hc_pre"):  # checked on the H200
+        assert getattr(off, name) is getattr(on, name) is not getattr(torch_ops, name), name
+
+
+def test_bad_backend() -> None:
+    with pytest.raises(ValueError, match="unknown op backend"):
+        ops.get_ops("cuda")
