@@ -17,8 +17,6 @@ only moves values: bit-exact.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ import pytest
 import torch
 
 from dsv4.ops import torch_compress as twin
+from tests.kernels.interp_child import run_in_interpreter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[2]
@@ -201,21 +200,10 @@ def test_ops_table_has_the_compressor_ops() -> None:
 
 # ------------------------------------------------------------------------ interpreter tests
 def test_kernels_in_interpreter() -> None:
-    """Run this file's ``test_interp_*`` in a child pytest with TRITON_INTERPRET=1."""
+    """Run this file's interpreter tests with ``TRITON_INTERPRET=1`` in a child."""
     if INTERP:
         pytest.skip("TRITON_INTERPRET is set: the interp tests are collected directly")
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
-         str(Path(__file__).resolve())], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=900)
-    assert proc.returncode == 0, (f"interpreter tests failed (rc={proc.returncode}):\n"
-                                  f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 12, f"interp tests did not run:\n{proc.stdout}"
-
+    run_in_interpreter(__file__, "interp", min_passed=12)
 
 def _compare(case: Case, out_dtype: torch.dtype) -> None:
     from dsv4.ops import triton_compress as tri

@@ -15,19 +15,15 @@ kernel).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4.formats import fake_quant_fp4, hadamard_transform
 from dsv4.ops import get_ops, torch_attn, torch_index
+from tests.kernels.interp_child import run_in_interpreter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
 interp_only = pytest.mark.skipif(
     not INTERP, reason="interpreter test: run by test_kernels_in_interpreter in a child process")
 
@@ -128,19 +124,10 @@ def test_triton_op_runs_the_twin_off_gpu() -> None:
 
 # ---------------------------------------------------------------- interpreter (child process)
 def test_kernels_in_interpreter() -> None:
-    """Run this file's ``test_interp_*`` tests with ``TRITON_INTERPRET=1`` in a child."""
+    """Run this file's interpreter tests with ``TRITON_INTERPRET=1`` in a child."""
     if INTERP:
         pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp_",
-         str(HERE)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (f"interpreter tests failed (rc={proc.returncode}):\n"
-                                  f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
-
+    run_in_interpreter(__file__, "interp_")
 
 def assert_queries_match(got: tuple[torch.Tensor, torch.Tensor],
                          want: tuple[torch.Tensor, torch.Tensor], fp4_block: int,
