@@ -72,7 +72,7 @@ def flash_config_dict(layers: int, tiny: bool = False) -> dict:
         "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
         "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
         "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
-        "num_experts_per_tok": 6, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+        "num_experts_per_tok": 6, "num_hash_layers": min(3, layers), "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
         "swiglu_limit": 10.0, "sliding_window": 128, "index_n_heads": 64,
         "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,

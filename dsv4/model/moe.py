@@ -133,6 +133,13 @@ class Experts(nn.Module):
         else:
             i_lo, i_hi = par.split(i, "moe_intermediate_size")
             i = i_hi - i_lo
+        if act_block and i % act_block:
+            # The w2 input (this rank's slice of the intermediate dim) is FP8-quantized in blocks
+            # of act_block under official numerics: a partial block would change the numerics.
+            raise ValueError(f"Experts: this rank's slice of moe_intermediate_size ({i} of "
+                             f"{cfg.moe_inter_dim}) is not a multiple of the activation block "
+                             f"{act_block} of numerics 'official'; use fewer ranks, "
+                             "expert_parallel=True or numerics 'bf16'")
         self.num_experts = e
         self.act_block = act_block
         self.block = cfg.weight_block_size

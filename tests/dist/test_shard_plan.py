@@ -105,3 +105,19 @@ def test_bad_plans_and_configs_are_rejected(tiny_paths: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=0 is invalid"):
         ParallelConfig(0)
     assert len(expected_tensors(cfg)) > 0
+
+
+def test_official_numerics_needs_whole_activation_blocks_per_rank() -> None:
+    """Under numerics 'official' the w2 input is FP8-quantized per 128 columns: a rank's slice
+    of the intermediate dim that cuts a block is refused when the model is built, with the
+    numbers, instead of failing in the first step."""
+    from dsv4.model.moe import Experts
+    from dsv4.tiny import tiny_config
+
+    cfg = ModelConfig.from_dict({**tiny_config("v4"), "moe_intermediate_size": 128})
+    par = Parallel(0, 2, 0)                                  # 64 columns per rank
+    with pytest.raises(ValueError, match=r"slice of moe_intermediate_size \(64 of 128\).*128"):
+        Experts(cfg, act_block=128, dtype=torch.float32, keep_quantized=False, parallel=par)
+    Experts(cfg, act_block=None, dtype=torch.float32, keep_quantized=False, parallel=par)
+    Experts(cfg, act_block=128, dtype=torch.float32, keep_quantized=False,
+            parallel=Parallel(0, 2, 0, expert_parallel=True))  # whole experts: fine
