@@ -40,6 +40,9 @@ UNVERIFIED_ON_GPU = frozenset({
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre",
 })
 
+# Twins that are compositions of other ops (hc_pre(hc_post(...))).
+_COMPOSED_TWINS = frozenset({"hc_post_pre"})
+
 _cache: dict[tuple[str, bool], SimpleNamespace] = {}
 
 
@@ -74,5 +77,9 @@ def get_ops(backend: str = "torch") -> SimpleNamespace:
         if backend == "triton":
             skip = frozenset() if key[1] else UNVERIFIED_ON_GPU
             _collect(_TRITON_MODULES, table, required=False, skip=skip)
+            for op in _COMPOSED_TWINS & skip:
+                # Its twin chains the torch twins of verified kernels: without the fused
+                # kernel the model is faster calling those kernels one by one.
+                table.pop(op, None)
         _cache[key] = SimpleNamespace(**table)
     return _cache[key]
