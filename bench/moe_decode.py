@@ -75,29 +75,10 @@ def per_call_seconds(fns: list[Callable[[], Any]], dev: str, replays: int) -> fl
                 f()
             times.append((time.perf_counter() - t0) / len(fns))
         return statistics.median(times)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:          # warm-up and Triton compilation outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(fns))
-    del g
-    return statistics.median(times)
+    from bench.flash_bench import graph_time
+
+    # One graph replays every call in turn; the per-call time is its share.
+    return graph_time(lambda: [f() for f in fns], replays) / len(fns)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
