@@ -57,6 +57,20 @@ def head_norm_rope(q: Tensor, cos: Tensor, sin: Tensor, eps: float, renorm: bool
     return y
 
 
+def check_norm_rope_args(kv: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor,
+                         fp8_block: int) -> int:
+    """Validate ``norm_rope``'s arguments; returns the number of unrotated channels."""
+    rd = check_rope_args("norm_rope", kv, cos, sin)
+    d = kv.shape[-1]
+    if weight is not None and tuple(weight.shape) != (d,):
+        raise ValueError(f"norm_rope: weight must have shape ({d},); found {tuple(weight.shape)}")
+    nope = d - rd
+    if fp8_block < 0 or (fp8_block and (nope == 0 or nope % fp8_block)):
+        raise ValueError(f"norm_rope: fp8_block={fp8_block} must be 0 or a divisor of the "
+                         f"{nope} unrotated channels")
+    return nope
+
+
 def norm_rope(kv: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: float,
               fp8_block: int = 0) -> Tensor:
     """``rms_norm`` (fp32 math, kv.dtype out) then RoPE on the last ``2·cos.shape[-1]`` channels
@@ -67,14 +81,7 @@ def norm_rope(kv: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor, eps: 
     kv [T, ..., d]; weight [d] fp32 or None; cos, sin [T, rd/2] fp32.  Returns a new tensor in
     kv.dtype.
     """
-    rd = check_rope_args("norm_rope", kv, cos, sin)
-    d = kv.shape[-1]
-    if weight is not None and tuple(weight.shape) != (d,):
-        raise ValueError(f"norm_rope: weight must have shape ({d},); found {tuple(weight.shape)}")
-    nope = d - rd
-    if fp8_block < 0 or (fp8_block and (nope == 0 or nope % fp8_block)):
-        raise ValueError(f"norm_rope: fp8_block={fp8_block} must be 0 or a divisor of the "
-                         f"{nope} unrotated channels")
+    nope = check_norm_rope_args(kv, weight, cos, sin, fp8_block)
     y = torch_attn.apply_rope(torch_attn.rms_norm(kv, weight, eps), cos, sin)
     if fp8_block:
         y = torch.cat((fake_quant_fp8(y[..., :nope], fp8_block), y[..., nope:]), dim=-1)

@@ -568,15 +568,8 @@ def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
     ``new_k = post_k · out + Σ_j comb[j, k] · x_res_j``; out [T, D]; x_res [T, n, D];
     post [T, n]; comb [T, n, n].
     """
-    if x_res.dim() != 3 or out.shape != (x_res.shape[0], x_res.shape[2]):
-        raise ValueError(f"hc_post: out must be [T, D] and x_res [T, n, D]; found "
-                         f"{tuple(out.shape)} and {tuple(x_res.shape)}")
+    _check_post_args("hc_post", out, x_res, post, comb)
     T, n, D = x_res.shape
-    if tuple(post.shape) != (T, n) or tuple(comb.shape) != (T, n, n):
-        raise ValueError(f"hc_post: post must be [{T}, {n}] and comb [{T}, {n}, {n}]; found "
-                         f"{tuple(post.shape)} and {tuple(comb.shape)}")
-    if n & (n - 1):
-        raise ValueError(f"hc_post: n_hc must be a power of two for the Triton kernel; found {n}")
     y = torch.empty_like(x_res, memory_format=torch.contiguous_format)
     if T:
         BD = min(512, triton.next_power_of_2(D))

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.torch_norm import check_rope_args
+from dsv4.ops.torch_norm import check_norm_rope_args, check_rope_args
 from dsv4.ops.triton_dense import (pow2_from_exp, round_to_bf16, round_to_e4m3, store_rne,
                                    torch_twin_off_gpu, ue8m0_exponent)
 
@@ -252,14 +252,8 @@ def norm_rope(kv: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
               sin: torch.Tensor, eps: float, fp8_block: int = 0) -> torch.Tensor:
     """``rms_norm`` + RoPE of the tail (+ FP8 fake quant of the other channels per
     ``fp8_block`` when > 0), one kernel.  kv [T, ..., d]; weight [d] or None.  New tensor."""
-    rd = check_rope_args("norm_rope", kv, cos, sin)
+    check_norm_rope_args(kv, weight, cos, sin, fp8_block)
     d = kv.shape[-1]
-    if weight is not None and tuple(weight.shape) != (d,):
-        raise ValueError(f"norm_rope: weight must have shape ({d},); found {tuple(weight.shape)}")
-    nope = d - rd
-    if fp8_block < 0 or (fp8_block and (nope == 0 or nope % fp8_block)):
-        raise ValueError(f"norm_rope: fp8_block={fp8_block} must be 0 or a divisor of the "
-                         f"{nope} unrotated channels")
     pow2_block = fp8_block & (fp8_block - 1) == 0
     if not _kernel_fits(kv) or not pow2_block:
         return _twin("dsv4.ops.torch_norm", "norm_rope", kv, weight, cos, sin, eps, fp8_block)

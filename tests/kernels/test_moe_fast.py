@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from tests.kernels.test_gpu_kernels import _poison, _rel
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
@@ -16,18 +18,6 @@ pytestmark = pytest.mark.skipif(
 DEV = "cuda"
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _poison() -> None:
-    torch.cuda.synchronize()
-    for mb in (1, 8, 64, 512):
-        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device=DEV)
-        del t
-    torch.cuda.synchronize()
 
 
 def _stacks(gen: torch.Generator, act_block):

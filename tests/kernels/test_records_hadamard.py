@@ -93,6 +93,7 @@ def test_hadamard_kernel_in_interpreter() -> None:
         pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
     run_in_interpreter(__file__, "interp_")
 
+
 def _check(fmt: cf.RecordFormat | None, d: int, row_dtype: torch.dtype,
            pool_dtype: torch.dtype, n_rows: int, dst: torch.Tensor, src: torch.Tensor | None,
            seed: int, device: str = "cpu") -> None:

@@ -205,6 +205,7 @@ def test_kernels_in_interpreter() -> None:
         pytest.skip("TRITON_INTERPRET is set: the interp tests are collected directly")
     run_in_interpreter(__file__, "interp", min_passed=12)
 
+
 def _compare(case: Case, out_dtype: torch.dtype) -> None:
     from dsv4.ops import triton_compress as tri
 

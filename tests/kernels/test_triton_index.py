@@ -129,6 +129,7 @@ def test_kernels_in_interpreter() -> None:
         pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
     run_in_interpreter(__file__, "interp_")
 
+
 def assert_queries_match(got: tuple[torch.Tensor, torch.Tensor],
                          want: tuple[torch.Tensor, torch.Tensor], fp4_block: int,
                          max_moved: float = 1e-3) -> int:

@@ -144,6 +144,7 @@ def test_kernels_in_interpreter() -> None:
         pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
     run_in_interpreter(__file__, "interp_")
 
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

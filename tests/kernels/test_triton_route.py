@@ -196,6 +196,7 @@ def test_kernels_in_interpreter() -> None:
         pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
     run_in_interpreter(__file__, "interp_")
 
+
 # ------------------------------------------------------------------------ kernels (interpreter)
 @interp_only
 @pytest.mark.parametrize("T,E,k", [(1, 256, 6), (37, 256, 6), (5, 24, 3)])
