@@ -5,12 +5,14 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
+LOGS="$(mktemp -d)"  # packed into one tarball in OUT (the device tool returns at most 8 files)
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$LOGS/gpu.txt" 2>&1
 timeout 120 python -m pytest -q -x -p no:cacheprovider tests/dist/test_tp_graphs_gpu.py \
-    > "$OUT/tp_graphs_test.log" 2>&1
-echo "tp graphs test: exit $?"; tail -n 3 "$OUT/tp_graphs_test.log"
+    > "$LOGS/tp_graphs_test.log" 2>&1
+echo "tp graphs test: exit $?"; tail -n 3 "$LOGS/tp_graphs_test.log"
 timeout 450 torchrun --nproc-per-node 2 bench/tp_bench.py --layers 43 --ep --graphs \
-    --budget 420 --out "$OUT/tp_flash.json" > "$OUT/tp_bench.log" 2>&1
-echo "tp_bench: exit $?"; tail -n 30 "$OUT/tp_bench.log"
+    --budget 420 --out "$LOGS/tp_flash.json" > "$LOGS/tp_bench.log" 2>&1
+echo "tp_bench: exit $?"; tail -n 30 "$LOGS/tp_bench.log"
+tar -czf "$OUT/session.tar.gz" -C "$LOGS" .
