@@ -577,18 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", default=None,
                     help="also run transformers: 'S;B:ctx,B:ctx' e.g. '4096;1:4096,16:1024'")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny (smoke test)")
-    ap.add_argument("--fp4-path", default=None, choices=("dequant", "group_scaled"),
-                    help="the MXFP4 expert GEMM variant (default: triton_moe.FP4_PATH)")
     args = ap.parse_args(argv)
-    if args.fp4_path is not None:
-        from dsv4.ops import triton_moe
-        triton_moe.FP4_PATH = args.fp4_path
     global DEV
     DEV = args.device
     t_start = time.time()
     name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
     results: dict[str, Any] = {"layers": args.layers, "device": name, "tiny": args.tiny,
-                               "fp4_path": args.fp4_path,
                                "torch": torch.__version__, "prefill": [], "decode": [],
                                "moe_only": [], "errors": []}
 

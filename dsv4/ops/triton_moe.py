@@ -19,25 +19,22 @@ into a scratch, then ``torch._grouped_mm`` (cuBLAS) for the two GEMMs, the same 
 
 MXFP4 bytes pack k = 2j (low nibble) and k = 2j + 1 (high nibble): the kernels multiply the even
 and the odd columns of the activation by the two nibble planes separately, so the codes never need
-interleaving.  Under official numerics (``act_block``) the activations are FP8 fake-quantized in
-the kernels while loading, block by block (BK = act_block).
+interleaving.  The activations are made ready for that once per call by ``_moe_prep_kernel``
+(gathered into the plan's sorted rows, FP8 fake-quantized per ``act_block`` under official
+numerics, and for MXFP4 split per K step into [even columns | odd columns]): before, every N tile
+of the GEMMs repeated the quantization of its rows (16× at the up GEMM, 32× at the down GEMM) and
+read them with stride-2 loads.
 
-Two MXFP4 GEMM variants (``MoeConfig.fp4_path``):
-
-* ``"dequant"`` (default): every weight element decoded to fp32, times its 2^scale, rounded to
-  the compute dtype, then a compute-dtype MMA (~8 ALU ops per weight element);
-* ``"group_scaled"`` (official numerics only): the e2m1 codes stay fp16 bit patterns (value ×
-  2^-14, exact), the FP8-quantized activation is split exactly into its e4m3 value (exact in
-  fp16) and its per-row power of two; fp16 MMAs per 32-wide K group (16 even + 16 odd codes)
-  give a [BM, BN] fp32 partial, scaled once per group by the e8m0 scale × 2^14 and once per
-  activation block by the row's 2^e.  Every scaling is by a power of two, so the result is the
-  same sum of the same exact products; only the fp32 accumulation order differs.  Under bf16
-  numerics the activation is not exact in fp16 (8 exponent bits), so that case keeps the
-  dequant path.
+On the GPU with bf16 compute, an MXFP4 byte pair is decoded by a few bit operations in inline
+PTX (:data:`FP4_DECODE` "asm"): four bytes -> eight bf16 values (code × 2^-126, the e2m1
+subnormal landing on bf16's), then two packed bf16 multiplies by powers of two (2^63, then the
+group's 2^(s-64)); every step is exact for scales up to 2^64.  The interpreter and fp32 compute
+take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,14 +42,30 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.torch_dense import ExpertWeights
+from dsv4.ops.triton_dense import (
+    INTERPRET,
+    mma,
+    pow2_from_exp,
+    round_to_bf16,
+    round_to_e4m3,
+    store_rne,
+    torch_twin_off_gpu,
+    ue8m0_exponent,
+)
 from dsv4.ops.triton_moe_plan import moe_plan, moe_plan_torch
-from dsv4.ops.triton_dense import (INTERPRET, mma, pow2_from_exp,
-                                   round_to_bf16, round_to_e4m3, store_rne, torch_twin_off_gpu,
-                                   ue8m0_exponent)
 
-__all__ = ["moe_experts", "moe_experts_with_config", "moe_experts_grouped", "dequant_experts",
-           "MoeConfig", "pick_moe_config", "moe_plan", "moe_plan_torch", "DEQUANT_GEMM_MIN_ROWS",
-           "FP4_PATHS", "FP4_PATH", "resolve_fp4_path"]
+__all__ = [
+    "DEQUANT_GEMM_MIN_ROWS",
+    "FP4_DECODE",
+    "MoeConfig",
+    "dequant_experts",
+    "moe_experts",
+    "moe_experts_grouped",
+    "moe_experts_with_config",
+    "moe_plan",
+    "moe_plan_torch",
+    "pick_moe_config",
+]
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _FMT_CODE = {"dense": 0, "fp4": 1, "fp8": 2}
@@ -89,6 +102,39 @@ def _mxfp4_planes(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, OUT: tl.cons
     return (lo * f).to(OUT), (hi * f).to(OUT)
 
 
+# Four MXFP4 bytes (one 32-bit register, 8 codes) -> their low-nibble codes as two bf16x2
+# registers ($0, $1) and their high-nibble codes as two more ($2, $3), times the group scales
+# ($5, $6: bf16x2 of 2^(s-64)).  prmt spreads bytes 0,1 (2,3) into the two 16-bit halves; a
+# code's magnitude bits go to bf16 bits 8..6 (value = e2m1 × 2^-126; the e2m1 subnormal 0.5 is
+# bf16's subnormal 2^-127) and its sign to bit 15; the products by 2^63 and 2^(s-64) are exact.
+_FP4_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 z, c, t0, t1, a, b;
+mov.b32 z, 0;
+mov.b32 c, 0x5F005F00;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+shl.b32 a, t0, 6;  and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, t1, 6;  and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $1, a, $6;
+shl.b32 a, t0, 2;  and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 8;  and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $2, a, $5;
+shl.b32 a, t1, 2;  and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 8;  and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $3, a, $6;
+}""")
+
+
+@triton.jit
+def _mxfp4_planes_bf16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr):
+    """:func:`_mxfp4_planes` for bf16 compute on the GPU, in packed bit operations (inline PTX,
+    module docstring): exact for scales up to 2^64 (e8m0 byte <= 191)."""
+    f = ((scale.to(tl.int32) + 63) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+    lo, hi = tl.inline_asm_elementwise(_FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [byte, f],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
+
+
 @triton.jit
 def _fake_quant_pair(a, b):
     """FP8 fake quantization (spec §2.5: amax floor 1e-4, ue8m0 scale, e4m3 RNE) of the rows of
@@ -114,11 +160,13 @@ def _to_compute(v, OUT: tl.constexpr):
 @triton.jit
 def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
                       stride_sn, FMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, OUT: tl.constexpr, SW_E8M0: tl.constexpr):
+                      BK: tl.constexpr, OUT: tl.constexpr, SW_E8M0: tl.constexpr,
+                      FAST_FP4: tl.constexpr):
     """One [BN, BK] weight tile of expert e at K offset k0, dequantized into ``OUT``.
 
-    FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2]; FMT 2 (fp8) and 0 (dense):
-    returns the tile twice (the second value unused)."""
+    FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2] (FAST_FP4: the inline-PTX
+    decode, bf16 only); FMT 2 (fp8) and 0 (dense): returns the tile twice (the second value
+    unused)."""
     # 64-bit expert offsets: E × (N·K) passes 2^31 elements for V4-Pro stacks and for the
     # bf16 w1|w3 scratch of V4-Flash (255 × 16.8M).
     e = e.to(tl.int64)
@@ -129,7 +177,11 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
         rs = tl.arange(0, BK // 32)
         sc = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (k0 // 32 + rs)[None, :],
                      mask=n_mask[:, None], other=127)
-        lo, hi = _mxfp4_planes(byte, sc, BN, BK // 2, OUT)
+        # The interpreter cannot run inline PTX: it takes the fp32 decode.
+        if FAST_FP4 and not INTERPRET:
+            lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2)
+        else:
+            lo, hi = _mxfp4_planes(byte, sc, BN, BK // 2, OUT)
         return lo, hi
     else:
         rk = k0 + tl.arange(0, BK)
@@ -175,6 +227,22 @@ def _load_act_tile(a_ptr, rows, m_mask, k0, stride_am, FMT: tl.constexpr, BK: tl
 
 
 @triton.jit
+def _load_prepped_tile(a_ptr, rm, m_mask, k0, stride_am, FMT: tl.constexpr, BK: tl.constexpr):
+    """Rows rm [BM] of an activation made ready by ``_moe_prep_kernel``, K step k0: fp4 weights
+    want the (even, odd) column halves (stored side by side per K step), the others the tile
+    (returned twice).  Contiguous loads."""
+    base = a_ptr + rm.to(tl.int64)[:, None] * stride_am + k0
+    if FMT == 1:
+        rj = tl.arange(0, BK // 2)
+        ev = tl.load(base + rj[None, :], mask=m_mask[:, None], other=0.0)
+        od = tl.load(base + (BK // 2 + rj)[None, :], mask=m_mask[:, None], other=0.0)
+        return ev, od
+    else:
+        t = tl.load(base + tl.arange(0, BK)[None, :], mask=m_mask[:, None], other=0.0)
+        return t, t
+
+
+@triton.jit
 def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
     """acc += A · Wᵀ for one K step (fp4: even and odd planes separately)."""
     acc += mma(a_ev, tl.trans(w_ev), "ieee")
@@ -183,83 +251,49 @@ def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
     return acc
 
 
-# ------------------------------------------------------------ group-scaled MXFP4 (fp16 MMAs)
-@triton.jit
-def _act_block_exponent(a_ptr, rows, m_mask, k0, stride_am, BK: tl.constexpr):
-    """ue8m0 exponent e [BM] of the FP8 activation quantization of block k0 .. k0+BK of each
-    row (amax floor 1e-4, spec §2.5): the same exponent :func:`_fake_quant_pair` uses."""
-    rk = k0 + tl.arange(0, BK)
-    t = tl.load(a_ptr + rows[:, None] * stride_am + rk[None, :], mask=m_mask[:, None],
-                other=0.0).to(tl.float32)
-    return ue8m0_exponent(tl.maximum(tl.max(tl.abs(t), axis=1), 1e-4))
-
-
-@triton.jit
-def _act_group_e4m3(a_ptr, rows, m_mask, kg, stride_am, inv):
-    """The e4m3 values (even-k, odd-k) [BM, 16] of the 32-wide K group at kg, as fp16 (exact:
-    e4m3 has 3 mantissa bits and exponents -9..8): round(clamp(x · 2^-e, ±448))."""
-    rj = tl.arange(0, 16)
-    base = a_ptr + rows[:, None] * stride_am + (kg + 2 * rj)[None, :]
-    ev = tl.load(base, mask=m_mask[:, None], other=0.0).to(tl.float32)
-    od = tl.load(base + 1, mask=m_mask[:, None], other=0.0).to(tl.float32)
-    qe = round_to_e4m3(tl.clamp(ev * inv[:, None], -448.0, 448.0))
-    qo = round_to_e4m3(tl.clamp(od * inv[:, None], -448.0, 448.0))
-    return qe.to(tl.float16), qo.to(tl.float16)
-
-
-@triton.jit
-def _fp4_block_fetch(w_ptr, s_ptr, e, rn, n_mask, k0, K, stride_we, stride_wn, stride_se,
-                     stride_sn, G: tl.constexpr):
-    """The packed bytes [BN, 16] and e8m0 exponents [BN] of the G 32-wide K groups from k0 of
-    one MXFP4 stack, as a tuple (bytes_0, scales_0, bytes_1, ...).  Groups at or past K load
-    nothing (the loop fetches one block ahead: the loads of block k+1 are in flight while
-    block k is decoded and multiplied)."""
-    e = e.to(tl.int64)
-    rj = tl.arange(0, 16)
-    w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
-    s_rows = s_ptr + e * stride_se + rn * stride_sn
-    t = ()
-    for g in tl.static_range(G):
-        kg = k0 + g * 32
-        ok = n_mask & (kg < K)
-        t = t + (tl.load(w_rows + (kg // 2 + rj)[None, :], mask=ok[:, None], other=0),
-                 tl.load(s_rows + kg // 32, mask=ok, other=127))
-    return t
-
-
-@triton.jit
-def _fp4_group_dot(acc, a_ev, a_od, byte, sc):
-    """acc + (A_group · W_groupᵀ) · 2^(scale-127) for one 32-wide K group of an MXFP4 stack
-    (byte [BN, 16], sc [BN] from :func:`_fp4_block_fetch`).
-
-    The codes enter the fp16 MMA as value × 2^-14; the product sum (fp32) is scaled once by
-    2^(scale - 113) per output column, which restores both powers of two exactly."""
-    lo, hi = _e2m1_fp16_planes(byte)
-    p = tl.dot(a_ev, tl.trans(lo))
-    p = tl.dot(a_od, tl.trans(hi), acc=p)
-    f = ((sc.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)      # 2^(s - 113)
-    return acc + p * f[None, :]
-
-
-@triton.jit
-def _act_scale_and_inverse(ex):
-    """(2^e, 2^-e) fp32 of an exponent vector."""
-    return pow2_from_exp(ex), pow2_from_exp(-ex)
-
-
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
-def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
-                   P, N, K, E, TOPK, stride_xm, stride_actm,
+def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
+                     GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr):
+    """dst[row] = the GEMM-ready activation of one row block and K step: source row pair // TOPK
+    (GATHER: the token of the pair) or the row itself, FP8 fake-quantized (QUANT, BK = block),
+    for MXFP4 split into [even columns | odd columns].  Padding rows and unused blocks are left
+    unwritten (their GEMM rows are masked)."""
+    blk = tl.program_id(0)
+    k0 = tl.program_id(1) * BK
+    e = tl.load(bexp_ptr + blk)
+    if e < E:
+        rm = blk * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rm)
+        m_mask = pair < P
+        if GATHER:
+            rows = pair // TOPK
+        else:
+            rows = rm
+        OUT: tl.constexpr = dst_ptr.dtype.element_ty
+        ev, od = _load_act_tile(src_ptr, rows.to(tl.int64), m_mask, k0, stride_src, FMT, BK,
+                                QUANT, OUT)
+        base = dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0
+        if FMT == 1:
+            rj = tl.arange(0, BK // 2)
+            tl.store(base + rj[None, :], ev, mask=m_mask[:, None])
+            tl.store(base + (BK // 2 + rj)[None, :], od, mask=m_mask[:, None])
+        else:
+            tl.store(base + tl.arange(0, BK)[None, :], ev, mask=m_mask[:, None])
+
+
+@triton.jit
+def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
+                   P, N, K, E, stride_xm, stride_actm,
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
-                   QUANT_X: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GROUP_SCALED: tl.constexpr = False):
+                   HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
-    Rows of ``act`` follow the padded sorted layout of the plan (row = block·BM + i).
-    GROUP_SCALED (MXFP4 with QUANT_X only): fp16 MMAs per 32-wide K group (module docstring)."""
+    ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
+    ``xs`` comes from ``_moe_prep_kernel``."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -267,48 +301,21 @@ def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt
         rm = blk * BM + tl.arange(0, BM)
         pair = tl.load(pair_ptr + rm)
         m_mask = pair < P
-        tok = pair // TOPK
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
-        OUT: tl.constexpr = x_ptr.dtype.element_ty
+        OUT: tl.constexpr = xs_ptr.dtype.element_ty
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        if GROUP_SCALED:
-            G: tl.constexpr = BK // 32
-            nxt1 = _fp4_block_fetch(w1_ptr, s1_ptr, e, rn, n_mask, 0, K, stride_we, stride_wn,
-                                    stride_se, stride_sn, G)
-            nxt3 = _fp4_block_fetch(w3_ptr, s3_ptr, e, rn, n_mask, 0, K, stride_we, stride_wn,
-                                    stride_se, stride_sn, G)
-            for k0 in range(0, K, BK):
-                cur1 = nxt1
-                cur3 = nxt3
-                nxt1 = _fp4_block_fetch(w1_ptr, s1_ptr, e, rn, n_mask, k0 + BK, K, stride_we,
-                                        stride_wn, stride_se, stride_sn, G)
-                nxt3 = _fp4_block_fetch(w3_ptr, s3_ptr, e, rn, n_mask, k0 + BK, K, stride_we,
-                                        stride_wn, stride_se, stride_sn, G)
-                sx, inv = _act_scale_and_inverse(
-                    _act_block_exponent(x_ptr, tok, m_mask, k0, stride_xm, BK))
-                part1 = tl.zeros((BM, BN), dtype=tl.float32)
-                part3 = tl.zeros((BM, BN), dtype=tl.float32)
-                for g in tl.static_range(G):
-                    a_ev, a_od = _act_group_e4m3(x_ptr, tok, m_mask, k0 + g * 32, stride_xm, inv)
-                    part1 = _fp4_group_dot(part1, a_ev, a_od, cur1[2 * g], cur1[2 * g + 1])
-                    part3 = _fp4_group_dot(part3, a_ev, a_od, cur3[2 * g], cur3[2 * g + 1])
-                # The activation's 2^e, once per block (exact).
-                acc1 += part1 * sx[:, None]
-                acc3 += part3 * sx[:, None]
-        else:
-            for k0 in range(0, K, BK):
-                x_ev, x_od = _load_act_tile(x_ptr, tok, m_mask, k0, stride_xm, FMT, BK, QUANT_X,
-                                            OUT)
-                g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
-                                               stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                               OUT, SW_E8M0)
-                acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
-                u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
-                                               stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                               OUT, SW_E8M0)
-                acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
+        for k0 in range(0, K, BK):
+            x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
+            g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
+                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                           OUT, SW_E8M0, FAST_FP4)
+            acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
+            u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
+                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                           OUT, SW_E8M0, FAST_FP4)
+            acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         # The twin's w1/w3 GEMMs return the compute dtype: round there before the SwiGLU.
         g = acc1
         u = acc3
@@ -320,7 +327,7 @@ def _moe_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt
             g = tl.minimum(g, limit)
         wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
         a = g * tl.sigmoid(g) * u * wt[:, None]
-        store_rne(act_ptr + rm[:, None] * stride_actm + rn[None, :], a,
+        store_rne(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + rn[None, :], a,
                   m_mask[:, None] & n_mask[None, :])
 
 
@@ -329,10 +336,10 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
                      P, N, K, E, stride_actm, stride_ym,
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
-                     QUANT_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_SCALED: tl.constexpr = False):
-    """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype).
-    GROUP_SCALED: as in :func:`_moe_up_kernel`."""
+                     FAST_FP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
+    ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant)."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -344,30 +351,12 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
         n_mask = rn < N
         OUT: tl.constexpr = act_ptr.dtype.element_ty
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if GROUP_SCALED:
-            G: tl.constexpr = BK // 32
-            nxt = _fp4_block_fetch(w2_ptr, s2_ptr, e, rn, n_mask, 0, K, stride_we, stride_wn,
-                                   stride_se, stride_sn, G)
-            for k0 in range(0, K, BK):
-                cur = nxt
-                nxt = _fp4_block_fetch(w2_ptr, s2_ptr, e, rn, n_mask, k0 + BK, K, stride_we,
-                                       stride_wn, stride_se, stride_sn, G)
-                sa, inv = _act_scale_and_inverse(
-                    _act_block_exponent(act_ptr, rm, m_mask, k0, stride_actm, BK))
-                part = tl.zeros((BM, BN), dtype=tl.float32)
-                for g in tl.static_range(G):
-                    a_ev, a_od = _act_group_e4m3(act_ptr, rm, m_mask, k0 + g * 32, stride_actm,
-                                                 inv)
-                    part = _fp4_group_dot(part, a_ev, a_od, cur[2 * g], cur[2 * g + 1])
-                acc += part * sa[:, None]
-        else:
-            for k0 in range(0, K, BK):
-                a_ev, a_od = _load_act_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK,
-                                            QUANT_A, OUT)
-                w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
-                                               stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                               OUT, SW_E8M0)
-                acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
+        for k0 in range(0, K, BK):
+            a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
+            w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
+                                           stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
+                                           OUT, SW_E8M0, FAST_FP4)
+            acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
         store_rne(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc,
                   m_mask[:, None] & n_mask[None, :])
 
@@ -390,8 +379,8 @@ def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: t
 @triton.jit
 def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stride_se,
                             stride_sn, stride_oe, stride_on, FMT: tl.constexpr,
-                            SB: tl.constexpr, SW_E8M0: tl.constexpr, BR: tl.constexpr,
-                            BK: tl.constexpr):
+                            SB: tl.constexpr, SW_E8M0: tl.constexpr, FAST_FP4: tl.constexpr,
+                            BR: tl.constexpr, BK: tl.constexpr):
     """out[e, n, k] = the dequantized weight (exact for MXFP4) for one [BR, BK] tile."""
     rn = tl.program_id(0) * BR + tl.arange(0, BR)
     k0 = tl.program_id(1) * BK
@@ -400,7 +389,7 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     e = e.to(tl.int64)
     ev, od = _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
-                               stride_sn, FMT, SB, BR, BK, OUT, SW_E8M0)
+                               stride_sn, FMT, SB, BR, BK, OUT, SW_E8M0, FAST_FP4)
     base = out_ptr + e * stride_oe + rn[:, None] * stride_on
     if FMT == 1:
         rj = tl.arange(0, BK // 2)
@@ -411,10 +400,14 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
 
 
 # ------------------------------------------------------------------------------ host side
-FP4_PATHS = ("dequant", "group_scaled")
-# The MXFP4 GEMM variant pick_moe_config chooses.  "dequant" until "group_scaled" is measured
-# faster on the GPU (bench/moe_decode.py); not measured yet.
-FP4_PATH = "dequant"
+# How the kernels decode MXFP4 weights for bf16 compute on the GPU: "asm" (packed bit operations
+# in inline PTX, ~3 operations per weight) or "alu" (the fp32 decode of the interpreter, ~9).
+# Both are exact.  (A third variant, fp16 MMAs per 32-wide group with the scales on the partial
+# sums, measured 2x slower than "alu" on the H200 at every size and was removed.)
+# DSV4_FP4_DECODE=alu picks the other one (benchmarks compare them).
+FP4_DECODE = os.environ.get("DSV4_FP4_DECODE", "asm")
+if FP4_DECODE not in ("asm", "alu"):
+    raise ValueError(f"DSV4_FP4_DECODE={FP4_DECODE!r}: expected 'asm' or 'alu'")
 
 
 @dataclass(frozen=True)
@@ -429,14 +422,8 @@ class MoeConfig:
     warps_up: int = 4
     warps_down: int = 4
     stages: int = 3
-    # "dequant" or "group_scaled" (module docstring); group_scaled applies to MXFP4 experts
-    # under official numerics (act_block set) and falls back to dequant otherwise.
-    fp4_path: str = "dequant"
 
     def __post_init__(self) -> None:
-        if self.fp4_path not in FP4_PATHS:
-            raise ValueError(f"MoeConfig: fp4_path={self.fp4_path!r} is not supported; "
-                             f"allowed: {FP4_PATHS}")
         for name in ("BM", "BN_up", "BN_down"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -453,14 +440,13 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     :func:`moe_experts_grouped` by default)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
-    path = FP4_PATH
     if rows <= 16:
         if num_pairs <= 8:
-            return MoeConfig(BM=16, BN_up=64, BN_down=128, BK=block_k, stages=3, fp4_path=path)
-        return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3, fp4_path=path)
+            return MoeConfig(BM=16, BN_up=64, BN_down=128, BK=block_k, stages=3)
+        return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3)
     if rows <= 32:
-        return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3, fp4_path=path)
-    return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3, fp4_path=path)
+        return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
+    return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
 
 
 # Shared memory the pipelined operand buffers of one program may take (the H200: 227 KB).
@@ -476,14 +462,10 @@ def _fit_stages(stages: int, rows: int, cols: int, BK: int, itemsize: int) -> in
     return max(1, min(stages, _SMEM_BUDGET // per_stage))
 
 
-def resolve_fp4_path(cfg: MoeConfig, experts: ExpertWeights) -> str:
-    """The GEMM variant a call runs: ``cfg.fp4_path`` for MXFP4 experts under official numerics
-    (``act_block`` set, a multiple of 32); "dequant" otherwise (a bf16 or fp32 activation is
-    not exact in fp16, and FP8 / dense stacks have no e2m1 codes)."""
-    if (cfg.fp4_path == "group_scaled" and experts.fmt == "fp4" and experts.act_block
-            and experts.act_block % 32 == 0):
-        return "group_scaled"
-    return "dequant"
+def _fast_fp4(experts: ExpertWeights, dtype: torch.dtype) -> bool:
+    """Whether the kernels decode MXFP4 with the inline-PTX path (bf16 compute; the kernels
+    ignore it in the interpreter)."""
+    return FP4_DECODE == "asm" and experts.fmt == "fp4" and dtype == torch.bfloat16
 
 
 def _check_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -571,8 +553,8 @@ def dequant_experts(experts: ExpertWeights, which: str, out: torch.Tensor) -> to
     _dequant_experts_kernel[(triton.cdiv(N, BR), K // bk, E)](
         w, s, out, N, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         out.stride(0), out.stride(1), FMT=_FMT_CODE[experts.fmt],
-        SB=experts.block if experts.fmt == "fp8" else 32, SW_E8M0=e8m0, BR=BR, BK=bk,
-        num_warps=4)
+        SB=experts.block if experts.fmt == "fp8" else 32, SW_E8M0=e8m0,
+        FAST_FP4=_fast_fp4(experts, out.dtype), BR=BR, BK=bk, num_warps=4)
     return out
 
 
@@ -652,26 +634,40 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     w3, s3, _ = _weight_args(experts, "w3")
     w2, s2, _ = _weight_args(experts, "w2")
     sb = experts.block if experts.fmt == "fp8" else 32
-    gs = resolve_fp4_path(cfg, experts) == "group_scaled"
+    fast = _fast_fp4(experts, x.dtype)
     stages_up, stages_down = cfg.stages, cfg.stages
     if experts.fmt == "dense":
         size = experts.w1.element_size()
         stages_up = _fit_stages(cfg.stages, cfg.BM, 2 * cfg.BN_up, cfg.BK, size)
         stages_down = _fit_stages(cfg.stages, cfg.BM, cfg.BN_down, cfg.BK, size)
-    act = torch.empty(nb * cfg.BM, inter, dtype=x.dtype, device=x.device)
+    rows = nb * cfg.BM
+    # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
+    xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
+    _moe_prep_kernel[(nb, D // cfg.BK)](
+        x, pairs, block_expert, xs, P, E, k, x.stride(0), xs.stride(0),
+        GATHER=True, FMT=fmt, QUANT=quant, BM=cfg.BM, BK=cfg.BK, num_warps=4)
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(nb, triton.cdiv(inter, cfg.BN_up))](
-        x, w1, w3, s1, s3, pairs, block_expert, wts, act,
-        P, inter, D, E, k, x.stride(0), act.stride(0),
+        xs, w1, w3, s1, s3, pairs, block_expert, wts, act,
+        P, inter, D, E, xs.stride(0), act.stride(0),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
-        FMT=fmt, SB=sb, SW_E8M0=e8m0, QUANT_X=quant, HAS_LIMIT=swiglu_limit > 0,
-        BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, GROUP_SCALED=gs, num_warps=cfg.warps_up,
-        num_stages=stages_up)
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
+        BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up, num_stages=stages_up)
+    del xs
+    if quant or fmt == _FMT_CODE["fp4"]:
+        act_in = torch.empty_like(act)
+        _moe_prep_kernel[(nb, inter // cfg.BK)](
+            act, pairs, block_expert, act_in, P, E, k, act.stride(0), act_in.stride(0),
+            GATHER=False, FMT=fmt, QUANT=quant, BM=cfg.BM, BK=cfg.BK, num_warps=4)
+        del act
+    else:
+        act_in = act
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
-        act, w2, s2, pairs, block_expert, y, P, D, inter, E, act.stride(0), y.stride(0),
+        act_in, w2, s2, pairs, block_expert, y, P, D, inter, E, act_in.stride(0), y.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        FMT=fmt, SB=sb, SW_E8M0=e8m0, QUANT_A=quant,
-        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, GROUP_SCALED=gs, num_warps=cfg.warps_down,
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast,
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
         num_stages=stages_down)
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import hashlib
 import importlib
 import json
@@ -518,13 +517,8 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             cfg = tm.pick_moe_config(T_real * m.topk, m.experts, m.dim, m.inter, bk)
             gen = torch.Generator().manual_seed(T)
             ids = torch.randint(0, E_ALLOC, (T, m.topk), generator=gen)
-            cfgs = [cfg]
-            if fmt == "fp4" and official and hasattr(cfg, "fp4_path"):
-                # MXFP4 under official numerics has two GEMM variants: both must compile.
-                cfgs = [dataclasses.replace(cfg, fp4_path=p) for p in ("dequant", "group_scaled")]
-            for c in cfgs:
-                tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16), ids,
-                                           torch.rand(T, m.topk), ex, 10.0, c)
+            tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16), ids,
+                                       torch.rand(T, m.topk), ex, 10.0, cfg)
             # The routing plan's constexprs follow the real expert and pair counts.
             tm.moe_plan(torch.randint(0, m.experts, (T_real, m.topk), generator=gen),
                         m.experts, cfg.BM)

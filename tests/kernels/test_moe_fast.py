@@ -1,10 +1,13 @@
-"""The routing-plan kernel and the group-scaled MXFP4 expert GEMMs on the GPU at V4-Flash shapes
-(D 4096, I 2048, 256 experts, top-6), against the torch twins (skipped without CUDA).  Outputs
-are allocated over NaN-poisoned memory so an element the kernels never write shows up."""
+"""The routing-plan kernel and the MXFP4 expert GEMMs under every tile plan bench/moe_decode.py
+sweeps, on the GPU at V4-Flash shapes (D 4096, I 2048, 256 experts, top-6), against the torch
+twins (skipped without CUDA).  Outputs are allocated over NaN-poisoned memory so an element the
+kernels never write shows up."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,16 @@ pytestmark = pytest.mark.skipif(
 
 DEV = "cuda"
 E, D, INTER, TOPK = 256, 4096, 2048, 6
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "moe_decode.py"
 
+
+def _sweep_plans(T: int):
+    """bench/moe_decode.py's plans at ``T`` tokens (default first; bench/ is not a package)."""
+    from dsv4.ops import triton_moe as tri
+    spec = importlib.util.spec_from_file_location("moe_decode_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.sweep_plans(T, tri.pick_moe_config(T * TOPK, E, D, INTER, 128), D, INTER)
 
 
 def _stacks(gen: torch.Generator, act_block):
@@ -75,9 +87,10 @@ def test_plan_kernel_in_a_cuda_graph() -> None:
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 256, 2048])
-def test_group_scaled_gpu(T: int) -> None:
-    """Official numerics (act_block 128), bf16 compute: the group-scaled path against the twin
-    and against the dequant path; every output element written and finite."""
+def test_default_plan_gpu(T: int) -> None:
+    """Official numerics (act_block 128), bf16 compute, the kernel path under the default plan
+    (2048 tokens: 32-row blocks, where moe_experts may take the grouped path): against the twin;
+    every output element written and finite."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     gen = torch.Generator(device=DEV).manual_seed(100 + T)
@@ -86,22 +99,39 @@ def test_group_scaled_gpu(T: int) -> None:
     ids, w = _routing(T, gen)
     if T == 7:
         ids[3, 1] = -1
-    base = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
-    gs = tri.MoeConfig(base.BM, base.BN_up, base.BN_down, base.BK, base.warps_up,
-                       base.warps_down, base.stages, fp4_path="group_scaled")
-    dq = tri.MoeConfig(base.BM, base.BN_up, base.BN_down, base.BK, base.warps_up,
-                       base.warps_down, base.stages, fp4_path="dequant")
     _poison()
-    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, gs)
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
     assert y.shape == (T, D) and bool(torch.isfinite(y).all())
-    y_dq = tri.moe_experts_with_config(x, ids, w, ex, 10.0, dq)
-    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
-    assert _rel(y, y_ref) < 1e-2
-    assert _rel(y, y_dq) < 1e-2
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
 
 
-def test_group_scaled_fp32_gpu() -> None:
-    """fp32 compute: no bf16 rounding points, so the two paths differ only in fp32 order."""
+# One decode and one prefill-sized token count: every alternative plan of the bench's sweep
+# (compiling them here also warms the Triton cache for the moe_decode stage of the session).
+@pytest.mark.parametrize("T,twin_rows", [(64, 64), (1024, 128)])
+def test_sweep_plans_gpu(T: int, twin_rows: int) -> None:
+    """Each plan of bench/moe_decode.py's sweep: finite everywhere, the twin on the first rows
+    (rows are independent), and agreeing with the default plan on all rows."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(200 + T)
+    ex = _stacks(gen, 128)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    y_ref = ref.moe_experts(x[:twin_rows], ids[:twin_rows], w[:twin_rows], ex, 10.0)
+    plans = _sweep_plans(T)
+    assert len(plans) >= 5
+    y_default = tri.moe_experts_with_config(x, ids, w, ex, 10.0, plans[0])
+    for cfg in plans:
+        _poison()
+        y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+        assert bool(torch.isfinite(y).all()), cfg
+        assert _rel(y[:twin_rows], y_ref) < 1e-2, cfg
+        # Same products, another fp32 order: the bf16 roundings of the intermediates may flip.
+        assert _rel(y, y_default) < 1e-2, cfg
+
+
+def test_fp32_compute_gpu() -> None:
+    """fp32 compute: no bf16 rounding points, so kernel and twin differ only in fp32 order."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     gen = torch.Generator(device=DEV).manual_seed(9)
@@ -114,8 +144,7 @@ def test_group_scaled_fp32_gpu() -> None:
         y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    gs = tri.MoeConfig(16, 64, 128, fp4_path="group_scaled")
     _poison()
-    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, gs)
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, tri.MoeConfig(16, 64, 128))
     assert bool(torch.isfinite(y).all())
     assert _rel(y, y_ref) < 1e-5

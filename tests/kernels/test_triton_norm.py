@@ -17,6 +17,9 @@ bf16 rounding: such elements are rare and one bf16 step of the row's scale apart
 RoPE of a value that moved one ulp can cancel, so the bound is on the row's scale, not on the
 element).  Torch's *CPU* bf16 rsqrt rounds twice (sqrt, then 1/x, each to bf16) on the scalar
 remainder of its vector loop, so the bf16 renorm cases use T·H a multiple of 64 rows.
+Unrotated channels stay within one ulp, except under the bf16 renorm, which (as the reference)
+rounds its rsqrt factor to bf16 before the product: a factor one ulp apart moves the product by
+up to two ulps (seen once on the H200 in 235M elements at T 8192).
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, rd: int = 0,
-                   min_exact: float = 0.995) -> None:
+                   min_exact: float = 0.995, max_ulps: int = 1) -> None:
     """Kernel output against the twin's (see the module docstring for the bounds)."""
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.isfinite(got.float()).all()
@@ -163,10 +166,10 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, rd: int = 0,
     # At most one bf16 step (2^-7 relative) of the row's largest value.
     scale = want.float().abs().amax(-1, keepdim=True)
     assert ((got.float() - want.float()).abs() <= scale * 2.0 ** -7).all()
-    # Unrotated channels: one ulp at most.
+    # Unrotated channels: max_ulps at most.
     nope = got.shape[-1] - rd
     ulps = (got[..., :nope].view(torch.int16).int() - want[..., :nope].view(torch.int16).int())
-    assert ulps.abs().max().item() <= 1
+    assert ulps.abs().max().item() <= max_ulps
 
 
 def assert_fp8_matches(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -350,7 +353,8 @@ def test_gpu_v4_flash_shapes(T: int, dtype: torch.dtype) -> None:
     for renorm in (True, False):
         want = torch_norm.head_norm_rope(q, cos, sin, 1e-6, renorm)
         got = tri.head_norm_rope(q.clone(), cos, sin, 1e-6, renorm, inplace=True)
-        assert_matches(got, want, rd=2 * half, min_exact=0.99)
+        assert_matches(got, want, rd=2 * half, min_exact=0.99,
+                       max_ulps=2 if renorm and dtype == torch.bfloat16 else 1)
     o = (torch.randn(T, H, d, generator=gen, device=dev)).to(dtype)
     assert torch.equal(tri.apply_rope(o, cos, sin, inverse=True),
                        torch_attn.apply_rope(o, cos, sin, inverse=True))

@@ -1,13 +1,17 @@
-"""The group-scaled MXFP4 expert GEMMs (``MoeConfig.fp4_path="group_scaled"``: e2m1 codes as fp16
-bits, e4m3 activations, fp16 MMAs per 32-wide K group, scales applied to the partial sums)
-against the torch twin and the dequant path, in the Triton interpreter at tiny shapes.
+"""The MXFP4 expert GEMMs under the tile plans bench/moe_decode.py sweeps (BN 32/64 tiles, 128-row
+blocks), official numerics at every act_block, every code / scale / row magnitude, and the bench
+itself (--dry-run plan list, --tiny --sweep smoke run), in the Triton interpreter at tiny shapes.
 
 Run with TRITON_INTERPRET=1 (tests/kernels/test_interpreter.py does that in a child process).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,6 +24,15 @@ from dsv4.ops import triton_moe as tri  # noqa: E402
 from interp_helpers import rel_err  # noqa: E402
 
 E8M0 = torch.float8_e8m0fnu
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "moe_decode.py"
+
+
+def _bench() -> ModuleType:
+    """bench/moe_decode.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("moe_decode_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _fp4_experts(E: int, D: int, inter: int, gen: torch.Generator, act_block,
@@ -39,49 +52,49 @@ def _routing(T: int, E: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor
     return ids, w / w.sum(-1, keepdim=True) * 1.5
 
 
-def _run(x, ids, w, ex, path: str, bm: int = 16, bn_up: int = 64, bn_down: int = 64):
-    cfg = tri.MoeConfig(BM=bm, BN_up=bn_up, BN_down=bn_down, fp4_path=path)
+def _run(x, ids, w, ex, bm: int = 16, bn_up: int = 64, bn_down: int = 64) -> torch.Tensor:
+    cfg = tri.MoeConfig(BM=bm, BN_up=bn_up, BN_down=bn_down)
     return tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
 
 
-@pytest.mark.parametrize("T,plan,D", [(1, (16, 64, 128), 256), (7, (16, 32, 64), 128),
-                                      (30, (32, 128, 128), 128), (30, (64, 128, 64), 128)])
-def test_group_scaled_matches_twin_fp32(T: int, plan, D: int) -> None:
-    """fp32 compute: the same exact products summed in another fp32 order (rel ~1e-7)."""
+# The sweep's tile shapes that tests/kernels/interp/test_moe.py does not force (it covers the
+# defaults 16/64/128, 16/128/128, 32/128/128, 64/128/128); several N tiles per width.
+@pytest.mark.parametrize("T,plan,D", [(1, (16, 64, 64), 256), (7, (16, 32, 64), 128),
+                                      (30, (16, 32, 64), 256), (40, (128, 128, 128), 128)])
+def test_sweep_tile_plans_match_twin_fp32(T: int, plan, D: int) -> None:
+    """fp32 compute, official act quant: the same exact products summed in another fp32 order
+    (rel ~1e-7), with skipped picks (-1, ids of other shards)."""
     gen = torch.Generator().manual_seed(T + plan[1])
     E, inter, k = 6, 128, 3
     ex = _fp4_experts(E, D, inter, gen, 128)
     x = torch.randn(T, D, generator=gen) * 2
     ids, w = _routing(T, E, k, gen)
     if T > 1:
-        ids[0, 1] = -1          # skipped picks (other shards)
+        ids[0, 1] = -1
         ids[T - 1, 0] = E + 2
-    y = _run(x, ids, w, ex, "group_scaled", *plan)
-    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    y = _run(x, ids, w, ex, *plan)
     assert y.shape == (T, D) and torch.isfinite(y).all()
-    assert rel_err(y, y_ref) < 1e-5
-    assert rel_err(y, _run(x, ids, w, ex, "dequant", *plan)) < 1e-5
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
 
 
 @pytest.mark.parametrize("act_block", [32, 64, 128])
-def test_group_scaled_bf16_official_block_sizes(act_block: int) -> None:
-    """bf16 compute with FP8 activations per act_block (1, 2 or 4 groups per block)."""
+def test_bf16_official_block_sizes(act_block: int) -> None:
+    """bf16 compute with FP8 activations per act_block (BK follows it: 1, 2 or 4 MXFP4 scale
+    groups per K step)."""
     gen = torch.Generator().manual_seed(act_block)
     E, D, inter, k, T = 4, 128, 128, 2, 9
     ex = _fp4_experts(E, D, inter, gen, act_block)
     x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16)
     ids, w = _routing(T, E, k, gen)
-    y = _run(x, ids, w, ex, "group_scaled")
-    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    y = _run(x, ids, w, ex)
     assert torch.isfinite(y).all()
     # bf16 intermediates: a one-ulp flip of one activation moves the output by ~4e-3 rel.
-    assert rel_err(y, y_ref) < 1e-2
-    assert rel_err(y, _run(x, ids, w, ex, "dequant")) < 1e-2
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
 
 
-def test_group_scaled_every_code_scale_and_row_magnitude() -> None:
+def test_every_code_scale_and_row_magnitude() -> None:
     """All 256 byte values, scales 2^-27..2^12, rows of magnitude 1e-3 .. 1e3 (activation
-    exponents -20..+2): the power-of-two bookkeeping of codes, weight and activation scales."""
+    exponents -20..+2), one activation block with a much smaller amax than its row."""
     gen = torch.Generator().manual_seed(0)
     E, D, inter = 1, 512, 128
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
@@ -91,53 +104,68 @@ def test_group_scaled_every_code_scale_and_row_magnitude() -> None:
     ex = ref.ExpertWeights(w1, w1.roll(1, dims=2), base.w2, 128, "fp4", s1, s1.roll(3, dims=2),
                            base.s2)
     x = torch.randn(6, D, generator=gen) * torch.logspace(-3, 3, 6)[:, None]
-    x[2, 100:200] *= 1e-4      # a block with a much smaller amax than its row
+    x[2, 100:200] *= 1e-4
     ids = torch.zeros(6, 1, dtype=torch.int64)
     w = torch.ones(6, 1)
-    cfg = tri.MoeConfig(BM=16, BN_up=64, BN_down=128, fp4_path="group_scaled")
+    cfg = tri.MoeConfig(BM=16, BN_up=64, BN_down=128)
     y = tri.moe_experts_with_config(x, ids, w, ex, 0.0, cfg)
     y_ref = ref.moe_experts(x, ids, w, ex, 0.0)
     for t in range(6):   # per row: a global norm would hide the small rows
         assert rel_err(y[t], y_ref[t]) < 1e-5, t
 
 
-def test_group_scaled_falls_back_without_act_quant() -> None:
-    """Without act_block (bf16 numerics) the activation is not exact in fp16: the dequant
-    kernel runs, bit for bit."""
-    gen = torch.Generator().manual_seed(2)
-    E, D, inter, k, T = 4, 128, 64, 2, 5
-    ex = _fp4_experts(E, D, inter, gen, None)
-    x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
-    ids, w = _routing(T, E, k, gen)
-    gs = tri.MoeConfig(BM=16, BN_up=64, BN_down=64, fp4_path="group_scaled")
-    assert tri.resolve_fp4_path(gs, ex) == "dequant"
-    assert torch.equal(_run(x, ids, w, ex, "group_scaled"), _run(x, ids, w, ex, "dequant"))
-    quant = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, 128, "fp4", ex.s1, ex.s3, ex.s2)
-    assert tri.resolve_fp4_path(gs, quant) == "group_scaled"
-    assert tri.resolve_fp4_path(tri.MoeConfig(16, 64, 64), quant) == "dequant"
-
-
-def test_moe_config_validation_and_default_path() -> None:
-    with pytest.raises(ValueError, match="fp4_path"):
-        tri.MoeConfig(16, 64, 64, fp4_path="fast")
+def test_moe_config_validation() -> None:
     with pytest.raises(ValueError, match="BN_up"):
         tri.MoeConfig(16, 48, 64)
-    assert tri.FP4_PATH in tri.FP4_PATHS
-    assert tri.pick_moe_config(6, 256, 4096, 2048, 128).fp4_path == tri.FP4_PATH
+    with pytest.raises(ValueError, match="BM"):
+        tri.MoeConfig(8, 64, 64)
+    with pytest.raises(ValueError, match="BN_down"):
+        tri.MoeConfig(16, 64, 96)
 
 
-def test_bench_moe_decode_tiny_runs_end_to_end() -> None:
-    """bench/moe_decode.py --tiny (what the GPU session runs at V4-Flash shapes): both paths
-    agree with each other and the twin, and the plan kernel equals its twin."""
-    import importlib.util
-    from pathlib import Path
+def test_bench_sweep_plans_and_dry_run(capsys) -> None:
+    """The sweep at V4-Flash widths: the default plan first, then distinct alternatives of its
+    regime (BM 16 up to 256 tokens, BM 64 / 128 beyond), about 12 plans in all."""
+    mod = _bench()
+    D, inter = mod.FLASH["D"], mod.FLASH["I"]
+    for T in (1, 16, 256, 257, 8192):
+        base = tri.pick_moe_config(T * 6, 256, D, inter, 128)
+        plans = mod.sweep_plans(T, base, D, inter)
+        assert plans[0] == base and len(plans) == len(set(map(mod.plan_name, plans))) >= 5
+        small = T <= mod.SMALL_MAX_TOKENS
+        assert all((p.BM == 16) == small for p in plans[1:]), T
+        assert all(p.BM in (64, 128) and p.BN_up == p.BN_down == 128 for p in plans[1:]
+                   if not small)
+    with pytest.raises(ValueError, match="token count"):
+        mod.sweep_plans(0, base, D, inter)
+    out = mod.main(["--dry-run", "--sweep"])
+    assert sorted(out["plans"]) == [1, 16, 64, 256, 8192]
+    assert 10 <= out["distinct"] <= 14
+    assert f"{out['distinct']} distinct plans" in capsys.readouterr().out
+    # Without --sweep only the default plan per token count; tiles wider than I are dropped.
+    plain = mod.main(["--dry-run", "--tokens", "1,8192"])
+    assert [len(v) for v in plain["plans"].values()] == [1, 1]
+    narrow = mod.sweep_plans(1, tri.MoeConfig(16, 32, 64), 64, 32)
+    assert all(p.BN_up <= 32 and p.BN_down <= 64 for p in narrow)
+    with pytest.raises(SystemExit):
+        mod.main(["--dry-run", "--tokens", "1,x"])
 
-    path = Path(__file__).resolve().parents[3] / "bench" / "moe_decode.py"
-    spec = importlib.util.spec_from_file_location("moe_decode_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = mod.main(["--tiny", "--tokens", "2"])
-    (row,) = out["rows"]
-    assert row["finite"] and row["rel_gs_twin"] < 1e-2 and row["rel_gs_dq"] < 1e-2
-    assert row["dequant_us"] > 0 and row["group_scaled_us"] > 0
+
+def test_bench_moe_decode_tiny_sweep_runs_end_to_end(tmp_path) -> None:
+    """bench/moe_decode.py --tiny --sweep (what the GPU session runs at V4-Flash shapes): every
+    plan finite and matching the twin, one best plan per token count in the JSON, the routing
+    plan kernel equal to its twin."""
+    mod = _bench()
+    path = tmp_path / "moe.json"
+    out = mod.main(["--tiny", "--sweep", "--tokens", "2", "--out", str(path)])
+    rows = out["rows"]
+    assert len(rows) == mod.TINY_SWEEP_PLANS
+    assert [r["default"] for r in rows] == [True] + [False] * (len(rows) - 1)
+    for r in rows:
+        assert "error" not in r, r
+        assert r["finite"] and r["rel_twin"] < 1e-2 and r["us"] > 0 and r["ratio"] > 0
+    (best,) = out["best"]
+    assert best["us"] == min(r["us"] for r in rows) and best["T"] == 2
     assert all(p["same"] for p in out["plan"])
+    saved = json.loads(path.read_text())
+    assert saved["best"][0]["name"] == best["name"] and len(saved["rows"]) == len(rows)
