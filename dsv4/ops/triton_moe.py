@@ -434,10 +434,10 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
                     ) -> MoeConfig:
     """Tile plan by the average rows per active expert (decode: ~1; 8K prefill: ~190).
 
-    From the H200 sweep (docs/PERFORMANCE.md, V4-Flash shapes): 16-row blocks for decode with
-    wide N tiles (64/128 at one token, 128/128 from 16 tokens up), 64-row blocks with 128-wide
-    tiles and 4 warps beyond (the kernel path of prefill; large calls take
-    :func:`moe_experts_grouped` by default)."""
+    From the H200 sweeps (docs/PERFORMANCE.md, V4-Flash shapes, bench/moe_decode.py --sweep):
+    16-row blocks for decode with wide N tiles (64/128 at one token, 128/128 from 16 tokens
+    up), 64-row blocks with 128-wide tiles and 4 warps beyond, 128-row blocks with 8 warps from
+    128 rows per expert (8K prefill: 11.8 ms against 12.3 with 64-row blocks)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:
@@ -446,7 +446,10 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
         return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3)
     if rows <= 32:
         return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
-    return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
+    if rows < 128:
+        return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
+    return MoeConfig(BM=128, BN_up=128, BN_down=128, BK=block_k, warps_up=8, warps_down=8,
+                     stages=3)
 
 
 # Shared memory the pipelined operand buffers of one program may take (the H200: 227 KB).

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops import unverified_kernels_enabled
 from dsv4.ops.triton_dense import _INTERPRET_HOST
 
 __all__ = ["moe_plan", "moe_plan_torch"]
@@ -79,10 +78,7 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
     with nb = ceil(P / BM) + min(E, P), an upper bound of Σ_e ceil(count_e / BM).
     Pairs whose id is outside 0..E-1 (other expert-parallel shards) are left out.
     """
-    on_gpu = topk_ids.device.type == "cuda"
-    if (not on_gpu and not _INTERPRET_HOST) or (on_gpu and not unverified_kernels_enabled()):
-        # Not yet checked on a GPU: the torch twin there until bench/gpu_session.sh has run
-        # (dsv4.ops.UNVERIFIED_ON_GPU).
+    if topk_ids.device.type != "cuda" and not _INTERPRET_HOST:
         return moe_plan_torch(topk_ids, num_experts, BM)
     if num_experts < 1 or BM < 1 or BM & (BM - 1):
         raise ValueError(f"moe_plan: expected num_experts >= 1 and BM a power of two; found "
