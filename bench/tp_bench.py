@@ -236,10 +236,33 @@ def _gather(par: Parallel, obj: Any) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------ workloads
+def _start_profile() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _stop_profile(prof: Any, path: str, title: str) -> None:
+    prof.__exit__(None, None, None)
+    ka = prof.key_averages()
+    tabs = [f"===== {title}"]
+    for key in ("self_cuda_time_total", "cpu_time_total"):
+        try:
+            tabs.append(f"--- by {key}\n" + ka.table(sort_by=key, row_limit=40,
+                                                    max_name_column_width=70))
+        except Exception as e:  # noqa: BLE001 - a profiler without CUDA columns
+            tabs.append(f"--- by {key}: {e}")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("\n".join(tabs) + "\n\n")
+
+
 def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int, seed: int,
-                 deadline: float) -> dict[str, Any]:
+                 deadline: float, profile_path: str | None = None) -> dict[str, Any]:
     """c requests at once; per-request TTFT / TPOT and per-step times.  Past ``deadline`` the
-    rest is aborted and the result is marked partial."""
+    rest is aborted and the result is marked partial.  ``profile_path``: torch.profiler tables
+    (driver's host ops and its GPU's kernels, NCCL included) of decode-only steps 8..11."""
     from dsv4.engine.sampling_params import SamplingParams
 
     vocab = engine.config.vocab_size
@@ -258,6 +281,8 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     counts: dict[str, int] = {}
     steps: list[dict[str, Any]] = []
     partial = False
+    prof: Any = None
+    n_decode = 0
     while engine.has_unfinished_requests():
         if time.perf_counter() > deadline:
             engine.abort_request(list(ids))
@@ -267,13 +292,21 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
         # token (one still prefilling returns nothing; one finishing its prefill, its first).
         sched = engine.scheduler
         idle_queue, running = sched.num_waiting == 0, sched.num_running
+        if profile_path and prof is None and n_decode == 8:
+            prof = _start_profile()
         s0 = time.perf_counter()
         outs = engine.step()
         sync()
         now = time.perf_counter()
         decode_only = (idle_queue and len(outs) == running > 0
                        and all(len(o.outputs[0].token_ids) > 1 for o in outs))
+        n_decode += decode_only
+        if prof is not None and n_decode == 12:
+            _stop_profile(prof, profile_path, f"concurrency {concurrency}, 4 decode-only steps")
+            prof = False
         steps.append({"s": now - s0, "tokens": len(outs), "decode_only": decode_only})
+        if os.environ.get("TP_BENCH_TRACE"):
+            print(f"step {len(steps)}: {now - s0:.4f}s outs={len(outs)} running={running} dec={decode_only}", flush=True)
         for o in outs:
             n = len(o.outputs[0].token_ids)
             if n and o.request_id not in first:
@@ -358,6 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="toy widths on CPU with gloo (smoke run)")
     ap.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
     ap.add_argument("--out", default=None, help="JSON results (rank 0)")
+    ap.add_argument("--profile", default=None, help="append torch.profiler tables of 4 "
+                    "decode-only steps per concurrency (rank 0) to this file")
     args = ap.parse_args(argv)
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.layers = args.layers or (4 if args.tiny else 43)
@@ -431,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() > deadline:
                 log(f"budget reached: concurrency {c} skipped")
                 break
-            r = run_workload(engine, c, args.prompt_len, args.output_len, args.seed + c, deadline)
+            r = run_workload(engine, c, args.prompt_len, args.output_len, args.seed + c, deadline,
+                             args.profile)
             floor = decode_floor(cfg, par.world_size, args.ep, c,
                                  args.prompt_len + args.output_len // 2, cache_dtype)
             r = _with_floor(r, floor)

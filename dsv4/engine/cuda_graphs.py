@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from dsv4.model.context import StaticShape, StepContext, bucket_for, decode_buckets
 
@@ -226,9 +227,11 @@ class DecodeGraphs:
         if self.use_graphs:
             if B not in self.graphs:
                 self.capture(B)
-            self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
+            with record_function("dsv4.graph_fill"):
+                self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
             captured = self.graphs[B]
-            captured.graph.replay()
+            with record_function("dsv4.graph_replay"):
+                captured.graph.replay()
             self.stats["replays"] += 1
             return captured.logits[:R]
         self._fill(B, input_ids, start_pos, slots, block_tables, token_types)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.profiler import record_function
 
 from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.manager import CacheManager
@@ -415,7 +416,8 @@ class LLMEngine:
                                "rank 0 runs the engine (the others call run_worker())")
         if self._shut_down:
             raise RuntimeError("LLMEngine.step: the engine was shut down (its workers are gone)")
-        out = self.scheduler.schedule()
+        with record_function("dsv4.schedule"):
+            out = self.scheduler.schedule()
         if out.is_empty:
             return []
         now = time.monotonic()
@@ -449,10 +451,11 @@ class LLMEngine:
             # requests are untouched; the caller sees the error.
             self._fail_step(out)
             raise
-        self.scheduler.note_step_done()
-        self.scheduler.update(out, result.sampled, self.eos_token_id)
-        self._totals["steps"] += 1
-        return self._process(out, result)
+        with record_function("dsv4.process_outputs"):
+            self.scheduler.note_step_done()
+            self.scheduler.update(out, result.sampled, self.eos_token_id)
+            self._totals["steps"] += 1
+            return self._process(out, result)
 
     def _fail_step(self, out: Any) -> None:
         failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)

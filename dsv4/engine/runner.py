@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.profiler import record_function
 
 from dsv4.cache.formats import RECORD_DTYPE
 from dsv4.cache.tensors import HybridCache
@@ -412,12 +413,16 @@ class ModelRunner:
         result = StepResult()
         if out.is_empty:
             return result
-        plan, sample_rows, prompt_positions = self.plan_step(out)
+        # Labelled ranges: a torch.profiler trace splits the host's step time by them.
+        with record_function("dsv4.plan_step"):
+            plan, sample_rows, prompt_positions = self.plan_step(out)
         logits = None
         if self.static_bucket(plan, sample_rows, prompt_positions) is not None:
-            logits = self._run_static(plan)
+            with record_function("dsv4.static_step"):
+                logits = self._run_static(plan)
         if logits is None:
-            hidden = self.run_plan(plan)
+            with record_function("dsv4.forward"):
+                hidden = self.run_plan(plan)
             if all(r < 0 for r in sample_rows) and not any(prompt_positions):
                 return result  # partial prefill chunks only: the cache is filled, no logits
             # The head is replicated: only the driver computes logits (the workers skip it).
@@ -438,7 +443,9 @@ class ModelRunner:
             keys.append(seq.key)
             picks.append(row)
         if rows:
-            sampled = self.sampler.sample(logits[torch.tensor(picks, device=logits.device)], rows)
+            with record_function("dsv4.sample"):
+                sampled = self.sampler.sample(logits[torch.tensor(picks, device=logits.device)],
+                                              rows)
             for key, tok, lp in zip(keys, sampled.token_ids, sampled.logprobs):
                 result.sampled[key] = tok
                 if lp is not None:
