@@ -259,10 +259,12 @@ def _stop_profile(prof: Any, path: str, title: str) -> None:
 
 
 def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int, seed: int,
-                 deadline: float, profile_path: str | None = None) -> dict[str, Any]:
+                 deadline: float, profile_path: str | None = None, trace: bool = False
+                 ) -> dict[str, Any]:
     """c requests at once; per-request TTFT / TPOT and per-step times.  Past ``deadline`` the
     rest is aborted and the result is marked partial.  ``profile_path``: torch.profiler tables
-    (driver's host ops and its GPU's kernels, NCCL included) of decode-only steps 8..11."""
+    (driver's host ops and its GPU's kernels, NCCL included) of decode-only steps 9..12;
+    ``trace``: print every step's time."""
     from dsv4.engine.sampling_params import SamplingParams
 
     vocab = engine.config.vocab_size
@@ -305,8 +307,9 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
             _stop_profile(prof, profile_path, f"concurrency {concurrency}, 4 decode-only steps")
             prof = False
         steps.append({"s": now - s0, "tokens": len(outs), "decode_only": decode_only})
-        if os.environ.get("TP_BENCH_TRACE"):
-            print(f"step {len(steps)}: {now - s0:.4f}s outs={len(outs)} running={running} dec={decode_only}", flush=True)
+        if trace:
+            print(f"c={concurrency} step {len(steps)}: {(now - s0) * 1e3:.1f} ms, {len(outs)} "
+                  f"outputs, {running} running, decode-only {decode_only}", flush=True)
         for o in outs:
             n = len(o.outputs[0].token_ids)
             if n and o.request_id not in first:
@@ -391,6 +394,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="toy widths on CPU with gloo (smoke run)")
     ap.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
     ap.add_argument("--out", default=None, help="JSON results (rank 0)")
+    ap.add_argument("--trace", action="store_true", help="print every step's time (rank 0)")
     ap.add_argument("--profile", default=None, help="append torch.profiler tables of 4 "
                     "decode-only steps per concurrency (rank 0) to this file")
     args = ap.parse_args(argv)
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"budget reached: concurrency {c} skipped")
                 break
             r = run_workload(engine, c, args.prompt_len, args.output_len, args.seed + c, deadline,
-                             args.profile)
+                             args.profile, args.trace)
             floor = decode_floor(cfg, par.world_size, args.ep, c,
                                  args.prompt_len + args.output_len // 2, cache_dtype)
             r = _with_floor(r, floor)

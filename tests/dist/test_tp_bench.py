@@ -61,6 +61,20 @@ def test_tiny_two_processes(tmp_path, extra: list[str]) -> None:
     assert "TPOT" in log and "anchor" in log
 
 
+def test_trace_and_profile(tmp_path) -> None:
+    """--trace prints every step; --profile writes the driver's profiler tables of 4 decode-only
+    steps per concurrency, with the engine's labelled ranges."""
+    prof = tmp_path / "prof.txt"
+    log = torchrun(str(BENCH), ["--tiny", "--graphs", "--concurrency", "2", "--output-len", "14",
+                                "--trace", "--profile", str(prof)], timeout=120)
+    steps = [ln for ln in log.splitlines() if ln.startswith("c=2 step ")]
+    assert len(steps) >= 13 and "decode-only True" in steps[-1]
+    text = prof.read_text()
+    assert "===== concurrency 2, 4 decode-only steps" in text
+    for label in ("dsv4.schedule", "dsv4.plan_step", "dsv4.static_step"):
+        assert label in text, label
+
+
 def test_floors_at_real_widths() -> None:
     tb = _load()
     from dsv4.cache.formats import RECORD_DTYPE
