@@ -116,6 +116,14 @@ def store_rne(ptrs, v, mask):
 
 
 @triton.jit
+def round_as(v, ptr):
+    """fp32 ``v`` rounded as a store through ``ptr`` would round it (bf16 RNE), kept in fp32."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        v = round_to_bf16(v)
+    return v
+
+
+@triton.jit
 def ue8m0_exponent(amax):
     """Exponent e of the power-of-two scale ``2^ceil(log2(amax · fp32(1/448)))``, read off the
     fp32 bits like the reference's ``fast_round_scale`` (a multiply by the fp32 reciprocal of

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_index as twin
-from dsv4.ops.triton_dense import round_to_bf16, store_rne, torch_twin_off_gpu
+from dsv4.ops.triton_dense import round_as, store_rne, torch_twin_off_gpu
 
 __all__ = ["indexer_queries", "index_tile", "MAX_DIM"]
 
@@ -39,14 +39,6 @@ MAX_DIM = 1024
 # Elements of one program's tile (heads × head dim).
 _TILE_ELEMS = 4096
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@triton.jit
-def _round_as(v, ptr):
-    """fp32 ``v`` rounded as a store through ``ptr`` would round it (bf16 RNE), kept in fp32."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        v = round_to_bf16(v)
-    return v
 
 
 @triton.jit
@@ -96,17 +88,17 @@ def _indexer_queries_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, qo_ptr, wo_ptr, H,
     rm = i >= 0
     cs = tl.load(cos_ptr + t * stride_c + i, mask=rm, other=1.0)
     sn = tl.load(sin_ptr + t * stride_c + i, mask=rm, other=0.0)
-    ra = _round_as(a * cs[None, :] - b * sn[None, :], qo_ptr)
-    rb = _round_as(a * sn[None, :] + b * cs[None, :], qo_ptr)
+    ra = round_as(a * cs[None, :] - b * sn[None, :], qo_ptr)
+    rb = round_as(a * sn[None, :] + b * cs[None, :], qo_ptr)
     a = tl.where(rm[None, :], ra, a)
     b = tl.where(rm[None, :], rb, b)
     x = tl.reshape(tl.join(a, b), [BLOCK_H, D])
     if HADAMARD:
-        x = _round_as(_hadamard(x, BLOCK_H, D, LOG2_D) * had_scale, qo_ptr)
+        x = round_as(_hadamard(x, BLOCK_H, D, LOG2_D) * had_scale, qo_ptr)
     if FP4_BLOCK > 0:
         xb = tl.reshape(x, [BLOCK_H, D // FP4_BLOCK, FP4_BLOCK])
         # amax · fp32(1/6) is a tensor op in q's dtype in the twin: rounded there.
-        t6 = _round_as(tl.maximum(tl.max(tl.abs(xb), axis=2), 7.052966104933725e-38)
+        t6 = round_as(tl.maximum(tl.max(tl.abs(xb), axis=2), 7.052966104933725e-38)
                        * 0.16666666666666666, qo_ptr)
         bits = t6.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
@@ -115,7 +107,7 @@ def _indexer_queries_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, qo_ptr, wo_ptr, H,
         x = tl.reshape(v * s[:, :, None], [BLOCK_H, D])
     store_rne(qo_ptr + t * stride_ot + h[:, None] * stride_oh + c[None, :], x, hm[:, None])
     w = tl.load(w_ptr + t * stride_wt + h, mask=hm, other=0.0).to(tl.float32)
-    tl.store(wo_ptr + t * H + h, _round_as(w * weight_scale, w_ptr), mask=hm)
+    tl.store(wo_ptr + t * H + h, round_as(w * weight_scale, w_ptr), mask=hm)
 
 
 def index_tile(n_heads: int, head_dim: int) -> dict[str, int]:

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.torch_norm import check_norm_rope_args, check_rope_args
-from dsv4.ops.triton_dense import (pow2_from_exp, round_to_bf16, round_to_e4m3, store_rne,
-                                   torch_twin_off_gpu, ue8m0_exponent)
+from dsv4.ops.triton_dense import (pow2_from_exp, round_as, round_to_e4m3,
+                                   store_rne, torch_twin_off_gpu, ue8m0_exponent)
 
 __all__ = ["rms_norm", "apply_rope", "head_norm_rope", "norm_rope", "MAX_DIM",
            "NORM_NONE", "NORM_WEIGHTED", "NORM_IN_DTYPE"]
@@ -45,14 +45,6 @@ _TILE_ELEMS = 4096
 # NORM modes of the kernel: none, fp32 rms_norm (weight optional), per-head renorm in x's dtype.
 NORM_NONE, NORM_WEIGHTED, NORM_IN_DTYPE = 0, 1, 2
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@triton.jit
-def _round_as(v, ptr):
-    """fp32 ``v`` rounded as a store through ``ptr`` would round it (bf16 RNE), kept in fp32."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        v = round_to_bf16(v)
-    return v
 
 
 @triton.jit
@@ -118,19 +110,19 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
                 y = w[None, :] * y
                 a = wa * a
                 b = wb * b
-            y = _round_as(y, y_ptr)
+            y = round_as(y, y_ptr)
         else:
             # The reference's q renorm in q's dtype: each torch op rounds (bf16) in turn.
-            sq = _round_as(x * x, y_ptr)
-            mean_sq = _round_as(tl.div_rn(tl.sum(sq, axis=1), d_f), y_ptr)
-            mean_sq = _round_as(mean_sq + eps, y_ptr)
-            r = _round_as(tl.div_rn(1.0, tl.sqrt_rn(mean_sq)), y_ptr)
-            y = _round_as(x * r[:, None], y_ptr)
+            sq = round_as(x * x, y_ptr)
+            mean_sq = round_as(tl.div_rn(tl.sum(sq, axis=1), d_f), y_ptr)
+            mean_sq = round_as(mean_sq + eps, y_ptr)
+            r = round_as(tl.div_rn(1.0, tl.sqrt_rn(mean_sq)), y_ptr)
+            y = round_as(x * r[:, None], y_ptr)
             a = a * r[:, None]
             b = b * r[:, None]
         # The rotation starts from the norm's rounded output, as in apply_rope(norm(x)).
-        a = _round_as(a, y_ptr)
-        b = _round_as(b, y_ptr)
+        a = round_as(a, y_ptr)
+        b = round_as(b, y_ptr)
         if FP8_BLOCK > 0:
             y = _fake_quant_fp8(tl.where(head_mask, y, 0.0), BLOCK_R, BLOCK_D, FP8_BLOCK)
         store_rne(y_row[:, None] + cols[None, :], y, head_mask)
