@@ -198,9 +198,26 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     return ts + [t for s in cache.states.values() for t in (s.kv, s.score)]
 
 
+def _profile_tables(fn: Callable[[], Any], dev: str, reps: int = 3) -> str:
+    """torch.profiler table (device time per kernel, host ops) of ``reps`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        _sync(dev)
+    key = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+
+
 def flash_part(dev: str, layers: int, batches: list[int], ctx: int, steps: int,
                log: Callable[[str], None], res: dict[str, Any],
-               save: Callable[[], None] = lambda: None, kv_cache_dtype: str = "auto") -> None:
+               save: Callable[[], None] = lambda: None, kv_cache_dtype: str = "auto",
+               profile_path: str | None = None, extra_pages: int = 0) -> None:
+    """Per B: the eager (dynamic) decode step against the static-shape graph step of the
+    4-layer V4-Flash-shaped model.  ``profile_path``: append profiler tables of both (the
+    static step's kernels included); ``extra_pages``: unused cache pages added to the pools (a
+    served engine's pools are tens of thousands of pages)."""
     import bench.flash_bench as fb
     from dsv4.engine.runner import resolve_cache_dtype
 
@@ -211,12 +228,12 @@ def flash_part(dev: str, layers: int, batches: list[int], ctx: int, steps: int,
     page = 256
     ppr = -(-(ctx + steps + 30) // page)
     Bmax = max(batches)
-    out: dict[str, Any] = {"layers": layers, "ctx": ctx, "per_B": {}}
+    out: dict[str, Any] = {"layers": layers, "ctx": ctx, "extra_pages": extra_pages, "per_B": {}}
     res["flash" if kv_cache_dtype == "auto" else f"flash_{kv_cache_dtype}"] = out
     cache_dtype = resolve_cache_dtype(kv_cache_dtype, torch.bfloat16, torch.device(dev))
     out["cache_dtype"] = str(cache_dtype)
     runner = ModelRunner(model, cfg, device=torch.device(dev), cache_dtype=cache_dtype,
-                         num_pages=Bmax * ppr, num_slots=Bmax, page_size=page,
+                         num_pages=Bmax * ppr + extra_pages, num_slots=Bmax, page_size=page,
                          max_model_len=ppr * page, cuda_graph_max_batch=Bmax,
                          static_decode=True)
     if dev == "cuda":
@@ -269,6 +286,12 @@ def flash_part(dev: str, layers: int, batches: list[int], ctx: int, steps: int,
             b = graph(steps).float()
             r["graph_vs_eager_max_abs_logit_diff"] = float((a - b).abs().max())
             r["logits_finite"] = bool(torch.isfinite(b).all())
+            if profile_path:
+                with open(profile_path, "a", encoding="utf-8") as f:
+                    for name, fn in (("static graph step", lambda: graph(steps)),
+                                     ("eager step", lambda: eager(steps))):
+                        f.write(f"===== B={B} ctx={ctx} extra_pages={extra_pages}: {name} x3\n"
+                                f"{_profile_tables(fn, dev)}\n\n")
             log(f"flash B={B}: eager {r['eager_ms']:.2f} ms, graph {r['graph_ms']:.2f} ms "
                 f"(x{r['speedup']:.1f}); first graph step {r['first_graph_step_s']:.2f} s")
         except Exception as e:  # noqa: BLE001 - report and go on
@@ -295,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                          "budget − 150")
     ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--skip-flash", action="store_true")
+    ap.add_argument("--profile", default=None, help="append profiler tables of the flash "
+                    "part's eager and static graph steps to this file")
+    ap.add_argument("--extra-pages", type=int, default=0, help="unused cache pages added to "
+                    "the flash part's pools (a served engine holds tens of thousands)")
     args = ap.parse_args(argv)
     t_start = time.time()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
@@ -316,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_flash:
         parts.append(("flash", lambda: flash_part(
             args.device, args.layers, [int(b) for b in args.batches.split(",")], args.ctx,
-            args.steps, log, res, save)))
+            args.steps, log, res, save, profile_path=args.profile,
+            extra_pages=args.extra_pages)))
     for name, fn in parts:
         if name == "flash" and time.time() - t_start > args.budget - 150:
             res["errors"].append("flash part skipped: budget")
