@@ -331,6 +331,11 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
             "tpot_mean_s": statistics.fmean(tpots) if tpots else None,
             "decode_steps": len(dec),
             "decode_step_mean_s": dec_s / len(dec) if dec else None,
+            "decode_step_median_s": statistics.median(s["s"] for s in dec) if dec else None,
+            # (step number, seconds) of the slowest decode-only steps: a mean far above the
+            # median comes from a few of them.
+            "slowest_decode_steps": sorted(((i + 1, st["s"]) for i, st in enumerate(steps)
+                                            if st["decode_only"]), key=lambda t: -t[1])[:5],
             "decode_tokens_per_s": dec_tok / dec_s if dec_s > 0 else None,
             "steps": len(steps)}
 
