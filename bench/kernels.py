@@ -22,6 +22,7 @@ import torch
 import triton
 
 from dsv4 import formats
+from dsv4.cache.formats import PackedRows, v4_kv_record
 from dsv4.ops import torch_attn, torch_dense
 from dsv4.ops import triton_attn as ta
 from dsv4.ops import triton_dense as td
@@ -134,14 +135,24 @@ def bench_fp8(M: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict, lis
 
 
 # ----------------------------------------------------------------------------- sparse_attn
-def bench_attn(T: int, Ka: int, Kb: int, sweep: bool) -> tuple[dict, list]:
+def bench_attn(T: int, Ka: int, Kb: int, sweep: bool, records: bool = False
+               ) -> tuple[dict, list]:
+    """``records``: both sources are V4's 584-byte fp8 cache records (kv_cache_dtype "fp8",
+    the GPU default), read in place; else bf16 rows."""
     H, d = 64, 512
-    per_set = T * (Ka + Kb) * d * 2
+    fmt = v4_kv_record(d, 64)
+    row_bytes = fmt.record_bytes if records else d * 2
+    per_set = T * (Ka + Kb) * row_bytes
     sets = []
+
+    def pool(n: int) -> torch.Tensor | PackedRows:
+        rows = torch.randn(n, d, device=DEV).bfloat16()
+        return PackedRows(fmt.pack(rows), fmt) if records else rows
+
     for _ in range(copies_for(per_set)):
         q = torch.randn(T, H, d, device=DEV).bfloat16()
-        kv_a = torch.randn(max(4096, T * 8), d, device=DEV).bfloat16()
-        kv_b = torch.randn(max(65536, T * 64), d, device=DEV).bfloat16()
+        kv_a = pool(max(4096, T * 8))
+        kv_b = pool(max(65536, T * 64))
         idx_a = torch.randint(0, kv_a.shape[0], (T, Ka), device=DEV, dtype=torch.int32)
         idx_b = torch.randint(0, kv_b.shape[0], (T, Kb), device=DEV, dtype=torch.int32)
         sets.append((q, kv_a, idx_a, kv_b, idx_b))
@@ -154,12 +165,17 @@ def bench_attn(T: int, Ka: int, Kb: int, sweep: bool) -> tuple[dict, list]:
     base = time_eager(lambda: torch_attn.sparse_attn(*s0[:5], sink, sc)) if T <= 256 else None
     nbytes = per_set + 2 * T * H * d * 2 + T * (Ka + Kb) * 4
     flops = 4 * T * H * (Ka + Kb) * d
-    r = row("sparse_attn", f"T={T} H={H} d={d} Ka={Ka} Kb={Kb}", t, eager, base, nbytes, flops,
-            "bf16", f"plan {asdict(ta.pick_attn_config(T, H, d, Ka + Kb, q.device))}; "
-            "torch = twin (fp32)")
+    plan = ta.pick_attn_config(T, H, d, Ka + Kb, q.device, records=records)
+    r = row("sparse_attn", f"T={T} H={H} d={d} Ka={Ka} Kb={Kb}{' fp8' if records else ''}", t,
+            eager, base, nbytes, flops, "bf16", f"plan {asdict(plan)}; torch = twin (fp32)")
     tried = []
     if sweep:
-        if T <= 16:
+        if T <= 16 and records:
+            plans = [dict(BH=16, BN=bn, num_warps=nw, num_stages=st, split_kv=sp)
+                     for bn in (32, 64) for nw in (4, 8) for sp in (4, 8) for st in (1, 2)]
+            plans.append(dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=8,
+                              chunked=False))  # the per-element record reads, as before
+        elif T <= 16:
             plans = [dict(BH=16, BN=bn, num_warps=nw, num_stages=2, split_kv=sp)
                      for bn in (32, 64) for nw in (4, 8) for sp in (2, 4, 8, 16)]
         else:
@@ -285,8 +301,9 @@ def main() -> int:
         for name, N, K in FP8_PREFILL:
             add(*bench_fp8(4096, name, N, K, args.sweep))
     if want("sparse_attn"):
-        for T in (1, 16, 64, 1024, 4096):
-            add(*bench_attn(T, 128, 512, args.sweep and T in (1, 16, 64, 4096)))
+        for records in (False, True):
+            for T in (1, 16, 64, 1024, 4096):
+                add(*bench_attn(T, 128, 512, args.sweep and T in (1, 16, 64, 4096), records))
     if want("indexer_scores"):
         for T, L in ((1, 8192), (1, 65536), (64, 8192), (4096, 1024)):
             add(bench_indexer(T, L))

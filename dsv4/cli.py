@@ -28,13 +28,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", dest="expert_parallel", action="store_true",
                    help="split the routed experts by expert over the ranks instead of each "
                         "expert's intermediate dim (default off)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU memory the engine may use; the KV cache gets what "
+                        "the weights, activations and graphs leave (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs (default: decode replays CUDA graphs on a GPU)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                   help="largest decode batch run as a CUDA graph (default: --max-num-seqs)")
+    p.add_argument("--cuda-graph-capture", default=None, choices=["startup", "lazy"],
+                   help="capture the decode graphs at start (default) or on first use")
+    p.add_argument("--cuda-graphs-under-tp", action="store_true", default=None,
+                   help="also use CUDA graphs with --tensor-parallel-size > 1 (default off)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine options of ``args`` that were set."""
     names = ("device", "dtype", "numerics", "kv_cache_dtype", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "seed", "tensor_parallel_size",
-             "expert_parallel")
+             "expert_parallel", "gpu_memory_utilization", "enforce_eager",
+             "cuda_graph_max_batch", "cuda_graph_capture", "cuda_graphs_under_tp")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -59,8 +59,10 @@ class EngineOptions:
     split attention heads and the MoE; ``expert_parallel`` (default False) splits the routed
     experts by expert instead of by intermediate dim (see ``dsv4.dist``).
     ``enforce_eager`` (default False): no CUDA graphs; otherwise decode steps of up to
-    ``cuda_graph_max_batch`` (default ``max_num_seqs``) sequences replay CUDA graphs captured
-    per batch bucket on first use (``dsv4.engine.cuda_graphs``).
+    ``cuda_graph_max_batch`` (default ``max_num_seqs``) sequences replay CUDA graphs, one per
+    batch bucket (``dsv4.engine.cuda_graphs``), captured when the engine starts
+    (``cuda_graph_capture="startup"``, the default: no request waits for a capture and its
+    Triton compiles, seconds each) or on each bucket's first use (``"lazy"``: quicker start).
     ``cuda_graphs_under_tp`` (default False): also replay decode CUDA graphs under tensor /
     expert parallelism (every rank captures and replays the same graphs, NCCL collectives
     inside; the step broadcast stays outside).  Off until verified on GPUs: such runs are eager.
@@ -88,6 +90,7 @@ class EngineOptions:
     expert_parallel: bool = False
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
+    cuda_graph_capture: str = "startup"
     cuda_graphs_under_tp: bool = False
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
@@ -106,6 +109,9 @@ class EngineOptions:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"engine option enforce_eager={self.enforce_eager!r} is invalid; "
                              "allowed: True, False")
+        if self.cuda_graph_capture not in ("startup", "lazy"):
+            raise ValueError(f"engine option cuda_graph_capture={self.cuda_graph_capture!r} is "
+                             "invalid; allowed: 'startup', 'lazy'")
         if not isinstance(self.cuda_graphs_under_tp, bool):
             raise ValueError(f"engine option cuda_graphs_under_tp={self.cuda_graphs_under_tp!r} "
                              "is invalid; allowed: True, False")
@@ -273,6 +279,9 @@ class LLMEngine:
                                   enforce_eager=opts.enforce_eager,
                                   cuda_graph_max_batch=graph_batch,
                                   graphs_under_tp=opts.cuda_graphs_under_tp)
+        if opts.cuda_graph_capture == "startup":
+            # Every rank captures here, in the same order (the graphs hold the collectives).
+            self.runner.capture_graphs()
         self.eos_token_id = cfg.eos_token_id
         self._token_text = TokenTextCache(self.tokenizer)
         self._requests: dict[str, _Request] = {}

@@ -19,6 +19,7 @@ and page of the padding rows of those steps.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -202,7 +203,8 @@ class ModelRunner:
     static-shape steps (eagerly on a CPU: what the tests use to check them against the dynamic
     path, also under parallelism); False never uses them.
     ``cuda_graph_max_batch`` (default ``num_slots``) is the largest bucket; graphs are captured
-    lazily, on the first decode step of each bucket (on every rank at the same step).
+    by :meth:`capture_graphs` (the engine calls it at start), else lazily, on the first decode
+    step of each bucket (on every rank at the same step).
     Every rank of a parallel launch must be built with the same options.
     """
 
@@ -400,6 +402,30 @@ class ModelRunner:
                 raise
             self._graphs_off(e)
             return None
+
+    def capture_graphs(self) -> None:
+        """Capture every decode bucket now (engine start; on every rank, in the same order).
+
+        A failure on any rank (agreed over the control group) turns graphs off on all of them:
+        decode then runs eagerly, as after a failed lazy capture."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.use_graphs:
+            return
+        error: Exception | None = None
+        t0 = time.perf_counter()
+        try:
+            graphs.capture_all()
+        except Exception as e:  # noqa: BLE001 - reported below, on every rank
+            error = e
+        ok = 0 if error is not None else 1
+        if self.parallel.enabled:
+            ok = self.parallel.min_int(ok)
+        if not ok:
+            self._graphs_off(error or RuntimeError("the CUDA-graph capture failed on another "
+                                                   "rank"))
+            return
+        log.info("dsv4 engine: captured %d decode graphs (batch %s) in %.1f s",
+                 len(graphs.buckets), graphs.buckets, time.perf_counter() - t0)
 
     def _graphs_off(self, e: BaseException) -> None:
         log.error("dsv4 engine: CUDA-graph capture failed (%s: %s); decode runs eagerly from "

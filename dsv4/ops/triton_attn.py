@@ -25,7 +25,8 @@ from dsv4.cache.formats import PackedRows, RecordFormat
 from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
-           "pick_attn_config", "load_rows", "record_meta"]
+           "pick_attn_config", "load_rows", "load_fp8_records_chunked", "chunked_records_ok",
+           "record_meta"]
 
 _LOG2E = 1.4426950408889634
 
@@ -99,25 +100,76 @@ def load_rows(ptr, rows, cols, mask, stride, FMT: tl.constexpr, NQ: tl.constexpr
     return val
 
 
+@triton.jit
+def load_fp8_records_chunked(ptr, rows, valid, stride, NQ: tl.constexpr, QB: tl.constexpr,
+                             SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr, BN: tl.constexpr,
+                             BD: tl.constexpr):
+    """fp32 tile [BN, BD] of whole fp8/e8m0 records (V4's 584-byte layout), as ``load_rows``
+    gives it, read chunk-wise: the row is BD // QB chunks of QB channels, chunk c < NQ // QB
+    holds e4m3 bytes with one scale byte, the last one (when NQ < BD) is the bf16 tail.
+
+    ``load_rows`` reads each channel's scale byte and code separately (a byte gather per
+    element); here the codes come as contiguous 8-byte vectors (``stride`` % 8 == 0, checked by
+    the caller), one scale per chunk, and the tail as bf16 vectors: ~8x fewer load
+    instructions, which is what bounds the decode attention over records.
+    """
+    NCH: tl.constexpr = BD // QB
+    NQC: tl.constexpr = NQ // QB
+    rc = tl.arange(0, NCH)
+    rq = tl.arange(0, QB)
+    row_off = tl.multiple_of(rows * stride, 8)
+    in_q = rc < NQC
+    col = rc[None, :, None] * QB + rq[None, None, :]           # [1, NCH, QB]
+    code = tl.load(ptr + row_off[:, None, None] + col,
+                   mask=valid[:, None, None] & in_q[None, :, None], other=0)
+    sb = tl.load(ptr + row_off[:, None] + SC_OFF + rc[None, :],
+                 mask=valid[:, None] & in_q[None, :], other=0)  # [BN, NCH]
+    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # e8m0: 2^(b − 127)
+    val = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    if NQ < BD:  # the bf16 tail: exactly the last chunk
+        tail_ptr = ptr.to(tl.pointer_type(tl.bfloat16))
+        tail_off = tl.multiple_of(rows * (stride // 2), 4) + TAIL_OFF // 2
+        tail = tl.load(tail_ptr + tail_off[:, None] + rq[None, :], mask=valid[:, None],
+                       other=0.0)                               # [BN, QB]
+        val = tl.where(in_q[None, :, None], val, tail.to(tl.float32)[:, None, :])
+    return tl.reshape(val, (BN, BD))
+
+
+def chunked_records_ok(meta: tuple[int, int, int, int, int], d: int, stride: int) -> bool:
+    """Whether :func:`load_fp8_records_chunked` can read records of layout ``meta`` holding
+    ``d`` channels (power of two) with row ``stride`` bytes."""
+    fmt, nq, qb, _, tail_off = meta
+    return (fmt == FMT_FP8_E8M0 and d & (d - 1) == 0 and qb & (qb - 1) == 0 and d % qb == 0
+            and nq % qb == 0 and (nq == d or (nq == d - qb and tail_off >= 0))
+            and stride % 8 == 0)
+
+
 # ------------------------------------------------------------------------------ sparse attention
 @triton.jit
 def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask, rdv, dv_mask,
                  qk_scale, BN: tl.constexpr, SPLIT_DV: tl.constexpr, P_BF16: tl.constexpr,
                  DOT_PREC: tl.constexpr, FMT: tl.constexpr, NQ: tl.constexpr,
-                 QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr):
+                 QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr,
+                 CHUNKED: tl.constexpr = False, BD: tl.constexpr = 0):
     """Fold ``n_idx`` indices of one source into the online-softmax state (log2 domain).
 
     SPLIT_DV: this program accumulates only the value columns ``rdv`` (a slice of the head dim);
     the logits still use the whole row, and the slice is re-read (an L1/L2 hit).
     FMT != 0: the source is records (:func:`load_rows`), dequantized into q's dtype (exact).
+    CHUNKED (fp8 records, whole rows, no SPLIT_DV): read by :func:`load_fp8_records_chunked`,
+    same values.
     """
     for start in range(0, n_idx, BN):
         rj = start + tl.arange(0, BN)
         rows = tl.load(idx_ptr + rj, mask=rj < n_idx, other=-1)
         valid = rows >= 0
         row64 = rows.to(tl.int64)
-        kv = load_rows(kv_ptr, row64, rd, valid[:, None] & d_mask[None, :], stride_kv,
-                       FMT, NQ, QB, SC_OFF, TAIL_OFF)  # [BN, BD]
+        if CHUNKED:
+            kv = load_fp8_records_chunked(kv_ptr, row64, valid, stride_kv, NQ, QB, SC_OFF,
+                                          TAIL_OFF, BN, BD)
+        else:
+            kv = load_rows(kv_ptr, row64, rd, valid[:, None] & d_mask[None, :], stride_kv,
+                           FMT, NQ, QB, SC_OFF, TAIL_OFF)  # [BN, BD]
         if FMT != 0:
             kv = kv.to(q.dtype)
         if q.dtype == kv.dtype:
@@ -159,10 +211,12 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
                         FMT_A: tl.constexpr, NQ_A: tl.constexpr, QB_A: tl.constexpr,
                         SCO_A: tl.constexpr, TLO_A: tl.constexpr,
                         FMT_B: tl.constexpr, NQ_B: tl.constexpr, QB_B: tl.constexpr,
-                        SCO_B: tl.constexpr, TLO_B: tl.constexpr):
+                        SCO_B: tl.constexpr, TLO_B: tl.constexpr,
+                        CHUNK_A: tl.constexpr = False, CHUNK_B: tl.constexpr = False):
     """One token × BH heads × BDV value columns × one slice of the index lists.
 
-    ``*_A`` / ``*_B``: each source's layout for :func:`load_rows` (dense rows or records).
+    ``*_A`` / ``*_B``: each source's layout for :func:`load_rows` (dense rows or records);
+    ``CHUNK_*``: that source's fp8 records are read by :func:`load_fp8_records_chunked`.
 
     Not SPLIT_KV: the sink starts the running max (m = sink, l = 1 = exp(sink - m), acc = 0),
     so it enters the denominator only, and o = acc / l is stored in o's dtype.
@@ -197,14 +251,15 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
     m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva,
                                  idxa_ptr + t64 * stride_ia + a0,
                                  tl.minimum(chunk_a, Ka - a0), rd, d_mask, rdv, dv_mask, qk_scale,
-                                 BN, N_DV > 1, P_BF16, DOT_PREC, FMT_A, NQ_A, QB_A, SCO_A, TLO_A)
+                                 BN, N_DV > 1, P_BF16, DOT_PREC, FMT_A, NQ_A, QB_A, SCO_A, TLO_A,
+                                 CHUNK_A, BD)
     if HAS_B:
         b0 = sp * chunk_b
         m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kvb_ptr, stride_kvb,
                                      idxb_ptr + t64 * stride_ib + b0,
                                      tl.minimum(chunk_b, Kb - b0), rd, d_mask, rdv, dv_mask,
                                      qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC,
-                                     FMT_B, NQ_B, QB_B, SCO_B, TLO_B)
+                                     FMT_B, NQ_B, QB_B, SCO_B, TLO_B, CHUNK_B, BD)
     hd_mask = h_mask[:, None] & dv_mask[None, :]
     if SPLIT_KV:
         base = (sp * T + t64) * H
@@ -253,7 +308,9 @@ class AttnConfig:
     BH heads per program, BN gathered rows per step, ``split_kv`` slices of the index lists
     run by separate programs then merged (decode: few tokens would leave most SMs idle),
     ``dv`` value columns per program (0: the whole head dim; else the head dim is split and
-    each program recomputes the logits, which lets BH grow without spilling registers).
+    each program recomputes the logits, which lets BH grow without spilling registers);
+    ``chunked``: read fp8 records by chunks (:func:`load_fp8_records_chunked`) where they allow
+    it (whole rows, ``dv`` 0), else element by element (:func:`load_rows`).
     """
 
     BH: int = 16
@@ -262,14 +319,18 @@ class AttnConfig:
     num_stages: int = 2
     split_kv: int = 1
     dv: int = 0
+    chunked: bool = True
 
 
-def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device) -> AttnConfig:
+def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
+                     records: bool = False) -> AttnConfig:
     """Default plan (tuned on the H200, docs/PERFORMANCE.md); K = indices per token, both lists.
 
     16 heads × the whole head dim per program, 64 rows per step.  With fewer programs than SMs
     (decode), the index lists are split into a power-of-two number of slices (<= 8) so that
     about two programs per SM run; the merge costs an fp32 partial per slice, so no more.
+    ``records`` (a source is fp8 records, dequantized in registers): 8 warps, which keeps the
+    dequantized [64, 512] tile out of local memory (ptxas: 4 warps spill).
     """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)
@@ -278,7 +339,8 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device) -> At
     if programs < sms:
         want = max(1, (2 * sms) // programs)
         split = min(8, 1 << (want.bit_length() - 1), max(1, triton.cdiv(K, bn)))
-    return AttnConfig(BH=bh, BN=bn, num_warps=4, num_stages=2, split_kv=split)
+    return AttnConfig(BH=bh, BN=bn, num_warps=8 if records else 4, num_stages=2,
+                      split_kv=split)
 
 
 def _source_args(name: str, kv: torch.Tensor | PackedRows, idx: torch.Tensor | None, T: int,
@@ -334,7 +396,8 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
     if T == 0:
         return o
     Kb = idx_b.shape[1] if kv_b is not None else 0
-    cfg = cfg or pick_attn_config(T, H, d, idx_a.shape[1] + Kb, q.device)
+    cfg = cfg or pick_attn_config(T, H, d, idx_a.shape[1] + Kb, q.device,
+                                  records=meta_a[0] != FMT_DENSE or meta_b[0] != FMT_DENSE)
     idx_a = idx_a if idx_a.stride(1) == 1 else idx_a.contiguous()
     has_b = kv_b is not None
     if has_b:
@@ -354,6 +417,10 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
     chunk_a, chunk_b = triton.cdiv(Ka, split), triton.cdiv(Kb, split)
     sink = sink.float().contiguous()
     grid = (T, triton.cdiv(H, cfg.BH) * (BD // BDV), split)
+
+    def chunk_ok(meta: tuple[int, int, int, int, int], data: torch.Tensor) -> bool:
+        return cfg.chunked and BDV == BD and chunked_records_ok(meta, d, data.stride(0))
+
     if split > 1:
         part = torch.empty(split, T, H, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(split, T, H, 2, dtype=torch.float32, device=q.device)
@@ -370,6 +437,7 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
         P_BF16=p_bf16, DOT_PREC=dot_prec,
         FMT_A=meta_a[0], NQ_A=meta_a[1], QB_A=meta_a[2], SCO_A=meta_a[3], TLO_A=meta_a[4],
         FMT_B=meta_b[0], NQ_B=meta_b[1], QB_B=meta_b[2], SCO_B=meta_b[3], TLO_B=meta_b[4],
+        CHUNK_A=chunk_ok(meta_a, kv_a), CHUNK_B=has_b and chunk_ok(meta_b, kv_b),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         bd_c = min(BD, 128)

@@ -47,3 +47,22 @@ def test_help_lists_subcommands(capsys):
     out = capsys.readouterr().out
     for cmd in ("generate", "serve", "make-tiny"):
         assert cmd in out
+
+
+def test_engine_flags_reach_the_engine_options():
+    """The serving flags map onto EngineOptions (unset ones keep the engine's defaults)."""
+    from dsv4.cli import build_parser, engine_kwargs
+    from dsv4.engine.llm_engine import EngineOptions
+
+    args = build_parser().parse_args(
+        ["generate", "--enforce-eager", "--cuda-graph-capture", "lazy",
+         "--gpu-memory-utilization", "0.8", "--cuda-graph-max-batch", "16", "hi"])
+    kw = engine_kwargs(args)
+    assert kw["enforce_eager"] is True and kw["cuda_graph_capture"] == "lazy"
+    assert kw["gpu_memory_utilization"] == 0.8 and kw["cuda_graph_max_batch"] == 16
+    assert "cuda_graphs_under_tp" not in kw
+    opts = EngineOptions(**kw)
+    assert opts.enforce_eager and opts.cuda_graph_capture == "lazy"
+    assert "enforce_eager" not in engine_kwargs(build_parser().parse_args(["generate", "hi"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--cuda-graph-capture", "never", "hi"])

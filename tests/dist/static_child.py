@@ -46,9 +46,9 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
                     expert_parallel=ep, max_model_len=256, max_num_seqs=4,
                     max_num_batched_tokens=32, num_pages=8, enforce_eager=mode != "graphs",
                     cuda_graphs_under_tp=mode == "graphs")
-    if mode in ("static", "failcapture"):
+    if mode in ("static", "failcapture", "failstartup"):
         force_static_decode(eng)
-    if mode == "failcapture":
+    if mode in ("failcapture", "failstartup"):
         # Pretend graphs are on and the capture fails on rank 1 only: every rank must turn
         # graphs off together (no hang) and the steps run eagerly.
         graphs = eng.runner.decode_graphs
@@ -59,6 +59,8 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
                 raise RuntimeError("capture failure on rank 1 (test)")
 
         graphs.capture = capture
+        if mode == "failstartup":
+            eng.runner.capture_graphs()  # the engine-start capture (cuda_graph_capture="startup")
     return eng
 
 
@@ -95,7 +97,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--tag", required=True)
-    ap.add_argument("modes", nargs="+", help="static, graphs, eager or failcapture (one engine each)")
+    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture or failstartup (one engine each)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])

@@ -79,13 +79,15 @@ def test_static_decode_under_parallelism_matches_one_process(tiny_paths: dict[st
     assert worker["steps"] > d["eager_static_steps"]  # plus the dynamic prefill steps
 
 
+@pytest.mark.parametrize("mode", ["failcapture", "failstartup"])
 def test_a_capture_failing_on_one_rank_turns_graphs_off_on_every_rank(
-        tiny_paths: dict[str, str], tmp_path) -> None:
+        tiny_paths: dict[str, str], tmp_path, mode: str) -> None:
+    """On the first decode step of a bucket (lazy) or at engine start (capture_graphs)."""
     path = tiny_paths["v4"]
     torchrun(os.path.join(HERE, "static_child.py"),
-             ["--out", str(tmp_path), "--path", path, "--tag", "v4", "failcapture"])
-    driver = json.loads((tmp_path / "v4-failcapture-rank0.json").read_text())
-    worker = json.loads((tmp_path / "v4-failcapture-rank1.json").read_text())
+             ["--out", str(tmp_path), "--path", path, "--tag", "v4", mode])
+    driver = json.loads((tmp_path / f"v4-{mode}-rank0.json").read_text())
+    worker = json.loads((tmp_path / f"v4-{mode}-rank1.json").read_text())
     assert "another rank" in driver["disabled"], driver["disabled"]
     assert "capture failure on rank 1" in worker["disabled"], worker["disabled"]
     assert driver["stats"] is None and worker["stats"] is None

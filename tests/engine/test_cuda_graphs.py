@@ -146,6 +146,38 @@ def test_engine_graph_options() -> None:
         EngineOptions(enforce_eager="yes")
     with pytest.raises(ValueError, match="cuda_graph_max_batch"):
         EngineOptions(cuda_graph_max_batch=0)
+    assert EngineOptions().cuda_graph_capture == "startup"
+    with pytest.raises(ValueError, match="cuda_graph_capture='eager'.*'startup', 'lazy'"):
+        EngineOptions(cuda_graph_capture="eager")
+
+
+def test_capture_graphs_at_start_captures_every_bucket_largest_first(
+        tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, monkeypatch) -> None:
+    """capture_graphs (what the engine runs at start) captures every bucket, largest first,
+    so that no request waits for a capture; a failure turns graphs off and decode still gives
+    the dynamic results."""
+    eng = make_engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, True, max_num_seqs=5)
+    graphs = eng.runner.decode_graphs
+    assert graphs.buckets == [1, 2, 4, 5]
+    eng.runner.capture_graphs()        # graphs off (CPU): nothing to capture
+    assert eng.runner.decode_graphs is graphs
+    graphs.use_graphs = True
+    order: list[int] = []
+    monkeypatch.setattr(graphs, "capture", order.append)
+    eng.runner.capture_graphs()
+    assert order == [5, 4, 2, 1] and eng.runner.decode_graphs is graphs
+
+    reqs = [(p, 5) for p in prompts(5, [21, 8])]
+    dyn = run(make_engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, False), reqs)
+
+    def capture(B: int) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (capture)")
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    eng.runner.capture_graphs()
+    assert eng.runner.decode_graphs is None
+    assert "out of memory" in eng.runner.graphs_disabled_reason
+    assert run(eng, reqs) == dyn
 
 
 def test_gpu_memory_sizing_arithmetic(tiny_v4_model, monkeypatch) -> None:

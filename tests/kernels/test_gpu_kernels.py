@@ -111,6 +111,44 @@ def test_sparse_attn_gpu(T: int, Ka: int, Kb: int) -> None:
     assert _rel(o, o_ref) < 5e-3
 
 
+@pytest.mark.parametrize("T,Ka,Kb", [(1, 128, 512), (16, 128, 512), (64, 128, 64),
+                                     (1000, 128, 512)])
+def test_sparse_attn_gpu_fp8_records(T: int, Ka: int, Kb: int) -> None:
+    """V4's 584-byte records (the GPU default cache) read in place, chunk-wise: the same bits
+    as the per-element reads and as the kernel on the dequantized rows; the twin to bf16."""
+    from dsv4.cache import formats as cf
+    from dsv4.ops import torch_attn as ref
+    from dsv4.ops import triton_attn as tri
+    gen = torch.Generator(device=DEV).manual_seed(T + Kb + 1)
+    H, d = 64, 512
+    fmt = cf.v4_kv_record(d, 64)
+    q = torch.randn(T, H, d, generator=gen, device=DEV).bfloat16()
+
+    def pool(n: int) -> cf.PackedRows:
+        x = torch.randn(n, d, generator=gen, device=DEV)
+        x = x * torch.logspace(-2, 1, n, device=DEV)[:, None]
+        return cf.PackedRows(fmt.pack(x), fmt)
+
+    kv_a, kv_b = pool(4096), pool(20000)
+    idx_a = torch.randint(0, 4096, (T, Ka), generator=gen, device=DEV, dtype=torch.int32)
+    idx_a[:, :3] = -1
+    idx_b = torch.randint(0, 20000, (T, Kb), generator=gen, device=DEV, dtype=torch.int32)
+    idx_b[0, Kb // 2:] = -1
+    sink = torch.randn(H, generator=gen, device=DEV)
+    _poison()
+    o = tri.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5)
+    assert o.shape == (T, H, d) and _finite(o)
+    cfg = tri.pick_attn_config(T, H, d, Ka + Kb, q.device, records=True)
+    o_elem = tri.sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, None,
+                                         tri.AttnConfig(**{**cfg.__dict__, "chunked": False}))
+    assert torch.equal(o, o_elem)
+    rows_a, rows_b = fmt.unpack(kv_a.data, torch.bfloat16), fmt.unpack(kv_b.data, torch.bfloat16)
+    assert torch.equal(o, tri.sparse_attn_with_config(q, rows_a, idx_a, rows_b, idx_b, sink,
+                                                      d ** -0.5, None, cfg))
+    o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, p_dtype=torch.bfloat16)
+    assert _rel(o, o_ref) < 5e-3
+
+
 @pytest.mark.parametrize("T,L", [(1, 2048), (64, 4096), (512, 2048)])
 def test_indexer_scores_gpu(T: int, L: int) -> None:
     from dsv4.ops import torch_attn as ref

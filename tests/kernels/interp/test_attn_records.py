@@ -125,3 +125,32 @@ def test_tiny_v4_on_records_triton_backend_matches_torch(tmp_path) -> None:
                                      for ctx in (prefill, decode)])
     assert logits["torch"].shape == (11, model.cfg.vocab_size)
     assert rel_err(logits["triton"], logits["torch"]) < 1e-5
+
+
+@pytest.mark.parametrize("d,split", [(128, 1), (512, 2)])
+def test_chunked_record_reads_match_element_reads(d: int, split: int) -> None:
+    """fp8 records read chunk-wise (8-byte code vectors, one scale per chunk, the bf16 tail as
+    vectors) give bit for bit what the per-element reads give, at V4's real 584-byte layout."""
+    gen = torch.Generator().manual_seed(d)
+    fmt = cf.v4_kv_record(d, 64)
+    assert tri.chunked_records_ok(tri.record_meta(fmt), d, fmt.record_bytes)
+    T, H = 2, 16
+    q = torch.randn(T, H, d, generator=gen).bfloat16()
+    kv_a, kv_b = _records(fmt, 40, gen), _records(fmt, 19, gen)
+    idx_a, idx_b = random_indices(T, 33, 40, gen, 0.3), random_indices(T, 21, 19, gen, 0.3)
+    idx_b[1] = -1
+    sink = torch.randn(H, generator=gen)
+    outs = [tri.sparse_attn_with_config(
+        q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, torch.bfloat16,
+        tri.AttnConfig(BH=16, BN=16, split_kv=split, chunked=chunked)) for chunked in (True, False)]
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_chunked_records_ok_refuses_other_layouts() -> None:
+    assert not tri.chunked_records_ok(tri.record_meta(cf.fp8_record(128, 32)), 128, 124)
+    assert not tri.chunked_records_ok(tri.record_meta(cf.fp4_record(128, 16, "e4m3")), 128, 72)
+    v4 = tri.record_meta(cf.v4_kv_record(512, 64))
+    assert tri.chunked_records_ok(v4, 512, 584)
+    assert not tri.chunked_records_ok(v4, 512, 588)   # rows not 8-byte aligned
+    assert not tri.chunked_records_ok(tri._DENSE_META, 512, 512)
