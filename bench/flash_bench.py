@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsv4.cache.formats import RECORD_DTYPE, cache_formats, is_record_dtype
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.formats import QuantWeight
@@ -187,18 +188,23 @@ def weight_bytes(model: Transformer, batch: int) -> dict[str, float]:
     return out
 
 
-def kv_bytes(cfg: ModelConfig, ctx_len: int, batch: int) -> float:
-    """KV bytes one decode step reads (bf16 rows): window + selected/all compressed entries +
-    the indexer keys scored, per request, summed over layers."""
+def kv_bytes(cfg: ModelConfig, ctx_len: int, batch: int, records: bool = False) -> float:
+    """KV bytes one decode step reads: window + selected/all compressed entries + the indexer
+    keys scored, per request, summed over layers; bf16 rows, or (``records``) the official
+    cache records (kv_cache_dtype "fp8": 584 B per V4 row, 68 B per index key)."""
+    row, key = cfg.head_dim * 2, cfg.index_head_dim * 2
+    if records:
+        fmts = cache_formats(cfg)
+        row, key = fmts.compressed.record_bytes, fmts.index_keys.record_bytes
     per = 0.0
     for layer in range(cfg.n_layers):
         r = cfg.ratio(layer)
-        per += min(cfg.window_size, ctx_len) * cfg.head_dim * 2
+        per += min(cfg.window_size, ctx_len) * row
         if r == 4:
             n = ctx_len // 4
-            per += min(cfg.index_topk, n) * cfg.head_dim * 2 + n * cfg.index_head_dim * 2
+            per += min(cfg.index_topk, n) * row + n * key
         elif r > 0:
-            per += (ctx_len // r) * cfg.head_dim * 2
+            per += (ctx_len // r) * row
     return per * batch
 
 
@@ -350,7 +356,7 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
 
     eager = statistics.median(sync_time(eager_step, steps))
     wb = weight_bytes(model, B)
-    kvb = kv_bytes(cfg, ctx_len, B)
+    kvb = kv_bytes(cfg, ctx_len, B, is_record_dtype(cache.dtype))
     total = wb["dense"] + wb["experts"] + wb["head"] + wb["embed"] + kvb
     floor = total / BW
     out = {"B": B, "ctx": ctx_len, "eager_step_s": eager, "floor_s": floor,
@@ -565,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed eager decode steps")
     ap.add_argument("--reps", type=int, default=3, help="timed prefill repetitions")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16"],
+                    help="cache storage: the official records (the GPU default) or bf16 rows")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="toy widths (smoke test)")
@@ -601,9 +609,12 @@ def main(argv: list[str] | None = None) -> int:
     prefills = [int(s) for s in args.prefill.split(",") if s]
     ppr = pages_needed(args.ctx + args.steps + 4, PAGE)
     num_pages = max(max(batches) * ppr, pages_needed(max(prefills), PAGE))
+    cache_dtype = RECORD_DTYPE if args.kv_cache_dtype == "fp8" else torch.bfloat16
     cache = HybridCache.allocate(model.cfg, num_pages=num_pages, num_slots=max(batches),
-                                 page_size=PAGE, dtype=torch.bfloat16, device=DEV)
-    log(f"cache: {num_pages} pages, {max(batches)} slots, {cache.memory_bytes() / 1e9:.2f} GB")
+                                 page_size=PAGE, dtype=cache_dtype, device=DEV)
+    results["kv_cache_dtype"] = args.kv_cache_dtype
+    log(f"cache: {num_pages} pages, {max(batches)} slots, {cache.memory_bytes() / 1e9:.2f} GB, "
+        f"{args.kv_cache_dtype}")
 
     try:  # the expert kernel against its torch twin on this model's weights
         layer = next(l for l in model.layers if not l.ffn.gate.is_hash)

@@ -47,3 +47,6 @@ def test_flash_floors_at_real_widths() -> None:
     want = 4 * 128 * 512 * 2 + 512 * 512 * 2 + 2048 * 128 * 2 + 64 * 512 * 2
     assert fb.kv_bytes(cfg, 8192, 1) == want
     assert fb.kv_bytes(cfg, 8192, 16) == 16 * want
+    # The official records: 584 B per attention row, 68 B per index key.
+    want8 = (4 * 128 + 512 + 64) * 584 + 2048 * 68
+    assert fb.kv_bytes(cfg, 8192, 1, records=True) == want8
