@@ -8,7 +8,9 @@ official numerics (FP8 activations, act_block 128), bf16 compute.
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_decode.py --tiny   # CPU smoke run
 
 Per token count it times the default plan (``pick_moe_config``) and, with ``--sweep``, the
-alternative plans of :func:`sweep_plans` (12 distinct plans in all at V4-Flash widths).  One
+alternative plans of :func:`sweep_plans` (25 distinct plans in all at V4-Flash widths: the tile
+plans, and up to ``SPLIT_SWEEP_MAX_TOKENS`` tokens the K splits 1/2/4/8 of the up and of the down
+GEMM on the default tiles).  One
 graph holds ``--rotate`` calls on different routings (<= 256 tokens), so the weights of
 consecutive calls differ and come from HBM, as in a real step.  Columns: µs per call, the floor
 max(distinct experts' MXFP4 bytes / 4.29 TB/s, expert FLOPs / 1459 TFLOP/s), the ratio to it,
@@ -52,6 +54,10 @@ TINY_SWEEP_PLANS = 3            # plans per token count in the interpreter (defa
 # Decode (BM 16): N tiles (BN_up, BN_down); 8 warps only with 128-wide tiles (a 16-row tile of
 # 64 columns gives 8 warps too little work each).
 SMALL_TILES = [(64, 128), (128, 128), (64, 64), (32, 64)]
+# K splits timed on the default tiles up to this many tokens, one GEMM at a time (the other keeps
+# the default's split): the up and down kernels add up, so each axis finds its best split.
+SPLIT_SWEEP_MAX_TOKENS = 16
+SPLITS = (1, 2, 4, 8)
 SMALL_WIDE_WARPS8 = [(64, 128), (128, 128)]
 # Prefill (BN 128/128): (BM, warps, stages).  BM 128 only with 8 warps: the up GEMM's fp32
 # accumulator (128 rows x 2·128 columns) over 4 warps would be 256 registers a thread.
@@ -85,10 +91,18 @@ def expert_bytes(D: int, inter: int) -> int:
 def sweep_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.MoeConfig]:
     """The plans timed at ``T`` tokens: ``base`` (the default plan) first, then the alternatives
     of its regime (decode <= ``SMALL_MAX_TOKENS`` tokens, prefill beyond) that fit the widths,
-    without duplicates.  BK and (decode) stages follow ``base``."""
+    without duplicates.  BK and (decode) stages follow ``base``.  Up to
+    ``SPLIT_SWEEP_MAX_TOKENS`` tokens, right after ``base``: its tiles with the up GEMM's K
+    split in ``SPLITS`` (the down's as in ``base``), then the same for the down GEMM (splits
+    above the K steps left out); the tile alternatives are unsplit."""
     if T <= 0:
         raise ValueError(f"sweep_plans: token count must be positive; found {T}")
     alts: list[tri.MoeConfig] = []
+    if T <= SPLIT_SWEEP_MAX_TOKENS:
+        alts += [dataclasses.replace(base, split_up=s) for s in SPLITS
+                 if s <= dim // base.BK]
+        alts += [dataclasses.replace(base, split_down=s) for s in SPLITS
+                 if s <= inter // base.BK]
     if T <= SMALL_MAX_TOKENS:
         for up, down in SMALL_TILES:
             for warps in (4, 8) if (up, down) in SMALL_WIDE_WARPS8 else (4,):
@@ -104,9 +118,12 @@ def sweep_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.M
 
 
 def plan_name(cfg: tri.MoeConfig) -> str:
-    """Short name of a tile plan: BM, N tiles up/down, warps up/down, stages."""
+    """Short name of a tile plan: BM, N tiles up/down, warps up/down, stages, and the K splits
+    up/down when split."""
+    split = (f" split {cfg.split_up}/{cfg.split_down}"
+             if cfg.split_up > 1 or cfg.split_down > 1 else "")
     return (f"BM{cfg.BM} BN {cfg.BN_up}/{cfg.BN_down} w{cfg.warps_up}/{cfg.warps_down} "
-            f"s{cfg.stages}")
+            f"s{cfg.stages}{split}")
 
 
 def per_call_seconds(fns: list[Callable[[], Any]], dev: str, replays: int) -> float:

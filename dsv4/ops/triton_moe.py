@@ -13,6 +13,15 @@ Same signature as the torch twin ``dsv4.ops.torch_dense.moe_experts``:
 3. ``_moe_down_kernel``: the w2 GEMM of the same blocks, one output row per pair;
 4. ``_moe_combine_kernel``: per token the fp32 sum of its picks (fixed order, no atomics).
 
+Split-K (decode: :attr:`MoeConfig.split_up` / ``split_down`` > 1, grid axis 2): each split of
+the up or down GEMM walks its share of the K steps and stores its fp32 partial tile(s) in a
+per-call workspace; after a barrier it counts itself in at the tile's int32 arrival counter
+(one atomic, acq_rel at GPU scope), and the last split to arrive sums the partials in the fixed
+order s = 0..S-1, runs what the unsplit kernel runs after its K loop, and resets the counter.
+The result is bit-reproducible whatever the arrival order, and equal to the unsplit plan's to
+fp32 rounding (another summation order), not bit-equal.  The counters are one persistent
+zeroed buffer per device (:func:`arrival_counters`), never re-zeroed per call.
+
 Large calls (prefill: at least ``DEQUANT_GEMM_MIN_ROWS`` pairs per expert on average; off by
 default until measured on the GPU) can take :func:`moe_experts_grouped` instead: every expert dequantized once by ``_dequant_experts_kernel``
 into a scratch, then ``torch._grouped_mm`` (cuBLAS) for the two GEMMs, the same combine.
@@ -58,6 +67,7 @@ __all__ = [
     "DEQUANT_GEMM_MIN_ROWS",
     "FP4_DECODE",
     "MoeConfig",
+    "arrival_counters",
     "dequant_experts",
     "moe_experts",
     "moe_experts_grouped",
@@ -251,6 +261,54 @@ def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
     return acc
 
 
+# ------------------------------------------------------------------------------ split-K helpers
+@triton.jit
+def _split_k_range(K, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """[k_lo, k_hi) of this program: all of K unsplit; split s = program_id(2) of S =
+    num_programs(2) takes K steps s·n/S .. (s+1)·n/S (n = K / BK; shares differ by one step at
+    most, none empty as the host keeps S <= n)."""
+    if SPLIT:
+        steps = K // BK
+        s = tl.program_id(2)
+        S = tl.num_programs(2)
+        k_lo = (s * steps // S) * BK
+        k_hi = ((s + 1) * steps // S) * BK
+    else:
+        k_lo = 0
+        k_hi = K
+    return k_lo, k_hi
+
+
+@triton.jit
+def _store_partial(part_ptr, offs, acc, mask, stride_part_s):
+    """This split's fp32 partial tile into its slice of the workspace."""
+    tl.store(part_ptr + tl.program_id(2).to(tl.int64) * stride_part_s + offs, acc, mask=mask)
+
+
+@triton.jit
+def _arrive_last(arrivals_ptr, tile):
+    """Count this split in at the tile's arrival counter (after its partial stores); True for the
+    split that arrives last, which then owns the reduction."""
+    # Every thread's partial stores are issued before the single arrival, whose release makes
+    # them visible to the last program's acquire.
+    tl.debug_barrier()
+    old = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return old == tl.num_programs(2) - 1
+
+
+@triton.jit
+def _sum_partials(part_ptr, offs, mask, stride_part_s):
+    """Σ of the S partial tiles in the fixed order s = 0, 1, .., S-1 (bit-reproducible whatever
+    the order the splits arrived in).  ``.cg`` loads read L2: never an L1 line of this SM that
+    predates the other splits' stores."""
+    ptrs = part_ptr + offs
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for _ in range(1, tl.num_programs(2)):
+        ptrs += stride_part_s       # 64-bit pointers: slice s at s·stride without int32 products
+        acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
 def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
@@ -284,16 +342,39 @@ def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_sr
 
 
 @triton.jit
+def _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm, limit,
+                 OUT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """act = w · swiglu(g, u) of one tile from the fp32 gate/up GEMM results, stored rounded."""
+    # The twin's w1/w3 GEMMs return the compute dtype: round there before the SwiGLU.
+    g = acc1
+    u = acc3
+    if OUT == tl.bfloat16:
+        g = round_to_bf16(g)
+        u = round_to_bf16(u)
+    if HAS_LIMIT:
+        u = tl.clamp(u, -limit, limit)
+        g = tl.minimum(g, limit)
+    wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
+    a = g * tl.sigmoid(g) * u * wt[:, None]
+    store_rne(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + rn[None, :], a,
+              m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
-                   P, N, K, E, stride_xm, stride_actm,
+                   part1_ptr, part3_ptr, arrivals_ptr,
+                   P, N, K, E, stride_xm, stride_actm, stride_part_s, stride_part_m,
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr,
+                   HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SPLIT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
-    ``xs`` comes from ``_moe_prep_kernel``."""
+    ``xs`` comes from ``_moe_prep_kernel``.  SPLIT (grid axis 2 = S splits of K): each split
+    stores its fp32 gate and up partials into ``part1`` / ``part3`` [S, rows, N]; the last split
+    to arrive at the tile's counter in ``arrivals`` sums them in split order, runs the epilogue
+    and resets the counter to 0.  Unused blocks (id >= E) touch nothing, in every split."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -306,7 +387,8 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
         OUT: tl.constexpr = xs_ptr.dtype.element_ty
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo, k_hi = _split_k_range(K, BK, SPLIT)
+        for k0 in range(k_lo, k_hi, BK):
             x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
             g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
@@ -316,30 +398,34 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0, FAST_FP4)
             acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
-        # The twin's w1/w3 GEMMs return the compute dtype: round there before the SwiGLU.
-        g = acc1
-        u = acc3
-        if OUT == tl.bfloat16:
-            g = round_to_bf16(g)
-            u = round_to_bf16(u)
-        if HAS_LIMIT:
-            u = tl.clamp(u, -limit, limit)
-            g = tl.minimum(g, limit)
-        wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
-        a = g * tl.sigmoid(g) * u * wt[:, None]
-        store_rne(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + rn[None, :], a,
-                  m_mask[:, None] & n_mask[None, :])
+        if SPLIT:
+            tile = blk * tl.num_programs(1) + pid_n
+            offs = rm.to(tl.int64)[:, None] * stride_part_m + rn[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
+            _store_partial(part1_ptr, offs, acc1, mask, stride_part_s)
+            _store_partial(part3_ptr, offs, acc3, mask, stride_part_s)
+            if _arrive_last(arrivals_ptr, tile):
+                acc1 = _sum_partials(part1_ptr, offs, mask, stride_part_s)
+                acc3 = _sum_partials(part3_ptr, offs, mask, stride_part_s)
+                _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask,
+                             stride_actm, limit, OUT, HAS_LIMIT)
+                # Clean for the next launch (and CUDA-graph replays): no per-call zeroing.
+                tl.store(arrivals_ptr + tile, 0)
+        else:
+            _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
+                         limit, OUT, HAS_LIMIT)
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
-                     P, N, K, E, stride_actm, stride_ym,
+def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_ptr, arrivals_ptr,
+                     P, N, K, E, stride_actm, stride_ym, stride_part_s, stride_part_m,
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
-                     FAST_FP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     FAST_FP4: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
-    ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant)."""
+    ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
+    SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -351,14 +437,25 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
         n_mask = rn < N
         OUT: tl.constexpr = act_ptr.dtype.element_ty
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo, k_hi = _split_k_range(K, BK, SPLIT)
+        for k0 in range(k_lo, k_hi, BK):
             a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
             w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0, FAST_FP4)
             acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
-        store_rne(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc,
-                  m_mask[:, None] & n_mask[None, :])
+        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT:
+            tile = blk * tl.num_programs(1) + pid_n
+            offs = rm.to(tl.int64)[:, None] * stride_part_m + rn[None, :]
+            _store_partial(part_ptr, offs, acc, mask, stride_part_s)
+            if _arrive_last(arrivals_ptr, tile):
+                acc = _sum_partials(part_ptr, offs, mask, stride_part_s)
+                store_rne(y_ptrs, acc, mask)
+                tl.store(arrivals_ptr + tile, 0)
+        else:
+            store_rne(y_ptrs, acc, mask)
 
 
 @triton.jit
@@ -413,7 +510,12 @@ if FP4_DECODE not in ("asm", "alu"):
 @dataclass(frozen=True)
 class MoeConfig:
     """Tile plan of one expert call: BM rows per block (each block one expert), N tiles of the
-    up (gate+up) and down GEMMs, K step (= the FP8 act-quant block under official numerics)."""
+    up (gate+up) and down GEMMs, K step (= the FP8 act-quant block under official numerics),
+    and the K splits of the up and down GEMMs (1: unsplit; more are clamped to the K steps).
+
+    A split GEMM sums its fp32 partials in a fixed order inside the kernel: its output is
+    bit-reproducible run to run and equal to the unsplit one to fp32 rounding, not bit-equal
+    (another accumulation order)."""
 
     BM: int
     BN_up: int
@@ -422,12 +524,40 @@ class MoeConfig:
     warps_up: int = 4
     warps_down: int = 4
     stages: int = 3
+    split_up: int = 1
+    split_down: int = 1
 
     def __post_init__(self) -> None:
         for name in ("BM", "BN_up", "BN_down"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeConfig: {name} must be a power of two >= 16; found {v}")
+        for name in ("split_up", "split_down"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoeConfig: {name} must be an int >= 1; found {v!r}")
+
+
+# Split-K at decode.  At one token only ~6 row blocks × the N tiles stream the weights (192
+# programs at V4-Flash widths, 1.45 waves of the H200's 132 SMs, ~1.1 TB/s): K splits multiply
+# the programs up to ~4 per SM, while each split keeps >= 1024 of K (8 steps of 128: its
+# pipeline stays full and the fp32 partials stay small next to the weights it reads).  A first
+# rule from that reasoning, not yet measured (V4-Flash, one token: up 4, down 2);
+# bench/moe_decode.py --sweep times splits 1/2/4/8 for the H200 numbers.
+_SPLIT_SMS = 132
+_SPLIT_TARGET_PROGRAMS = 4 * _SPLIT_SMS
+_SPLIT_MIN_K = 1024
+_SPLIT_MAX = 8
+
+
+def _pick_split(programs: int, k: int) -> int:
+    """Smallest power-of-two K split giving >= the target programs (or the most allowed) for a
+    GEMM of ``programs`` unsplit programs over a reduction of length ``k``."""
+    split = 1
+    while (programs * split < _SPLIT_TARGET_PROGRAMS and split * 2 <= _SPLIT_MAX
+           and k // (split * 2) >= _SPLIT_MIN_K):
+        split *= 2
+    return split
 
 
 def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, block_k: int
@@ -437,19 +567,50 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     From the H200 sweeps (docs/PERFORMANCE.md, V4-Flash shapes, bench/moe_decode.py --sweep):
     16-row blocks for decode with wide N tiles (64/128 at one token, 128/128 from 16 tokens
     up), 64-row blocks with 128-wide tiles and 4 warps beyond, 128-row blocks with 8 warps from
-    128 rows per expert (8K prefill: 11.8 ms against 12.3 with 64-row blocks)."""
+    128 rows per expert (8K prefill: 11.8 ms against 12.3 with 64-row blocks).  16-row blocks
+    whose programs (active experts × N tiles) are too few to fill the GPU split K
+    (:func:`_pick_split`; V4-Flash: one token up 4 / down 2, 8 tokens and more unsplit)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:
-        if num_pairs <= 8:
-            return MoeConfig(BM=16, BN_up=64, BN_down=128, BK=block_k, stages=3)
-        return MoeConfig(BM=16, BN_up=128, BN_down=128, BK=block_k, stages=3)
+        bn_up, bn_down = (64, 128) if num_pairs <= 8 else (128, 128)
+        return MoeConfig(BM=16, BN_up=bn_up, BN_down=bn_down, BK=block_k, stages=3,
+                         split_up=_pick_split(active * -(-inter // bn_up), dim),
+                         split_down=_pick_split(active * -(-dim // bn_down), inter))
     if rows <= 32:
         return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
     if rows < 128:
         return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
     return MoeConfig(BM=128, BN_up=128, BN_down=128, BK=block_k, warps_up=8, warps_down=8,
                      stages=3)
+
+
+# Arrival counters of the split-K kernels: one persistent int32 buffer per device, zeroed once
+# when allocated; the last split of each tile resets its counter, so calls never re-zero it and
+# CUDA-graph replays start clean.  Growing allocates: the first call of each shape runs in the
+# warm-up, before any CUDA-graph capture (the engine's DecodeGraphs does).  Buffers replaced by
+# a larger one are kept alive: graphs captured earlier still hold their address.  The up and
+# down kernels of a call (and calls on one device) are stream-ordered and share the counters.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_ARRIVALS_RETIRED: list[torch.Tensor] = []
+_ARRIVALS_MIN = 4096
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The zeroed int32 arrival counters of ``device``, at least ``count`` of them (grown, by
+    doubling, when a launch needs more)."""
+    buf = _ARRIVALS.get(device)
+    if buf is not None and buf.numel() >= count:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"moe_experts: the split-K arrival counters must grow to {count} "
+                           f"during a CUDA-graph capture; run the call once before capturing")
+    size = max(_ARRIVALS_MIN, count, 2 * buf.numel() if buf is not None else 0)
+    if buf is not None:
+        _ARRIVALS_RETIRED.append(buf)
+    buf = torch.zeros(size, dtype=torch.int32, device=device)
+    _ARRIVALS[device] = buf
+    return buf
 
 
 # Shared memory the pipelined operand buffers of one program may take (the H200: 227 KB).
@@ -644,19 +805,30 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         stages_up = _fit_stages(cfg.stages, cfg.BM, 2 * cfg.BN_up, cfg.BK, size)
         stages_down = _fit_stages(cfg.stages, cfg.BM, cfg.BN_down, cfg.BK, size)
     rows = nb * cfg.BM
+    # K splits (at most one per K step); grid axis 2.
+    split_up = min(cfg.split_up, D // cfg.BK)
+    split_down = min(cfg.split_down, inter // cfg.BK)
+    tiles_up, tiles_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
+    need = max(nb * tiles_up if split_up > 1 else 0, nb * tiles_down if split_down > 1 else 0)
+    arrivals = arrival_counters(x.device, need) if need else block_expert
     # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
     xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     _moe_prep_kernel[(nb, D // cfg.BK)](
         x, pairs, block_expert, xs, P, E, k, x.stride(0), xs.stride(0),
         GATHER=True, FMT=fmt, QUANT=quant, BM=cfg.BM, BK=cfg.BK, num_warps=4)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _moe_up_kernel[(nb, triton.cdiv(inter, cfg.BN_up))](
-        xs, w1, w3, s1, s3, pairs, block_expert, wts, act,
-        P, inter, D, E, xs.stride(0), act.stride(0),
+    # fp32 partials of the splits (gate, up: [2, S, rows, I]); only real rows are written and
+    # read.  Unsplit: never touched (act stands in).
+    part_up = (torch.empty(2, split_up, rows, inter, dtype=torch.float32, device=x.device)
+               if split_up > 1 else act.expand(2, 1, rows, inter))
+    _moe_up_kernel[(nb, tiles_up, split_up)](
+        xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1], arrivals,
+        P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
-        BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up, num_stages=stages_up)
-    del xs
+        SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up,
+        num_stages=stages_up)
+    del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
         _moe_prep_kernel[(nb, inter // cfg.BK)](
@@ -666,12 +838,16 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     else:
         act_in = act
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
-        act_in, w2, s2, pairs, block_expert, y, P, D, inter, E, act_in.stride(0), y.stride(0),
+    part_down = (torch.empty(split_down, rows, D, dtype=torch.float32, device=x.device)
+                 if split_down > 1 else y[None])
+    _moe_down_kernel[(nb, tiles_down, split_down)](
+        act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
+        act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast,
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SPLIT=split_down > 1,
         BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
         num_stages=stages_down)
+    del part_down
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
     return out

@@ -504,6 +504,8 @@ def _experts(m: ModelDims, fmt: str, official: bool, scale_fp32: bool = False) -
 
 
 def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
+    from dataclasses import replace
+
     import torch
 
     from dsv4.ops import triton_moe as tm
@@ -522,6 +524,13 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             # The routing plan's constexprs follow the real expert and pair counts.
             tm.moe_plan(torch.randint(0, m.experts, (T_real, m.topk), generator=gen),
                         m.experts, cfg.BM)
+        if phase == "decode":
+            # The split-K path (fp32 partials, arrival atomics) whatever the default rule picks.
+            cfg = tm.pick_moe_config(m.topk, m.experts, m.dim, m.inter, bk)
+            cfg = replace(cfg, split_up=2, split_down=2)
+            tm.moe_experts_with_config(_empty(1, m.dim, dtype=torch.bfloat16),
+                                       torch.randint(0, E_ALLOC, (1, m.topk)),
+                                       torch.rand(1, m.topk), ex, 10.0, cfg)
 
 
 # MXFP4 experts (V4-Flash / Pro, V4.1-Flash), FP8 experts (the *-Base checkpoints), dense

@@ -1,7 +1,7 @@
 """The routing-plan kernel and the MXFP4 expert GEMMs under every tile plan bench/moe_decode.py
-sweeps, on the GPU at V4-Flash shapes (D 4096, I 2048, 256 experts, top-6), against the torch
-twins (skipped without CUDA).  Outputs are allocated over NaN-poisoned memory so an element the
-kernels never write shows up."""
+sweeps (split-K plans included), on the GPU at V4-Flash shapes (D 4096, I 2048, 256 experts,
+top-6), against the torch twins (skipped without CUDA).  Outputs are allocated over NaN-poisoned
+memory so an element the kernels never write shows up."""
 
 from __future__ import annotations
 
@@ -105,9 +105,10 @@ def test_default_plan_gpu(T: int) -> None:
     assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
 
 
-# One decode and one prefill-sized token count: every alternative plan of the bench's sweep
-# (compiling them here also warms the Triton cache for the moe_decode stage of the session).
-@pytest.mark.parametrize("T,twin_rows", [(64, 64), (1024, 128)])
+# Decode and prefill-sized token counts: every alternative plan of the bench's sweep (1 and 16
+# tokens: its split-K plans too; compiling them here also warms the Triton cache for the
+# moe_decode stage of the session).
+@pytest.mark.parametrize("T,twin_rows", [(1, 1), (16, 16), (64, 64), (1024, 128)])
 def test_sweep_plans_gpu(T: int, twin_rows: int) -> None:
     """Each plan of bench/moe_decode.py's sweep: finite everywhere, the twin on the first rows
     (rows are independent), and agreeing with the default plan on all rows."""
@@ -148,3 +149,75 @@ def test_fp32_compute_gpu() -> None:
     y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, tri.MoeConfig(16, 64, 128))
     assert bool(torch.isfinite(y).all())
     assert _rel(y, y_ref) < 1e-5
+
+
+def _counters_clean() -> bool:
+    from dsv4.ops import triton_moe as tri
+    torch.cuda.synchronize()
+    return all(not bool(b.any()) for b in tri._ARRIVALS.values())
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_split_k_bit_reproducible_gpu(T: int) -> None:
+    """The default decode plan splits K (1 token: up 4 / down 2) and a forced 3/3 plan (ragged
+    shares): bit-identical over two identical calls (fixed summation order whatever the
+    arrival order), close to the unsplit plan and the twin, every output written, all arrival
+    counters back to 0; the same with fp32 compute against the fp32 twin."""
+    from dataclasses import replace
+
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(300 + T)
+    ex = _stacks(gen, 128)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    base = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
+    assert base.split_up > 1 or base.split_down > 1, base
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    unsplit = tri.moe_experts_with_config(x, ids, w, ex, 10.0,
+                                          replace(base, split_up=1, split_down=1))
+    for cfg in (base, replace(base, split_up=3, split_down=3)):
+        _poison()
+        y1 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+        y2 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+        assert bool(torch.isfinite(y1).all()) and torch.equal(y1, y2), cfg
+        assert _rel(y1, y_ref) < 1e-2 and _rel(y1, unsplit) < 1e-2, cfg
+        assert _counters_clean(), cfg
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        y32_ref = ref.moe_experts(x.float(), ids, w, ex, 10.0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    y32 = tri.moe_experts_with_config(x.float(), ids, w, ex, 10.0,
+                                      replace(base, split_up=4, split_down=3))
+    assert _rel(y32, y32_ref) < 1e-5 and _counters_clean()
+
+
+def test_split_k_in_a_cuda_graph() -> None:
+    """A one-token split-K call captured after its warm-up, replayed on new inputs written into
+    the captured ones: each replay equals the eager call bit for bit (the counters start clean
+    every replay)."""
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(400)
+    ex = _stacks(gen, 128)
+    x = torch.randn(1, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(1, gen)
+    cfg = tri.pick_moe_config(TOPK, E, D, INTER, 128)
+    assert cfg.split_up > 1
+    tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)      # warm-up: compile, counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    for seed in (401, 402, 403):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        x.copy_(torch.randn(1, D, generator=g, device=DEV).to(torch.bfloat16))
+        new_ids, new_w = _routing(1, g)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+        assert torch.equal(y, eager), seed
+    assert _counters_clean()
