@@ -88,6 +88,8 @@ def row(op: str, shape: str, t_us: float, eager_us: float | None, base_us: float
 FP8_DECODE = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096),
               ("wo_b", 4096, 8192), ("shared_w1", 2048, 4096), ("idx_wq_b", 8192, 1024)]
 FP8_PREFILL = [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192)]
+# Decode shapes whose tile plans (BN × split-K) --sweep times at M = 1 and 16.
+FP8_SWEEP_DECODE = ("wq_a", "wq_b", "wo_b", "idx_wq_b")
 
 
 def _fp8_inputs(M: int, N: int, K: int, ncopy: int):
@@ -116,9 +118,11 @@ def bench_fp8(M: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict, lis
     tried = []
     if sweep:
         if M <= 64:
+            # Split-K is reduced inside the kernel (no extra launches): splits up to 16 are
+            # worth timing where K has the blocks for them.
             cands = [td.Fp8GemmConfig(BM=max(16, triton.next_power_of_2(M)), BN=bn, split_k=sp,
                                       num_warps=4, num_stages=3)
-                     for bn in (32, 64, 128) for sp in (1, 2, 4, 8)]
+                     for bn in (32, 64, 128) for sp in (1, 2, 4, 8, 16) if sp <= K // 128]
         else:
             cands = [td.Fp8GemmConfig(BM=bm, BN=bn, num_warps=nw, num_stages=st, fuse_quant=False)
                      for bm, bn, nw, st in ((64, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 5),
@@ -297,7 +301,8 @@ def main() -> int:
     if want("fp8_linear"):
         for M in (1, 16, 64):
             for name, N, K in FP8_DECODE:
-                add(*bench_fp8(M, name, N, K, args.sweep and M == 64 and name == "wq_a"))
+                swept = (M in (1, 16) and name in FP8_SWEEP_DECODE) or (M == 64 and name == "wq_a")
+                add(*bench_fp8(M, name, N, K, args.sweep and swept))
         for name, N, K in FP8_PREFILL:
             add(*bench_fp8(4096, name, N, K, args.sweep))
     if want("sparse_attn"):

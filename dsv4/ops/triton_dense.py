@@ -179,16 +179,28 @@ def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------------------ FP8 GEMM
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, c_ptr,
-                     M, N, K, stride_am, stride_wn, stride_cs, stride_cm, n_kb, k_blocks_per_split,
+def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
+                     M, N, K, stride_am, stride_wn, stride_om, stride_ws, stride_wm, n_kb,
+                     k_blocks_per_split,
                      QUANT_A: tl.constexpr, SW_E8M0: tl.constexpr, B: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """C[M, N] (+= per split) = Σ_kb (A8·sA)(W8·sW)^T, one B-wide K block per step.
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLITS: tl.constexpr):
+    """out[M, N] = Σ_kb (A8·sA)(W8·sW)^T, one B-wide K block per step.
 
     QUANT_A: A is the raw activation (bf16/fp32) and is quantized here, per row and K block,
     exactly as the reference act_quant; else A is e4m3 with fp32 scales sa [M, n_kb].
-    Grid: (tiles of M×N in grouped order, K splits).  With splits > 1 each split writes its own
-    fp32 slice of C (stride_cs) and the host sums them (deterministic, unlike atomics).
+    Grid: (tiles of M×N in grouped order, SPLITS).  With SPLITS == 1 the tile is stored
+    straight into ``out``.  Otherwise split s covers K blocks
+    ``[s·k_blocks_per_split, min((s+1)·k_blocks_per_split, n_kb))`` (the last may be shorter)
+    and the reduction happens here, deterministically:
+
+    1. every split stores its fp32 partial tile into its slice ``ws[s]`` of the workspace;
+    2. it then bumps the tile's int32 arrival counter ``count[pid]`` (acq_rel, gpu scope);
+    3. the split that arrives last re-reads all the slices (its own too: the same bits) and
+       sums them in the fixed order ``((ws[0] + ws[1]) + ws[2]) + … + ws[SPLITS−1]`` (fp32),
+       so the bits never depend on which split arrived last; it stores the sum in out's dtype
+       (bf16 rounded to nearest-even) and resets the counter to 0 for the next launch (and
+       CUDA-graph replays).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -232,8 +244,30 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, c_ptr,
         # A fresh dot per K block keeps the tensor-core partial sums short (Hopper FP8 MMA
         # accumulates with reduced precision); the scaled sum is fp32.
         acc += tl.dot(a8, tl.trans(w)) * (sa[:, None] * sw[None, :])
-    c = c_ptr + split * stride_cs + rm[:, None] * stride_cm + rn[None, :]
-    store_rne(c, acc, m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLITS > 1:
+        part = ws_ptr + rm[:, None] * stride_wm + rn[None, :]
+        tl.store(part + split * stride_ws, acc, mask=mask)
+        # Every thread's partial stores are issued before one thread publishes the arrival;
+        # the release of the atomic then orders them before any later acquirer's reads.
+        tl.debug_barrier()
+        count = count_ptr + pid
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            # The acquire was done by one thread: the barrier orders all threads' reads after
+            # it (cheap, and independent of how the atomic's result is broadcast).
+            tl.debug_barrier()
+            # Unrolled, so the SPLITS loads are in flight together (one L2 round trip);
+            # .cg reads L2, never a possibly stale L1 line.
+            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(part + s * stride_ws, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            store_rne(out, total, mask)
+            tl.store(count, 0)
+    else:
+        store_rne(out, acc, mask)
 
 
 @dataclass(frozen=True)
@@ -271,8 +305,11 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
 
     Prefill (M > 64): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
     Decode: the weight stream must keep ~2 programs per SM busy: the widest N tile that
-    reaches that without splitting K, else the widest that reaches it with a K split (each
-    split keeps >= 2 K blocks; the fp32 slices are summed afterwards, deterministically).
+    reaches that with at most 8 K splits (each keeping >= 2 K blocks), and the fewest splits
+    that do.  Splitting costs no extra launch (the last split of each tile sums the fp32
+    slices in the kernel), so a wide split tile beats a narrow unsplit one: on the H200 at
+    M = 1, N = 8192, K = 1024, BN 128 × 4 splits took 8.0 µs against 9.3 for BN 32 unsplit,
+    and N = 16384, K = 1024 (wq_b at TP 2) BN 128 × 2 splits 11.1 µs against 12.7 for BN 64.
     """
     n_kb = triton.cdiv(K, block)
     stages = 3 if block >= 128 else 6
@@ -284,13 +321,41 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
     # 64-row tiles run on a full warpgroup MMA: narrow N tiles measured slower there.
     widths = (128, 64, 32) if bm < 64 else (128, 64)
     tiles = {bn: triton.cdiv(M, bm) * triton.cdiv(N, bn) for bn in widths}
-    for bn in widths:
-        if tiles[bn] >= target:
-            return Fp8GemmConfig(BM=bm, BN=bn, split_k=1, num_warps=4, num_stages=stages)
     max_split = max(1, min(8, n_kb // 2))
     bn = next((b for b in widths if tiles[b] * max_split >= target), widths[-1])
     split = max(1, min(max_split, triton.cdiv(target, tiles[bn])))
     return Fp8GemmConfig(BM=bm, BN=bn, split_k=split, num_warps=4, num_stages=stages)
+
+
+# Split-K arrival counters, one int32 per output tile, per device.  Every launch leaves them at
+# zero (the last split of each tile resets its counter), so they are zeroed once, at allocation,
+# and never per call.  Growing allocates: the first call of each shape must happen before any
+# CUDA-graph capture (the engine's and the bench's warm-up runs do that), and the plans of
+# pick_fp8_config never need more than ~2 tiles per SM, well under the initial size.  Launches
+# that could run concurrently on two streams of one device would share these counters: the
+# ops run the GEMMs of a device on one stream.
+_SPLITK_MIN_COUNTERS = 4096
+_splitk_counter_cache: dict[torch.device, torch.Tensor] = {}
+# Outgrown buffers are kept alive: a captured CUDA graph still holds their addresses.
+_splitk_retired: list[torch.Tensor] = []
+
+
+def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed int32 arrival counters of ``device``, at least ``tiles`` of them."""
+    buf = _splitk_counter_cache.get(device)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fp8_linear: a split-K launch needs {tiles} tile counters but the buffer holds "
+            f"{0 if buf is None else buf.numel()}; growing it inside a CUDA-graph capture is not "
+            "allowed: run this shape once before capturing")
+    if buf is not None:
+        _splitk_retired.append(buf)
+    size = max(_SPLITK_MIN_COUNTERS, triton.next_power_of_2(tiles))
+    buf = torch.zeros(size, dtype=torch.int32, device=device)
+    _splitk_counter_cache[device] = buf
+    return buf
 
 
 def _check_fp8_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int) -> None:
@@ -344,20 +409,22 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
         a, sa = act_quant(x2, block)
     split = max(1, min(cfg.split_k, n_kb))
     kbps = triton.cdiv(n_kb, split)
-    split = triton.cdiv(n_kb, kbps)
+    split = triton.cdiv(n_kb, kbps)  # every split gets >= 1 K block (the last may get fewer)
+    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if split == 1:
-        c = torch.empty(M, N, dtype=out_dtype, device=x.device)
+        ws, counters = out, out  # unused with one split
     else:
-        c = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
-    _fp8_gemm_kernel[grid](
-        a, sa, w8, sw, c, M, N, K, a.stride(0), w8.stride(0),
-        c.stride(0) if split > 1 else 0, c.stride(-2), n_kb, kbps,
+        # Per-call workspace: the caching allocator serves it (also inside CUDA graphs).
+        ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        counters = _splitk_counters(x.device, tiles)
+    _fp8_gemm_kernel[(tiles, split)](
+        a, sa, w8, sw, out, ws, counters, M, N, K, a.stride(0), w8.stride(0), out.stride(0),
+        ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
         QUANT_A=cfg.fuse_quant, SW_E8M0=sw_e8m0, B=block, BM=cfg.BM, BN=cfg.BN,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        c = c.sum(0).to(out_dtype)
-    return c.view(*lead, N)
+        GROUP_M=cfg.group_m, SPLITS=split, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out.view(*lead, N)
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")

@@ -5,7 +5,11 @@ Run with TRITON_INTERPRET=1 (tests/kernels/test_interpreter.py does that in a ch
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -73,6 +77,119 @@ def test_fp8_linear_split_k_leading_dims_and_bf16() -> None:
         # bf16 output: at most one rounding step apart.
         assert rel_err(y, y_ref) < 1e-2
         assert rel_err(y.float(), y_ref.float()) < 4e-3
+
+
+# ------------------------------------------------------------- split-K reduced in the kernel
+def _counters() -> torch.Tensor:
+    """The split-K arrival counters of the CPU device (the interpreter's)."""
+    return tri._splitk_counter_cache[torch.device("cpu")]
+
+
+@contextlib.contextmanager
+def _program_order(monkeypatch: pytest.MonkeyPatch, order: str) -> Iterator[None]:
+    """Run the interpreter's programs of each launch in ``order`` ("reversed", or "shuffled"
+    with a fixed seed) instead of grid order, so a split other than the last arrives last."""
+    from triton.runtime import interpreter as interp
+
+    builder = interp.interpreter_builder
+    real_dim, real_idx = builder.set_grid_dim, builder.set_grid_idx
+    rng = random.Random(0)
+    pending: list[tuple[int, int, int]] = []
+
+    def set_grid_dim(nx: int, ny: int, nz: int) -> None:
+        real_dim(nx, ny, nz)
+        pending[:] = itertools.product(range(nx), range(ny), range(nz))
+        if order == "reversed":
+            pending.reverse()
+        else:
+            rng.shuffle(pending)
+
+    def set_grid_idx(x: int, y: int, z: int) -> None:
+        real_idx(*pending.pop(0))  # a bijection: each program still runs exactly once
+
+    with monkeypatch.context() as mp:
+        mp.setattr(builder, "set_grid_dim", set_grid_dim)
+        mp.setattr(builder, "set_grid_idx", set_grid_idx)
+        yield
+    assert not pending, "the interpreter ran fewer programs than the grid has"
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 values (8 significant bits) at the magnitude of ``v`` (fp32)."""
+    _, e = torch.frexp(v.abs())
+    return torch.ldexp(torch.ones_like(v), e - 8)
+
+
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_fp8_split_k_matches_one_split_and_twin(M: int) -> None:
+    gen = torch.Generator().manual_seed(100 + M)
+    # 7 K blocks: splits 2 (4+3), 3 (3+3+1), 4 (2+2+2+1) have a short last split; 7 one each.
+    # N = 80 with BN = 32: the last N tile is ragged too.
+    N, K, block = 80, 224, 32
+    w8, ws = _fp8_weight(N, K, block, E8M0, gen)
+    x = (torch.randn(M, K, generator=gen) * 2).to(torch.bfloat16)
+    bm = max(16, 1 << (M - 1).bit_length())
+    one = tri.fp8_linear_with_config(x, w8, ws, block, torch.float32,
+                                     tri.Fp8GemmConfig(BM=bm, BN=32, split_k=1))
+    twin = ref.fp8_linear(x, w8, ws, block, torch.float32)
+    # Σ|terms| per output: the fp32 rounding of any summation order is bounded by it.
+    magnitude = ref.fp8_linear(x.abs(), w8.abs(), ws, block, torch.float32)
+    for split in (2, 3, 4, 7):
+        cfg = tri.Fp8GemmConfig(BM=bm, BN=32, split_k=split)
+        y32 = tri.fp8_linear_with_config(x, w8, ws, block, torch.float32, cfg)
+        y16 = tri.fp8_linear_with_config(x, w8, ws, block, torch.bfloat16, cfg)
+        assert y32.shape == (M, N) and y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+        assert torch.isfinite(y32).all()
+        bound = 2 * (split + 7) * 2.0 ** -24 * magnitude
+        assert ((y32 - one).abs() <= bound).all(), (split, (y32 - one).abs().max())
+        assert rel_err(y32, one) < 2e-6 and rel_err(y32, twin) < 2e-6
+        # The bf16 output is the same fp32 sum rounded to nearest-even, and so within one bf16
+        # ulp of the one-split result.
+        assert torch.equal(y16, y32.to(torch.bfloat16)), split
+        assert ((y16.float() - one).abs() <= _bf16_ulp(one)).all(), split
+        assert not _counters().any(), "a tile's arrival counter was left non-zero"
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_fp8_split_k_bits_do_not_depend_on_arrival_order(monkeypatch: pytest.MonkeyPatch,
+                                                         order: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    N, K, block = 96, 320, 32  # 10 K blocks, split 4 -> 3+3+3+1
+    w8, ws = _fp8_weight(N, K, block, torch.float32, gen)
+    x = torch.randn(5, K, generator=gen) * 3
+    cfg = tri.Fp8GemmConfig(BM=16, BN=32, split_k=4)
+    first = tri.fp8_linear_with_config(x, w8, ws, block, torch.float32, cfg)
+    again = tri.fp8_linear_with_config(x, w8, ws, block, torch.float32, cfg)
+    assert torch.equal(first, again)  # run to run
+    with _program_order(monkeypatch, order):
+        other = tri.fp8_linear_with_config(x, w8, ws, block, torch.float32, cfg)
+    # A different split arrived last in every tile, yet the sum order (0..3) is the same.
+    assert torch.equal(first, other)
+    assert not _counters().any()
+    assert rel_err(first, ref.fp8_linear(x, w8, ws, block, torch.float32)) < 2e-6
+
+
+def test_fp8_split_k_consecutive_calls_and_counter_growth(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    # A fresh cache starting from a tiny buffer, so that a launch with more tiles must grow it.
+    monkeypatch.setattr(tri, "_SPLITK_MIN_COUNTERS", 1)
+    monkeypatch.setattr(tri, "_splitk_counter_cache", {})
+    monkeypatch.setattr(tri, "_splitk_retired", [])
+    gen = torch.Generator().manual_seed(21)
+    K, block = 256, 32
+    cfg = tri.Fp8GemmConfig(BM=16, BN=32, split_k=3)
+    outs = []
+    # Two calls at 2 tiles (the second only works if the first reset its counters), then
+    # 3 × 4 = 12 tiles (the buffer grows from 2 to 16 counters), then 2 tiles again.
+    for M, N in ((3, 64), (3, 64), (40, 128), (2, 40)):
+        w8, ws = _fp8_weight(N, K, block, E8M0, gen)
+        x = torch.randn(M, K, generator=gen) * 2  # fresh inputs: stale outputs cannot pass
+        y = tri.fp8_linear_with_config(x, w8, ws, block, torch.float32, cfg)
+        assert rel_err(y, ref.fp8_linear(x, w8, ws, block, torch.float32)) < 2e-6, (M, N)
+        buf = _counters()
+        assert buf.dtype == torch.int32 and not buf.any()
+        outs.append((buf.numel(), len(tri._splitk_retired)))
+    assert outs == [(2, 0), (2, 0), (16, 1), (16, 1)]
 
 
 def test_fp8_linear_rejects_bad_inputs() -> None:
