@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fourth session, one H200 (< 10 min): the chunk-wise fp8-record attention and the Triton top-k
-# (GPU checks, timings, plan sweep), then 4 V4-Flash layers end to end on the fp8 cache (the
-# GPU default) and the engine's static decode step against it.
+# Fourth session, one H200 (< 7 min): GPU checks of the chunk-wise fp8-record attention, the
+# split-K expert kernels and the Triton top-k; their timings; then 4 V4-Flash layers end to end
+# on the fp8 cache (the GPU default).
 #   bash bench/gpu_session_s4.sh        (logs and JSON packed into $OUT/session.tar.gz)
 set -u
 cd "$(dirname "$0")/.."
@@ -15,17 +15,17 @@ stage() {  # stage NAME SECONDS CMD...
     local t0=$SECONDS
     timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
     echo "=== $name: exit $? after $((SECONDS - t0))s"
-    tail -n 6 "$LOGS/$name.log"
+    tail -n 4 "$LOGS/$name.log"
     tar -czf "$OUT/session.tar.gz" -C "$LOGS" .
 }
-stage gpu_tests 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
-    -k "sparse_attn or indexer" $(ls tests/kernels/test_triton_topk.py 2>/dev/null)
-stage attn_bench 120 python bench/kernels.py --only sparse_attn --sweep --out "$LOGS/attn.json"
+stage gpu_attn 40 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
+    -k "sparse_attn"
+stage gpu_moe_topk 80 python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_fast.py \
+    $(ls tests/kernels/test_triton_topk.py 2>/dev/null)
+stage moe_decode 60 python bench/moe_decode.py --tokens 1,16 --sweep --out "$LOGS/moe.json"
+stage attn_bench 60 python bench/kernels.py --only sparse_attn --out "$LOGS/attn.json"
 if [ -f bench/topk_bench.py ]; then
-    stage topk_bench 60 python bench/topk_bench.py --out "$LOGS/topk.json"
+    stage topk_bench 35 python bench/topk_bench.py --out "$LOGS/topk.json"
 fi
-stage flash 170 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches 1,16,64 \
-    --ctx 8192 --steps 3 --budget 105 --out "$LOGS/flash.json" --profile "$LOGS/profile" \
-    --hf "8192;1:8192"
-stage engine 100 python bench/engine_graphs.py --skip-tiny --ctx 8192 --batches 1,16 \
-    --profile "$LOGS/engine_profile.txt" --out "$LOGS/engine_graphs.json"
+stage flash 110 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches 1,16,64 \
+    --ctx 8192 --steps 3 --budget 95 --out "$LOGS/flash.json" --profile "$LOGS/profile"

@@ -2,7 +2,8 @@
 sink (spec §3.6 item 5) and the Lightning-indexer scores (spec §3.8).
 
 Same signatures as the torch twins in ``dsv4/ops/torch_attn.py``.  Ops without a kernel here
-(rms_norm, apply_rope, topk_indices) fall back to the twins through ``dsv4.ops.get_ops``.
+(rms_norm, apply_rope) fall back to the twins through ``dsv4.ops.get_ops``; ``topk_indices``
+has its kernel in ``dsv4/ops/triton_topk.py``.
 
 A KV source (``kv_a`` / ``kv_b``) or the key pool may be a :class:`dsv4.cache.formats.
 PackedRows` (kv_cache_dtype "fp8"): the kernels then read the uint8 records in place and
