@@ -14,10 +14,12 @@ device buffers in two transfers; everything else the step needs (window indices,
 entry rows, visible counts, ...) is derived on the device inside the graph
 (``StepContext.static``).  The sampler stays outside: it reads the graph's logits output.
 
-Capture is lazy: a bucket is captured on its first decode step (warm-up run + capture, about
-two eager steps), so start-up stays quick and only the batch sizes a workload reaches cost graph
-memory; :meth:`DecodeGraphs.capture_all` captures every bucket up front (largest first, as vLLM
-does at start).  All graphs share one memory pool.
+The engine captures every bucket when it starts (:meth:`DecodeGraphs.capture_all`, largest
+first, through ``ModelRunner.capture_graphs``; engine option ``cuda_graph_capture="startup"``):
+a capture is a warm-up run, the kernels' first compiles and the capture itself, seconds on a
+full-size model, which must not stall a request's decode step.  With ``"lazy"`` a bucket is
+captured on its first decode step instead (quicker start; only the batch sizes a workload
+reaches cost graph memory).  All graphs share one memory pool.
 
 On a CPU (or with graphs off) the same buffers drive an eager static-shape forward, which is
 how the CPU tests exercise this path up to the capture itself.

@@ -757,6 +757,18 @@ def _launch_canary(as_f32: bool) -> None:
                            torch.empty(16, dtype=torch.float32), AS_F32=as_f32)
 
 
+@scenario("topk/v4_flash")
+def _topk() -> None:
+    """Every launch plan of the indexer top-k (k 512 / 1024): decode rows in registers, many
+    rows with compaction, streamed and split long rows (chunks + merge), a row shorter than k."""
+    import torch
+
+    from dsv4.ops.triton_topk import topk_indices
+    for T, L, k in [(1, 2048, 512), (2048, 2048, 512), (16, 16384, 512), (256, 16384, 512),
+                    (128, 16384, 512), (4, 65536, 1024), (1, 300, 1024)]:
+        topk_indices(_empty(T, L, dtype=torch.float32), torch.zeros(T, dtype=torch.int64), k)
+
+
 scenario("canary/mixed_return_dtypes", canary=True)(lambda: _launch_canary(True))
 scenario("canary/single_return_dtype", canary=True)(lambda: _launch_canary(False))
 

@@ -98,59 +98,7 @@ def test_triton_op_runs_the_twin_off_gpu() -> None:
     assert torch.equal(triton_topk.topk_indices(s, n, 7), torch_attn.topk_indices(s, n, 7))
 
 
-# Every launch plan the op picks on the H200, compiled for sm_90 offline (tests/kernels/
-# sm90_cases.py's recorder; it patches sm_count to the H200's 132 SMs): decode rows in
-# registers, many rows with compaction, split and streamed long rows, a small block.
-_SM90_SCRIPT = """
-import json, sys
-sys.path[:0] = [{repo!r}, {here!r}]
-import sm90_cases as sc
-import torch
-
-def scenario():
-    from dsv4.ops.triton_topk import topk_indices
-    for T, L, k in [(1, 2048, 512), (2048, 2048, 512), (16, 16384, 512), (256, 16384, 512),
-                    (128, 16384, 512), (4, 65536, 1024), (1, 300, 1024)]:
-        topk_indices(torch.empty(T, L), torch.zeros(T, dtype=torch.int64), k)
-
-sc.SCENARIOS["topk"] = scenario
-problem = sc.toolchain_problem()
-per, launches, errors = sc.record(["topk"])
-failed = {{}}
-if problem is None and not errors:
-    for key, launch in launches.items():
-        try:
-            sc.compile_launch(launch)
-        except Exception as e:
-            failed[launch.describe()] = f"{{type(e).__name__}}: {{e}}"[-2000:]
-print(json.dumps({{"toolchain": problem, "errors": errors, "launches": len(launches),
-                  "failed": failed}}))
-"""
-
-
-def test_sm90_compile() -> None:
-    """The op's launches compile for the H200 (what the interpreter cannot check)."""
-    if INTERP:
-        pytest.skip("compiles for sm_90 from the parent process (TRITON_INTERPRET unset)")
-    pytest.importorskip("triton")
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    code = _SM90_SCRIPT.format(repo=str(here.parents[1]), here=str(here))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if result["toolchain"]:
-        pytest.skip(f"cannot compile for sm_90 here: {result['toolchain']}")
-    assert not result["errors"], result["errors"]
-    assert result["launches"] >= 7, result          # rows, stream, chunks + merge variants
-    assert not result["failed"], result["failed"]
+# The sm_90 compile of every launch plan: scenario "topk/v4_flash" in tests/kernels/sm90_cases.py.
 
 
 # ---------------------------------------------------------------- interpreter (child process)
