@@ -224,6 +224,50 @@ def bench_indexer(T: int, L: int) -> dict:
                2 * T * h * L * dI, "bf16", "torch = twin (fp32)")
 
 
+# ----------------------------------------------------------------------------- linear_fp32
+# V4-Flash fp32 GEMMs: the compressors' wkv / wgate widths and the MoE gate (K = dim = 4096).
+LINEAR32_SHAPES = [("cmp_r4_overlap", 1024, 4096), ("cmp_r128", 512, 4096),
+                   ("cmp_indexer", 256, 4096), ("moe_gate", 256, 4096)]
+
+
+def bench_linear32(T: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict, list]:
+    """``linear_fp32`` (fp32 weight, fp32 x) against cuBLAS fp32 ``F.linear`` with TF32 off."""
+    from dsv4.ops import triton_linear32 as tl32
+    wbytes = N * K * 4
+    sets = [(torch.randn(T, K, device=DEV), torch.randn(N, K, device=DEV) * 0.02)
+            for _ in range(copies_for(wbytes + T * K * 4))]
+    calls = [lambda s=s: tl32.linear_fp32(s[0], s[1]) for s in sets]
+    t = time_graph(calls)
+    x, w = sets[0]
+    eager = time_eager(lambda: tl32.linear_fp32(x, w))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        base = time_graph([lambda s=s: torch.nn.functional.linear(s[0], s[1]) for s in sets])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    nbytes = wbytes + T * K * 4 + T * N * 4
+    plan = tl32.pick_linear32_config(T, N, K, x.device) if T <= tl32.MAX_KERNEL_ROWS else None
+    r = row("linear_fp32", f"{name} T={T} N={N} K={K}", t, eager, base, nbytes, 2 * T * N * K,
+            "fp32", f"plan {asdict(plan) if plan else 'twin'}; torch = fp32 F.linear, TF32 "
+            "off (CUDA-graph time)")
+    tried = []
+    if sweep and plan is not None:
+        bms = [plan.BM] if plan.BM >= 16 else [plan.BM, 16]
+        cands = [tl32.Linear32Config(BM=bm, BN=bn, BK=bk, split_k=sp, num_warps=4,
+                                     num_stages=3 if bm >= 16 else 2)
+                 for bm in bms for bn in (32, 64, 128) for sp in (4, 8, 16, 32)
+                 for bk in ((32, 64) if bm >= 16 else (max(8, min(128, 4096 // (bm * bn))),))]
+        for cfg in cands:
+            try:
+                cc = [lambda s=s, c=cfg: tl32.linear_fp32_with_config(s[0], s[1], c)
+                      for s in sets]
+                tried.append((time_graph(cc, 1.5), asdict(cfg)))
+            except Exception as e:  # a plan that does not compile/fit: report and go on
+                tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+    return r, tried
+
+
 # ----------------------------------------------------------------------------- mHC
 def bench_hc(T: int) -> list[dict]:
     n, D = 4, 4096
@@ -318,6 +362,10 @@ def main() -> int:
         for T in (1, 64, 4096):
             for r in bench_hc(T):
                 add(r)
+    if want("linear_fp32"):
+        for T in (1, 16, 64):
+            for name, N, K in LINEAR32_SHAPES:
+                add(*bench_linear32(T, name, N, K, args.sweep and name != "moe_gate"))
     print("\n" + hdr)
     for r in rows:
         print(fmt(r))

@@ -251,8 +251,11 @@ class Compressor(nn.Module):
 
     def _rows(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """The step's fp32 rows: kv = wkv(x), score = wgate(x) + ape[pos % r]."""
-        xf = x.float()
-        return self.wkv(xf), self.wgate(xf) + self.ape[ctx.positions % self.spec.ratio]
+        # fp32 GEMMs on the Linears' weights (what their forward computes for fmt "bf16" held in
+        # fp32: no activation fake quant), through the op table's skinny-GEMM kernel.
+        kv = self.ops.linear_fp32(x, self.wkv.weight)
+        score = self.ops.linear_fp32(x, self.wgate.weight)
+        return kv, score + self.ape[ctx.positions % self.spec.ratio]
 
     # ------------------------------------------------------------------ entries
     def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor,
@@ -350,6 +353,6 @@ class CompressorV2(nn.Module):
         if state is None or state.spec != self.spec:
             raise ValueError(f"CompressorV2(layer {self.layer_id}): needs a carry-over state for "
                              f"{self.spec}; got {None if state is None else state.spec}")
-        xf = x.float()
-        return compress_step(self.ops, ctx, state, self.wkv(xf), self.wgate(xf), self.norm,
-                             self.dtype, None)
+        kv = self.ops.linear_fp32(x, self.wkv.weight)
+        score = self.ops.linear_fp32(x, self.wgate.weight)
+        return compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype, None)

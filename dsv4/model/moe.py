@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import ModelConfig
@@ -92,10 +91,10 @@ class Gate(nn.Module):
             from dsv4.model.v41 import route_v41
             ids, weights = route_v41(x, self.weight, self.bias, self.bias_vl, image_mask,
                                      self.top_k, self.route_scale, self.gate_temp,
-                                     self.norm_topk_prob)
+                                     self.norm_topk_prob, ops=self.ops)
             return weights, ids
-        # The gate GEMM stays a torch GEMM (fp32); everything after it is one op (one kernel).
-        logits = F.linear(x.float(), self.weight)
+        # The gate GEMM (fp32, the skinny-GEMM op); everything after it is one op (one kernel).
+        logits = self.ops.linear_fp32(x, self.weight)
         if self.is_hash:
             return self.ops.moe_route(logits, None, self.tid2eid, input_ids, self.top_k,
                                       self.route_scale)

@@ -282,13 +282,15 @@ def single_pass_block(x: Tensor, pre_mix: Tensor, hc_attn: _Mixes, hc_ffn: _Mixe
 # ------------------------------------------------------------------------ MoE routing
 def route_v41(x: Tensor, gate_w: Tensor, bias: Tensor, bias_vl: Tensor | None,
               image_mask: Tensor | None, top_k: int, route_scale: float, gate_temp: float = 1.0,
-              norm_topk_prob: bool = True) -> tuple[Tensor, Tensor]:
+              norm_topk_prob: bool = True, ops: SimpleNamespace | None = None
+              ) -> tuple[Tensor, Tensor]:
     """V4.1 routing (spec §4.8): ``(ids [T, k] int64, weights [T, k] fp32)``.
 
     ``s = sqrt(softplus(x·W_gateᵀ / gate_temp))`` in fp32; the top-k of ``s + bias`` (or
     ``s + bias_vl`` for tokens with ``image_mask`` True) are picked; the weights are the unbiased
     ``s`` of the picks, divided by ``Σ + 1e-20`` when ``norm_topk_prob`` and ``top_k > 1``, times
-    ``route_scale``.
+    ``route_scale``.  ``ops``: the op table whose ``linear_fp32`` runs the gate GEMM (default:
+    ``F.linear``, the same fp32 GEMM).
     """
     if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1]:
         raise ValueError(f"route_v41: expected x [T, D] and gate_w [E, D]; found "
@@ -298,7 +300,9 @@ def route_v41(x: Tensor, gate_w: Tensor, bias: Tensor, bias_vl: Tensor | None,
         raise ValueError(f"route_v41: top_k must be in 1..{E}, got {top_k}")
     if gate_temp <= 0:
         raise ValueError(f"route_v41: gate_temp must be positive, got {gate_temp}")
-    scores = F.softplus(F.linear(x.float(), gate_w.float()) / gate_temp).sqrt()
+    logits = (F.linear(x.float(), gate_w.float()) if ops is None
+              else ops.linear_fp32(x, gate_w.float()))
+    scores = F.softplus(logits / gate_temp).sqrt()
     sel_bias = bias.float()[None, :]
     if image_mask is not None and bias_vl is not None:
         if tuple(image_mask.shape) != (x.shape[0],):

@@ -1,5 +1,6 @@
 """Plain-torch twins of the dense hot ops: mHC (hc_pre / hc_post / hc_post_pre / hc_head), the
-FP8 block GEMM with fused activation quantization, and the routed-expert SwiGLU (spec §2.5, §3.4, §3.9, §3.10).
+FP8 block GEMM with fused activation quantization, the fp32 GEMM of the compressors and the MoE
+gate (``linear_fp32``), and the routed-expert SwiGLU (spec §2.5, §3.4, §3.9, §3.10).
 
 These are the oracles for the Triton kernels and what runs on CPU. Shapes follow
 docs/ARCHITECTURE.md: tokens are flattened, ``x`` of the mHC ops is ``[T, n_hc, D]``.
@@ -131,6 +132,46 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
     xq = fake_act_quant(x.float(), block)
     w = dequant_fp8_block(w8, w_scale, block, torch.float32)
     return F.linear(xq, w).to(out_dtype)
+
+
+# ------------------------------------------------------------------------------ fp32 GEMM
+# Below this many rows MKL takes a GEMV-like path whose sums are ordered differently from its
+# GEMM: rows are padded up to it on CPU so a token's result does not depend on the batch size
+# (the same rule as dsv4.model.layers.Linear, whose fp32 compressor projections this op serves).
+_CPU_MIN_GEMM_ROWS = 4
+
+
+def check_linear_fp32_args(x: torch.Tensor, w: torch.Tensor) -> None:
+    """Raise a ValueError naming ``linear_fp32`` unless x is [T, K] float and w [N, K] fp32."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"linear_fp32: x must be a 2-D float tensor [T, K]; found {x.dtype} of "
+                         f"shape {tuple(x.shape)}")
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"linear_fp32: w must be a 2-D float32 tensor [N, K]; found {w.dtype} "
+                         f"of shape {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear_fp32: x has {x.shape[1]} input features, w [N, K] expects "
+                         f"K = {w.shape[1]}")
+    if x.device != w.device:
+        raise ValueError(f"linear_fp32: x and w must share a device; found {x.device} and "
+                         f"{w.device}")
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 GEMM ``x.float() @ w.T``: x [T, K] any float dtype, w [N, K] float32 -> [T, N] fp32.
+
+    The compressors' ``wkv`` / ``wgate`` projections and the MoE gate (the reference computes
+    them in fp32).  ``F.linear`` (no TF32 unless the caller enabled it); on CPU, fewer than 4
+    rows are zero-padded to 4 first, as ``Linear`` does, which changes no value but keeps MKL on
+    one summation order for every batch size.
+    """
+    check_linear_fp32_args(x, w)
+    xf = x.float()
+    rows = xf.shape[0]
+    if xf.device.type == "cpu" and 0 < rows < _CPU_MIN_GEMM_ROWS:
+        pad = xf.new_zeros(_CPU_MIN_GEMM_ROWS - rows, xf.shape[1])
+        return F.linear(torch.cat((xf, pad)), w)[:rows]
+    return F.linear(xf, w)
 
 
 # ------------------------------------------------------------------------------ routed experts

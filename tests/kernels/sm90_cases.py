@@ -724,6 +724,29 @@ def _records_hadamard() -> None:
 scenario("records/hadamard")(_records_hadamard)
 
 
+def _linear32() -> None:
+    """The fp32 skinny GEMM (dsv4.ops.triton_linear32): the compressors' wkv / wgate widths
+    (1024, 512, 256) and the MoE gate (256 experts; V4.1: 384 at D 5120) at every decode token
+    count (broadcast products up to 4 rows, an ieee fp32 dot above), fp32 and bf16 inputs;
+    forced plans cover one split and the dot's widest tiles."""
+    import torch
+    tl32 = importlib.import_module("dsv4.ops.triton_linear32")
+    shapes = [(1024, 4096), (512, 4096), (256, 4096), (384, 5120)]
+    for N, K in shapes:
+        w = _empty(N, K, dtype=torch.float32)
+        for T in DECODE_T + (2, 3, 4):
+            tl32.linear_fp32(_empty(T, K, dtype=torch.float32), w)
+        tl32.linear_fp32(_empty(16, K, dtype=torch.bfloat16), w)
+    w = _empty(1024, 4096, dtype=torch.float32)
+    for cfg in (tl32.Linear32Config(BM=1, BN=64, BK=64, split_k=1),
+                tl32.Linear32Config(BM=64, BN=128, BK=32, split_k=1),
+                tl32.Linear32Config(BM=64, BN=128, BK=32, split_k=4)):
+        tl32.linear_fp32_with_config(_empty(cfg.BM, 4096, dtype=torch.float32), w, cfg)
+
+
+scenario("linear_fp32/v4_flash")(_linear32)
+
+
 # ------------------------------------------------------------------------------ canaries
 # A helper that returns a different dtype from a constexpr branch than after it: the sm_90
 # compiler rejects it (the interpreter runs it), as it rejected load_rows once.

@@ -335,3 +335,41 @@ def test_moe_experts_gpu(fmt: str, T: int, act_block) -> None:
     assert _finite(y)
     # bf16 intermediates (gate/up outputs, the activation, the w2 output) as in the twin.
     assert _rel(y, y_ref) < 1e-2
+
+
+# ------------------------------------------------------------------------------ fp32 GEMM
+# V4-Flash compressors' wkv / wgate (ratio-4 overlap 1024, ratio-128 512, the indexer's 256)
+# and the MoE gate (256 experts), at single and batched decode.
+@pytest.mark.parametrize("N,K", [(1024, 4096), (512, 4096), (256, 4096)])
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_linear_fp32_gpu(T: int, N: int, K: int) -> None:
+    """fp32 products and sums (no TF32: within fp32 rounding of a float64 product), bit-identical
+    across two calls and across CUDA-graph replays, counters back at zero."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_linear32 as tl32
+    gen = torch.Generator(device=DEV).manual_seed(T * 7 + N)
+    w = torch.randn(N, K, generator=gen, device=DEV) * 0.02
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(T, K, generator=gen, device=DEV) * 3).to(dtype)
+        exact = x.double() @ w.double().T
+        _poison()
+        y1 = tl32.linear_fp32(x, w)
+        _poison()
+        y2 = tl32.linear_fp32(x, w)
+        assert y1.shape == (T, N) and y1.dtype == torch.float32
+        assert _finite(y1) and torch.equal(y1, y2), dtype
+        # TF32 inputs would be off by ~1e-4 relative; fp32 FMA sums stay near 1e-7.
+        assert _rel(y1, exact) < 2e-6, (dtype, _rel(y1, exact))
+        assert _rel(y1, ref.linear_fp32(x, w)) < 2e-6, dtype
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g = tl32.linear_fp32(x, w)
+        for _ in range(3):
+            y_g.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_g, y1), dtype
+        del graph
+    counters = td._splitk_counter_cache.get(w.device)
+    assert counters is None or not counters.any(), "arrival counters left non-zero"

@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -287,7 +288,11 @@ def test_interp_model_compressor_matches_torch_ops(layer_kind: str) -> None:
     for backend in ("torch", "triton"):
         cache = HybridCache.allocate(cfg, 4, 2, 128, torch.float32)
         state = cache.compressor_state(layer, name)
-        comp = Compressor(cfg, layer, state.spec, "bf16", get_ops(backend), torch.float32,
+        # The projections stay the twin's (linear_fp32 sums in another order), so the compress
+        # kernels see the same rows and their state must match to the bit.
+        ops = SimpleNamespace(**{**vars(get_ops(backend)),
+                                 "linear_fp32": get_ops("torch").linear_fp32})
+        comp = Compressor(cfg, layer, state.spec, "bf16", ops, torch.float32,
                           rotate=name == "index")
         comps.append((comp, cache, state))
     with torch.no_grad():

@@ -1,0 +1,215 @@
+"""Triton kernel of the fp32 skinny GEMM ``linear_fp32`` (decode-sized T against an fp32 weight).
+
+The compressors' ``wkv`` / ``wgate`` projections ([T, 4096] x [W, 4096]^T, W = 1024 / 512 / 256
+at V4-Flash widths) and the MoE gate ([T, 4096] x [256, 4096]^T) are computed in fp32 as the
+reference does: exact fp32 products, fp32 sums, no TF32 and no bf16.  At decode cuBLAS serves
+them with 32x32 SIMT tiles over too few blocks to stream the weight at full bandwidth; this
+kernel splits K so that ~2 programs per SM read the weight, and reduces the splits inside the
+launch (fixed order, bit-reproducible), as the FP8 GEMM of ``triton_dense`` does.
+
+Same signature as the twin in ``dsv4/ops/torch_dense.py``.  Above :data:`MAX_KERNEL_ROWS` rows
+the twin (cuBLAS) runs: prefill GEMMs are compute bound and well served there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops import torch_dense
+from dsv4.ops.triton_dense import _splitk_counters, sm_count, torch_twin_off_gpu
+
+__all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
+           "MAX_KERNEL_ROWS"]
+
+# Rows up to which the kernel runs; more rows go to the twin (cuBLAS on the GPU).
+MAX_KERNEL_ROWS = 64
+# Most K splits of one tile: the last split re-reads every partial, unrolled.
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_ws, k_per_split,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SPLITS: tl.constexpr, DOT: tl.constexpr):
+    """out[M, N] (fp32) = x[M, K] @ w[N, K]^T with fp32 products and sums.
+
+    Grid: (M tiles × N tiles, SPLITS); split s covers K ``[s·k_per_split, (s+1)·k_per_split)``
+    clipped to K (``k_per_split`` is a multiple of BK; every split has >= 1 chunk inside K).
+
+    DOT: the tile product is ``tl.dot(..., input_precision="ieee")`` (FMA, BM >= 16); else it
+    is a broadcast multiply accumulated per (row, column, k lane) in a [BM, BN, BK] register
+    tile, summed over the lanes once at the end (for BM < 16, where a dot would waste most of
+    its rows).
+
+    With SPLITS > 1 the reduction happens here, deterministically (as ``_fp8_gemm_kernel``):
+    each split stores its fp32 partial into ``ws[s]``, bumps the tile's arrival counter
+    (acq_rel, gpu scope), and the last to arrive sums ``ws[0] + ws[1] + … + ws[SPLITS−1]`` in
+    that order, stores the tile and resets the counter to 0 (for the next launch and for
+    CUDA-graph replays).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BN)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    m_mask = rm < M
+    n_mask = rn < N
+    k0 = split * k_per_split
+    k1 = tl.minimum(k0 + k_per_split, K)
+    if DOT:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BM, BN, BK), dtype=tl.float32)
+    for k in range(k0, k1, BK):
+        rk = k + tl.arange(0, BK)
+        k_mask = rk < k1
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        # The weight is read once per launch: stream it past L1.
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if DOT:
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            acc3 += a[:, None, :] * w[None, :, :]
+    if not DOT:
+        acc = tl.sum(acc3, axis=2)
+    mask = m_mask[:, None] & n_mask[None, :]
+    out = out_ptr + rm[:, None] * N + rn[None, :]
+    if SPLITS > 1:
+        part = ws_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(part + split * stride_ws, acc, mask=mask)
+        # All threads' partial stores are issued before one thread publishes the arrival; the
+        # release of the atomic orders them before any later acquirer's reads.
+        tl.debug_barrier()
+        count = count_ptr + pid
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            # The acquire was one thread's: the barrier orders every thread's reads after it.
+            tl.debug_barrier()
+            # Unrolled so the loads are in flight together; .cg reads L2, never a stale L1 line.
+            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(part + s * stride_ws, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out, total, mask=mask)
+            tl.store(count, 0)
+    else:
+        tl.store(out, acc, mask=mask)
+
+
+@dataclass(frozen=True)
+class Linear32Config:
+    """Tile plan of one ``linear_fp32`` launch: BM < 16 multiplies by broadcast, BM >= 16 by
+    ``tl.dot`` (ieee); ``split_k`` is a request, clipped so every split gets >= 1 BK chunk."""
+
+    BM: int
+    BN: int
+    BK: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("BM", "BN", "BK"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Linear32Config: {name} must be a power of two; found {v}")
+        if self.BM >= 16 and self.BK < 16:
+            raise ValueError(f"Linear32Config: the dot path (BM >= 16) needs BK >= 16; "
+                             f"found BK={self.BK}")
+        if self.BM >= 16 and self.BN < 16:
+            raise ValueError(f"Linear32Config: the dot path (BM >= 16) needs BN >= 16; "
+                             f"found BN={self.BN}")
+        if self.split_k < 1:
+            raise ValueError(f"Linear32Config: split_k must be >= 1; found {self.split_k}")
+
+
+def pick_linear32_config(M: int, N: int, K: int, device: torch.device) -> Linear32Config:
+    """Tile plan by shape (a first guess, not yet tuned on the H200: bench/kernels.py --sweep).
+
+    BM covers all M rows in one tile (M <= 64).  Up to 4 rows: broadcast products, BN·BM·BK =
+    4096 accumulators per program (32 per thread); from 5 rows: an fp32 dot on BM = 16/32/64.
+    The weight stream is what costs, so the plan aims at ~2 programs per SM: the widest N tile
+    that gets there with at most MAX_SPLITS K splits, and the fewest splits that do.
+    """
+    bm = triton.next_power_of_2(max(1, M))
+    dot = bm > 4
+    if dot:
+        bm = max(16, bm)
+    target = 2 * sm_count(device)
+    m_tiles = triton.cdiv(M, bm)
+
+    def bk_for(bn: int) -> int:
+        return 32 if dot else max(8, min(128, 4096 // (bm * bn)))
+
+    widths = (128, 64, 32)
+    bn = widths[-1]
+    for b in widths:
+        if m_tiles * triton.cdiv(N, b) * min(MAX_SPLITS, triton.cdiv(K, bk_for(b))) >= target:
+            bn = b
+            break
+    bk = bk_for(bn)
+    tiles = m_tiles * triton.cdiv(N, bn)
+    split = max(1, min(MAX_SPLITS, triton.cdiv(K, bk), triton.cdiv(target, tiles)))
+    return Linear32Config(BM=bm, BN=bn, BK=bk, split_k=split, num_warps=4,
+                          num_stages=3 if dot else 2)
+
+
+def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
+                            cfg: Linear32Config | None) -> torch.Tensor:
+    """:func:`linear_fp32` through the kernel whatever M, with an explicit tile plan
+    (``None``: :func:`pick_linear32_config`)."""
+    torch_dense.check_linear_fp32_args(x, w)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()  # other float dtypes: the same rounding to fp32 as the twin's x.float()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    if cfg is None:
+        cfg = pick_linear32_config(M, N, K, x.device)
+    chunks = triton.cdiv(K, cfg.BK)
+    k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.BK
+    split = triton.cdiv(K, k_per_split)  # every split gets >= 1 chunk (the last may be short)
+    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    if split == 1:
+        ws, counters = out, out  # unused with one split
+    else:
+        # Per-call workspace from the caching allocator (also inside CUDA graphs); the counters
+        # are the FP8 GEMM's persistent per-device buffer (zero between launches).
+        ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        counters = _splitk_counters(x.device, tiles)
+    _linear32_kernel[(tiles, split)](
+        x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 GEMM ``x.float() @ w.T``: x [T, K] any float dtype, w [N, K] float32 -> [T, N] fp32.
+
+    Exact fp32 products and fp32 sums (FMA; no TF32).  T <= :data:`MAX_KERNEL_ROWS`: the
+    split-K kernel; more rows: the twin (cuBLAS).
+    """
+    torch_dense.check_linear_fp32_args(x, w)
+    if x.shape[0] > MAX_KERNEL_ROWS:
+        return torch_dense.linear_fp32(x, w)
+    return linear_fp32_with_config(x, w, None)
