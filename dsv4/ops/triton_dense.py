@@ -330,24 +330,27 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
 # Split-K arrival counters, one int32 per output tile, per device.  Every launch leaves them at
 # zero (the last split of each tile resets its counter), so they are zeroed once, at allocation,
 # and never per call.  Growing allocates: the first call of each shape must happen before any
-# CUDA-graph capture (the engine's and the bench's warm-up runs do that), and the plans of
-# pick_fp8_config never need more than ~2 tiles per SM, well under the initial size.  Launches
-# that could run concurrently on two streams of one device would share these counters: the
-# ops run the GEMMs of a device on one stream.
+# CUDA-graph capture (the engine's and the bench's warm-up runs do that), and the split plans
+# (FP8 GEMM, experts, linear_fp32: all share this buffer) never need more than a few tiles per
+# SM, well under the initial size.  Launches that could run concurrently on two streams of one
+# device would share these counters: the ops run a device's kernels on one stream.
 _SPLITK_MIN_COUNTERS = 4096
 _splitk_counter_cache: dict[torch.device, torch.Tensor] = {}
 # Outgrown buffers are kept alive: a captured CUDA graph still holds their addresses.
 _splitk_retired: list[torch.Tensor] = []
 
 
-def _splitk_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters of ``device``, at least ``tiles`` of them."""
+def splitk_counters(device: torch.device, tiles: int, op: str = "split-K") -> torch.Tensor:
+    """The zeroed int32 arrival counters of ``device``, at least ``tiles`` of them: one buffer
+    per device shared by every split-K kernel (FP8 GEMM, experts, ``linear_fp32``), whose
+    launches are stream-ordered and each leave their counters at zero.  ``op`` names the caller
+    in the error raised when the buffer would have to grow inside a CUDA-graph capture."""
     buf = _splitk_counter_cache.get(device)
     if buf is not None and buf.numel() >= tiles:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"fp8_linear: a split-K launch needs {tiles} tile counters but the buffer holds "
+            f"{op}: a split-K launch needs {tiles} tile counters but the buffer holds "
             f"{0 if buf is None else buf.numel()}; growing it inside a CUDA-graph capture is not "
             "allowed: run this shape once before capturing")
     if buf is not None:
@@ -417,7 +420,7 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
     else:
         # Per-call workspace: the caching allocator serves it (also inside CUDA graphs).
         ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        counters = _splitk_counters(x.device, tiles)
+        counters = splitk_counters(x.device, tiles, "fp8_linear")
     _fp8_gemm_kernel[(tiles, split)](
         a, sa, w8, sw, out, ws, counters, M, N, K, a.stride(0), w8.stride(0), out.stride(0),
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,

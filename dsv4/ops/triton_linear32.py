@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.triton_dense import _splitk_counters, sm_count, torch_twin_off_gpu
+from dsv4.ops.triton_dense import sm_count, splitk_counters, torch_twin_off_gpu
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
            "MAX_KERNEL_ROWS"]
@@ -194,7 +194,7 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
         # Per-call workspace from the caching allocator (also inside CUDA graphs); the counters
         # are the FP8 GEMM's persistent per-device buffer (zero between launches).
         ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        counters = _splitk_counters(x.device, tiles)
+        counters = splitk_counters(x.device, tiles, "linear_fp32")
     _linear32_kernel[(tiles, split)](
         x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16,

@@ -20,7 +20,8 @@ per-call workspace; after a barrier it counts itself in at the tile's int32 arri
 order s = 0..S-1, runs what the unsplit kernel runs after its K loop, and resets the counter.
 The result is bit-reproducible whatever the arrival order, and equal to the unsplit plan's to
 fp32 rounding (another summation order), not bit-equal.  The counters are one persistent
-zeroed buffer per device (:func:`arrival_counters`), never re-zeroed per call.
+zeroed buffer per device shared with the other split-K kernels
+(:func:`dsv4.ops.triton_dense.splitk_counters`), never re-zeroed per call.
 
 Large calls (prefill: at least ``DEQUANT_GEMM_MIN_ROWS`` pairs per expert on average; off by
 default until measured on the GPU) can take :func:`moe_experts_grouped` instead: every expert dequantized once by ``_dequant_experts_kernel``
@@ -57,6 +58,7 @@ from dsv4.ops.triton_dense import (
     pow2_from_exp,
     round_to_bf16,
     round_to_e4m3,
+    splitk_counters,
     store_rne,
     torch_twin_off_gpu,
     ue8m0_exponent,
@@ -67,7 +69,6 @@ __all__ = [
     "DEQUANT_GEMM_MIN_ROWS",
     "FP4_DECODE",
     "MoeConfig",
-    "arrival_counters",
     "dequant_experts",
     "moe_experts",
     "moe_experts_grouped",
@@ -585,34 +586,6 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
                      stages=3)
 
 
-# Arrival counters of the split-K kernels: one persistent int32 buffer per device, zeroed once
-# when allocated; the last split of each tile resets its counter, so calls never re-zero it and
-# CUDA-graph replays start clean.  Growing allocates: the first call of each shape runs in the
-# warm-up, before any CUDA-graph capture (the engine's DecodeGraphs does).  Buffers replaced by
-# a larger one are kept alive: graphs captured earlier still hold their address.  The up and
-# down kernels of a call (and calls on one device) are stream-ordered and share the counters.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_ARRIVALS_RETIRED: list[torch.Tensor] = []
-_ARRIVALS_MIN = 4096
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters of ``device``, at least ``count`` of them (grown, by
-    doubling, when a launch needs more)."""
-    buf = _ARRIVALS.get(device)
-    if buf is not None and buf.numel() >= count:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"moe_experts: the split-K arrival counters must grow to {count} "
-                           f"during a CUDA-graph capture; run the call once before capturing")
-    size = max(_ARRIVALS_MIN, count, 2 * buf.numel() if buf is not None else 0)
-    if buf is not None:
-        _ARRIVALS_RETIRED.append(buf)
-    buf = torch.zeros(size, dtype=torch.int32, device=device)
-    _ARRIVALS[device] = buf
-    return buf
-
-
 # Shared memory the pipelined operand buffers of one program may take (the H200: 227 KB).
 _SMEM_BUDGET = 224 * 1024
 
@@ -810,7 +783,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     split_down = min(cfg.split_down, inter // cfg.BK)
     tiles_up, tiles_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
     need = max(nb * tiles_up if split_up > 1 else 0, nb * tiles_down if split_down > 1 else 0)
-    arrivals = arrival_counters(x.device, need) if need else block_expert
+    arrivals = splitk_counters(x.device, need, "moe_experts") if need else block_expert
     # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
     xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     _moe_prep_kernel[(nb, D // cfg.BK)](

@@ -152,9 +152,9 @@ def test_fp32_compute_gpu() -> None:
 
 
 def _counters_clean() -> bool:
-    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_dense as td
     torch.cuda.synchronize()
-    return all(not bool(b.any()) for b in tri._ARRIVALS.values())
+    return all(not bool(b.any()) for b in td._splitk_counter_cache.values())
 
 
 @pytest.mark.parametrize("T", [1, 3])

@@ -17,11 +17,13 @@ from types import ModuleType
 
 import pytest
 import torch
+import triton
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by conftest
     pytest.skip("needs TRITON_INTERPRET=1", allow_module_level=True)
 
 from dsv4.ops import torch_dense as ref  # noqa: E402
+from dsv4.ops import triton_dense as td  # noqa: E402
 from dsv4.ops import triton_moe as tri  # noqa: E402
 from interp_helpers import rel_err  # noqa: E402
 
@@ -170,7 +172,7 @@ def _split_cfg(split_up: int, split_down: int) -> tri.MoeConfig:
 
 
 def _counters_clean() -> bool:
-    return all(not bool(b.any()) for b in tri._ARRIVALS.values())
+    return all(not bool(b.any()) for b in td._splitk_counter_cache.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -216,25 +218,25 @@ def test_split_k_counter_buffer_grows(monkeypatch) -> None:
     """A fresh, minimal counter buffer sized by the first call (one token: 3 blocks × 3 tiles)
     grows for a call with more tiles (three tokens, 16-wide tiles); the old buffer is kept (a
     captured graph may still point at it); both calls match the twin; all counters end at 0."""
-    monkeypatch.setattr(tri, "_ARRIVALS", {})
-    monkeypatch.setattr(tri, "_ARRIVALS_RETIRED", [])
-    monkeypatch.setattr(tri, "_ARRIVALS_MIN", 1)
+    monkeypatch.setattr(td, "_splitk_counter_cache", {})
+    monkeypatch.setattr(td, "_splitk_retired", [])
+    monkeypatch.setattr(td, "_SPLITK_MIN_COUNTERS", 1)
     gen = torch.Generator().manual_seed(43)
     ex = _split_experts("dense", gen, torch.float32)
     x, ids, w = _split_call(1, gen, torch.float32, skip=False)
     y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, _split_cfg(2, 2))
     assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
-    (first,) = tri._ARRIVALS.values()
+    (first,) = td._splitk_counter_cache.values()
     nb = tri.moe_plan(ids, SPLIT_E, 16)[1].numel()
-    assert first.numel() == nb * -(-SPLIT_D // 64)
+    assert first.numel() == triton.next_power_of_2(nb * -(-SPLIT_D // 64))
     x, ids, w = _split_call(3, gen, torch.float32)
     cfg = tri.MoeConfig(16, 16, 32, split_up=3, split_down=2)
     y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
     assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
-    (grown,) = tri._ARRIVALS.values()
+    (grown,) = td._splitk_counter_cache.values()
     nb = tri.moe_plan(ids, SPLIT_E, 16)[1].numel()
     assert grown.numel() >= nb * -(-SPLIT_I // 16) > first.numel()
-    assert tri._ARRIVALS_RETIRED == [first]
+    assert td._splitk_retired == [first]
     assert _counters_clean() and not bool(first.any())
 
 
