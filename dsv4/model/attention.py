@@ -113,11 +113,18 @@ def _token_entry_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
 
 
 def _picked_rows(ctx: StepContext, ratio: int, page_size: int, ids: Tensor) -> Tensor:
-    """[T, k] int32 pool rows of the top-k entry ids ``ids`` (−1 stays −1)."""
-    rows = _token_entry_rows(ctx, ratio, page_size)
-    if not rows.shape[1]:
-        return ids.to(torch.int32)
-    return rows.gather(1, ids.clamp_min(0)).masked_fill_(ids < 0, -1).to(torch.int32)
+    """[T, k] int32 pool rows of the top-k entry ids ``ids`` (−1 stays −1).
+
+    Two kernels per layer: the entry-row table gets a −1 column at index L, int32, once per
+    step (memoized, shared by every layer of the ratio), and an id −1 becomes L by ``mod L+1``
+    (ids are < L), so a single gather maps picks and blanks alike."""
+    key = ("picked_row_table", ratio, page_size)
+    if key not in ctx.memo:
+        rows = _token_entry_rows(ctx, ratio, page_size)
+        blank = rows.new_full((rows.shape[0], 1), -1)
+        ctx.memo[key] = torch.cat((rows, blank), dim=1).to(torch.int32)
+    table = ctx.memo[key]
+    return table.gather(1, ids.remainder(table.shape[1]))
 
 
 def _visible_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:

@@ -255,7 +255,11 @@ class Compressor(nn.Module):
         # fp32: no activation fake quant), through the op table's skinny-GEMM kernel.
         kv = self.ops.linear_fp32(x, self.wkv.weight)
         score = self.ops.linear_fp32(x, self.wgate.weight)
-        return kv, score + self.ape[ctx.positions % self.spec.ratio]
+        # Each token's slot in its group: the same for every compressor of the ratio (memoized).
+        key = ("group_slot", self.spec.ratio)
+        if key not in ctx.memo:
+            ctx.memo[key] = ctx.positions % self.spec.ratio
+        return kv, score + self.ape[ctx.memo[key]]
 
     # ------------------------------------------------------------------ entries
     def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor,
