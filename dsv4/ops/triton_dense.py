@@ -177,6 +177,35 @@ def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+# ------------------------------------------------------------------------------ split-K
+@triton.jit
+def splitk_reduce(acc, part, mask, split, stride_ws, count, SPLITS: tl.constexpr):
+    """The split-K reduction inside a GEMM kernel: split ``split`` of SPLITS stores its fp32
+    partial tile ``acc`` at ``part + split·stride_ws`` and counts itself in at its tile's
+    arrival counter ``count``; returns ``(last, total)``: ``last`` for the split that arrived
+    last, which gets ``total`` = the slices summed in the fixed order ``((s0 + s1) + s2) + …``
+    (bit-reproducible whatever the arrival order) and has reset the counter to 0 (the next
+    launch and CUDA-graph replays start clean); the caller stores ``total`` when ``last``."""
+    tl.store(part + split * stride_ws, acc, mask=mask)
+    # Every thread's partial stores are issued before one thread publishes the arrival; the
+    # release of the atomic then orders them before any later acquirer's reads.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLITS - 1
+    total = acc
+    if last:
+        # The acquire was done by one thread: the barrier orders all threads' reads after it
+        # (cheap, and independent of how the atomic's result is broadcast).
+        tl.debug_barrier()
+        # Unrolled, so the SPLITS loads are in flight together (one L2 round trip); .cg reads
+        # L2, never a possibly stale L1 line.
+        total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(part + s * stride_ws, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count, 0)
+    return last, total
+
+
 # ------------------------------------------------------------------------------ FP8 GEMM
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
@@ -248,24 +277,9 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if SPLITS > 1:
         part = ws_ptr + rm[:, None] * stride_wm + rn[None, :]
-        tl.store(part + split * stride_ws, acc, mask=mask)
-        # Every thread's partial stores are issued before one thread publishes the arrival;
-        # the release of the atomic then orders them before any later acquirer's reads.
-        tl.debug_barrier()
-        count = count_ptr + pid
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            # The acquire was done by one thread: the barrier orders all threads' reads after
-            # it (cheap, and independent of how the atomic's result is broadcast).
-            tl.debug_barrier()
-            # Unrolled, so the SPLITS loads are in flight together (one L2 round trip);
-            # .cg reads L2, never a possibly stale L1 line.
-            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLITS):
-                total += tl.load(part + s * stride_ws, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
+        last, total = splitk_reduce(acc, part, mask, split, stride_ws, count_ptr + pid, SPLITS)
+        if last:
             store_rne(out, total, mask)
-            tl.store(count, 0)
     else:
         store_rne(out, acc, mask)
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.triton_dense import sm_count, splitk_counters, torch_twin_off_gpu
+from dsv4.ops.triton_dense import sm_count, splitk_counters, splitk_reduce, torch_twin_off_gpu
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
            "MAX_KERNEL_ROWS"]
@@ -86,22 +86,9 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
     out = out_ptr + rm[:, None] * N + rn[None, :]
     if SPLITS > 1:
         part = ws_ptr + rm[:, None] * N + rn[None, :]
-        tl.store(part + split * stride_ws, acc, mask=mask)
-        # All threads' partial stores are issued before one thread publishes the arrival; the
-        # release of the atomic orders them before any later acquirer's reads.
-        tl.debug_barrier()
-        count = count_ptr + pid
-        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            # The acquire was one thread's: the barrier orders every thread's reads after it.
-            tl.debug_barrier()
-            # Unrolled so the loads are in flight together; .cg reads L2, never a stale L1 line.
-            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLITS):
-                total += tl.load(part + s * stride_ws, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
+        last, total = splitk_reduce(acc, part, mask, split, stride_ws, count_ptr + pid, SPLITS)
+        if last:
             tl.store(out, total, mask=mask)
-            tl.store(count, 0)
     else:
         tl.store(out, acc, mask=mask)
 
