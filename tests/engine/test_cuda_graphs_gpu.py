@@ -33,7 +33,12 @@ def test_graph_decode_matches_static_eager_on_gpu(tmp_path) -> None:
     kw = dict(model=model, tokenizer=tok, device="cuda", max_model_len=512, max_num_seqs=8,
               num_pages=64)
     graphs = LLMEngine(path, **kw)
+    # cuda_graph_capture="startup" (default): every bucket is captured before any request.
+    dg = graphs.runner.decode_graphs
+    assert dg is not None and sorted(dg.graphs) == dg.buckets == [1, 2, 4, 8]
+    capture_s = dg.stats["capture_s"]
     got = _run(graphs, reqs)
+    assert dg.stats["capture_s"] == capture_s   # no capture while serving
     assert graphs.runner.decode_graphs is not None and graphs.runner.decode_graphs.stats["replays"]
     eager = LLMEngine(path, enforce_eager=True, **kw)
     assert eager.runner.decode_graphs is None
