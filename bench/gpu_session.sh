@@ -5,22 +5,7 @@
 # The numbers go to docs/PERFORMANCE.md with this command, the date and the hardware.
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu_out}"
-# The device tool returns at most 8 files: logs go to LOGS and are re-packed into one tarball in
-# OUT after every stage, so a stage cut off by the call's limit still leaves the earlier ones.
-LOGS="$(mktemp -d)"
-mkdir -p "$OUT"
-# The kernels written without a GPU (dsv4.ops.UNVERIFIED_ON_GPU) are what this session checks.
-export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
-stage() {  # stage NAME SECONDS CMD...
-    local name=$1 secs=$2; shift 2
-    echo "=== $name (limit ${secs}s): $*"
-    local t0=$SECONDS
-    timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - t0))s"
-    tail -n 4 "$LOGS/$name.log"
-    tar -czf "$OUT/session.tar.gz" -C "$LOGS" .
-}
+source bench/gpu_stages.sh   # OUT, LOGS, stage
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LOGS/gpu.txt" 2>&1
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$LOGS/gpu.txt"
 

@@ -8,19 +8,7 @@
 #   bash bench/gpu_session_s4.sh        (logs and JSON packed into $OUT/session.tar.gz)
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu_out}"
-LOGS="$(mktemp -d)"
-mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
-stage() {  # stage NAME SECONDS CMD...
-    local name=$1 secs=$2; shift 2
-    echo "=== $name (limit ${secs}s)"
-    local t0=$SECONDS
-    timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - t0))s"
-    tail -n 4 "$LOGS/$name.log"
-    tar -czf "$OUT/session.tar.gz" -C "$LOGS" .
-}
+source bench/gpu_stages.sh   # OUT, LOGS, stage
 stage gpu_tests 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
     -k "sparse_attn or linear32 or linear_fp32"
 stage moe_decode 70 python bench/moe_decode.py --tokens 1,16 --sweep --out "$LOGS/moe.json"
