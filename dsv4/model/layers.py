@@ -12,10 +12,10 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv4.config import ModelConfig
+from dsv4.ops.torch_dense import batch_invariant_linear
 
 __all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correction_range",
            "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
@@ -23,7 +23,6 @@ __all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correctio
 
 WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
 NUMERICS = ("bf16", "official")
-_CPU_MIN_GEMM_ROWS = 4
 
 
 def check_numerics(numerics: str) -> str:
@@ -185,16 +184,8 @@ class Linear(nn.Module):
         if self.quantizes_input:
             from dsv4.formats import fake_quant_fp8
             x = fake_quant_fp8(x, self.block)
-        xw = x.to(self.weight.dtype)
-        rows = xw.numel() // max(1, xw.shape[-1])
-        if xw.device.type == "cpu" and 0 < rows < _CPU_MIN_GEMM_ROWS:
-            # MKL takes another (GEMV-like) path below 4 rows, so a row's result would depend
-            # on the batch size; padding keeps decode bit-identical to prefill (with MKL_CBWR).
-            flat = xw.reshape(rows, xw.shape[-1])
-            pad = flat.new_zeros(_CPU_MIN_GEMM_ROWS - rows, flat.shape[1])
-            y = F.linear(torch.cat((flat, pad)), self.weight)[:rows]
-            return y.reshape(*xw.shape[:-1], self.out_features).to(x.dtype)
-        return F.linear(xw, self.weight).to(x.dtype)
+        # Batch-invariant on CPU: decode rows bit-identical to prefill rows (with MKL_CBWR).
+        return batch_invariant_linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, "

@@ -136,9 +136,21 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
 
 # ------------------------------------------------------------------------------ fp32 GEMM
 # Below this many rows MKL takes a GEMV-like path whose sums are ordered differently from its
-# GEMM: rows are padded up to it on CPU so a token's result does not depend on the batch size
-# (the same rule as dsv4.model.layers.Linear, whose fp32 compressor projections this op serves).
+# GEMM: rows are padded up to it on CPU so a token's result does not depend on the batch size.
 _CPU_MIN_GEMM_ROWS = 4
+
+
+def batch_invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` for x [..., K]; on CPU, fewer than 4 rows are zero-padded to 4 first
+    (no value changes, but MKL keeps one summation order for every batch size, so decode rows
+    equal prefill rows bit for bit).  Used by ``linear_fp32`` and ``dsv4.model.layers.Linear``."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if x.device.type == "cpu" and 0 < rows < _CPU_MIN_GEMM_ROWS:
+        flat = x.reshape(rows, x.shape[-1])
+        pad = flat.new_zeros(_CPU_MIN_GEMM_ROWS - rows, flat.shape[1])
+        y = F.linear(torch.cat((flat, pad)), w)[:rows]
+        return y.reshape(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
 
 
 def check_linear_fp32_args(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -166,12 +178,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     one summation order for every batch size.
     """
     check_linear_fp32_args(x, w)
-    xf = x.float()
-    rows = xf.shape[0]
-    if xf.device.type == "cpu" and 0 < rows < _CPU_MIN_GEMM_ROWS:
-        pad = xf.new_zeros(_CPU_MIN_GEMM_ROWS - rows, xf.shape[1])
-        return F.linear(torch.cat((xf, pad)), w)[:rows]
-    return F.linear(xf, w)
+    return batch_invariant_linear(x.float(), w)
 
 
 # ------------------------------------------------------------------------------ routed experts

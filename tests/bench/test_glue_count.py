@@ -34,7 +34,8 @@ def test_counts_a_static_decode_step_by_source(capsys: pytest.CaptureFixture) ->
     assert all(op.startswith("aten.") for op in ops)       # torch table: no Triton launch
     gate: dict[str, int] = {}
     for (m, f, op), n in tally.kernels.items():
-        if f.endswith("Gate.forward") or (m.endswith(".gate") and f.endswith(":linear_fp32")):
+        if f.endswith("Gate.forward") or (m.endswith(".gate") and f.endswith(
+                (":linear_fp32", ":batch_invariant_linear"))):
             gate[op] = gate.get(op, 0) + n
     # x.float() and the GEMM per layer, in linear_fp32's twin (which on CPU pads 2 rows to 4).
     assert gate == {"aten._to_copy": 3, "aten.mm": 3, "aten.new_zeros": 3, "aten.cat": 3}
