@@ -564,6 +564,28 @@ def _moe_grouped() -> None:
         torch._grouped_mm = real_grouped_mm
 
 
+@scenario("moe_experts/v4_flash/fp4_fp8mma/prefill")
+def _moe_fp8mma() -> None:
+    """The FP8-MMA expert path (dsv4.ops.triton_moe_fp8, MXFP4 under official numerics, bf16)
+    with the tile plans of a 512- and an 8192-token prefill (64- and 128-row blocks): fp8 dots
+    of register-decoded weights (the inline-PTX decode, and the ALU one that
+    DSV4_FP8MMA_DECODE=alu picks), their shared-memory needs."""
+    import torch
+
+    from dsv4.ops import triton_moe_fp8 as tf8
+    m = V4_FLASH
+    ex = _experts(m, "fp4", True)
+    for T_real in (512, 8192):
+        cfg = tf8.pick_fp8mma_config(T_real * m.topk, m.experts)
+        gen = torch.Generator().manual_seed(T_real)
+        ids = torch.randint(0, E_ALLOC, (64, m.topk), generator=gen)
+        x = _empty(64, m.dim, dtype=torch.bfloat16)
+        tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+        with RECORDER.override(tf8._fp8mma_up_kernel, ASM_DECODE=False), \
+                RECORDER.override(tf8._fp8mma_down_kernel, ASM_DECODE=False):
+            tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+
+
 def _norm_rope(m: ModelDims) -> None:
     """RMSNorm / RoPE kernels (dsv4.ops.triton_norm) at the attention's and indexer's widths;
     the row tile follows the row count, so decode and prefill both run."""

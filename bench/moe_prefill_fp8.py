@@ -1,0 +1,126 @@
+"""Prefill routed experts on FP8 tensor cores (``dsv4.ops.triton_moe_fp8.moe_experts_fp8mma``)
+against the bf16-MMA kernel (``dsv4.ops.triton_moe.moe_experts``), at V4-Flash widths (D 4096,
+I 2048, 256 experts, top-6), MXFP4 stacks under official numerics (act_block 128), bf16.
+
+    PYTHONPATH=. python bench/moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] [--out f.json]
+    TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_prefill_fp8.py --tiny   # CPU smoke run
+
+Per token count: µs per call (``triton.testing.do_bench``, median) and TFLOP/s (2·3·T·k·D·I
+FLOPs: the gate, up and down GEMMs of every pick) of both paths, the speed-up, the relative
+difference of the outputs and whether every output is finite.  ``--sweep`` also times the FP8
+path under the other tile plans of :data:`SWEEP`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv4.ops import triton_moe as tri  # noqa: E402
+from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
+from dsv4.ops.torch_dense import ExpertWeights  # noqa: E402
+
+FLASH = {"E": 256, "D": 4096, "I": 2048, "k": 6}
+TINY = {"E": 8, "D": 256, "I": 128, "k": 2}
+# The picks of both sizes and their neighbours that compile without register spills on sm_90.
+SWEEP = [f8.MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=4),
+         f8.MoeFp8Config(BM=64, BN_up=64, BN_down=128, warps_up=4, warps_down=8),
+         f8.MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=8),
+         f8.MoeFp8Config(BM=128, BN_up=64, BN_down=64, warps_up=8, warps_down=8, stages=4)]
+
+
+def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str
+                 ) -> ExpertWeights:
+    """Random MXFP4 stacks (packed e2m1 int8 [E, N, K/2], e8m0 scales [E, N, K/32]) with the
+    FP8 act quant of official numerics (block 128)."""
+    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randint(-128, 128, (E, n, k // 2), generator=gen, device=device,
+                          dtype=torch.int8)
+        s = torch.randint(118, 123, (E, n, k // 32), generator=gen, device=device)
+        return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
+    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128)
+
+
+def time_us(fn: Callable[[], Any], device: str) -> float:
+    """Median µs per call: ``triton.testing.do_bench`` on the GPU, wall clock in the CPU smoke
+    run (meaningless as a speed, it only exercises the code)."""
+    if device == "cuda":
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")) * 1e3
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shape = TINY if args.tiny else FLASH
+    device = "cpu" if args.tiny else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("moe_prefill_fp8: needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)")
+    E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
+    tokens = [int(t) for t in (args.tokens or ("4,20" if args.tiny else "2048,8192")).split(",")]
+    gen = torch.Generator(device=device).manual_seed(0)
+    ex = mxfp4_stacks(E, D, inter, gen, device)
+    rows: list[dict[str, Any]] = []
+    print("| tokens | plan | bf16-MMA µs | TFLOP/s | FP8-MMA µs | TFLOP/s | speed-up | rel. diff "
+          "| finite |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in tokens:
+        x = torch.randn(T, D, generator=gen, device=device).to(torch.bfloat16)
+        ids = torch.rand(T, E, generator=gen, device=device).topk(k, dim=-1).indices
+        w = torch.rand(T, k, generator=gen, device=device) + 0.1
+        w = w / w.sum(-1, keepdim=True) * 1.5
+        flops = 2 * 3 * T * k * D * inter
+        y_bf16 = tri.moe_experts(x, ids, w, ex, 10.0)
+        t_bf16 = time_us(lambda: tri.moe_experts(x, ids, w, ex, 10.0), device)
+        plans: list[f8.MoeFp8Config | None] = [None] + (SWEEP if args.sweep else [])
+        for cfg in plans:
+            y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg)
+            t = time_us(lambda: f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg), device)
+            used = cfg or f8.pick_fp8mma_config(T * k, E)
+            name = (f"BM{used.BM} up {used.BN_up}/w{used.warps_up} down {used.BN_down}/"
+                    f"w{used.warps_down} s{used.stages}" + (" (pick)" if cfg is None else ""))
+            row = {"tokens": T, "plan": name, "bf16_us": t_bf16, "fp8_us": t,
+                   "bf16_tflops": flops / t_bf16 / 1e6, "fp8_tflops": flops / t / 1e6,
+                   "speedup": t_bf16 / t, "rel_diff": rel_diff(y, y_bf16),
+                   "finite": bool(torch.isfinite(y).all())}
+            rows.append(row)
+            print(f"| {T} | {name} | {t_bf16:.0f} | {row['bf16_tflops']:.1f} | {t:.0f} | "
+                  f"{row['fp8_tflops']:.1f} | {row['speedup']:.2f}x | {row['rel_diff']:.2e} | "
+                  f"{row['finite']} |", flush=True)
+    result = {"shape": shape, "device": device, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Command line entry (see the module docstring); returns the results."""
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts")
+    ap.add_argument("--sweep", action="store_true", help="also time the other FP8 tile plans")
+    ap.add_argument("--tiny", action="store_true", help="toy widths on CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
