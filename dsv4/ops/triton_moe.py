@@ -312,6 +312,15 @@ def _sum_partials(part_ptr, offs, mask, stride_part_s):
 
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
+def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
+    """Rows of row block ``blk`` in the plan's sorted layout: (rows [BM], their (token, pick)
+    pair ids, mask of the real pairs: padding rows hold ids >= P)."""
+    rm = blk * BM + tl.arange(0, BM)
+    pair = tl.load(pair_ptr + rm)
+    return rm, pair, pair < P
+
+
+@triton.jit
 def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
                      GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr):
@@ -323,9 +332,7 @@ def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_sr
     k0 = tl.program_id(1) * BK
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm = blk * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
+        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         if GATHER:
             rows = pair // TOPK
         else:
@@ -380,9 +387,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm = blk * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
+        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         OUT: tl.constexpr = xs_ptr.dtype.element_ty
@@ -431,9 +436,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm = blk * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
+        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         OUT: tl.constexpr = act_ptr.dtype.element_ty

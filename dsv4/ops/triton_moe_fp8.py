@@ -46,6 +46,7 @@ from dsv4.ops.triton_moe import (
     _moe_combine_kernel,
     _up_epilogue,
     _weight_args,
+    block_pairs,
     moe_plan,
 )
 
@@ -158,9 +159,7 @@ def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stri
     kb = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm = blk * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
+        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         if GATHER:
             src_rows = (pair // TOPK).to(tl.int64)
         else:
@@ -188,9 +187,7 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm = blk * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
+        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -220,9 +217,7 @@ def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_pt
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm = blk * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
+        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
