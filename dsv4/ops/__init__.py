@@ -38,9 +38,9 @@ OP_NAMES = (
 # Empty: every kernel written without a GPU (rms_norm, apply_rope, head_norm_rope, norm_rope,
 # compress_entries, compress_update_state, indexer_queries, encode_records, write_records,
 # moe_route, swiglu_act, moe_combine, hc_post_pre) passed its GPU checks on the H200
-# (bench/gpu_session*.sh, 2026-11-29/30), and so did topk_indices (2026-11-30).  A new kernel
-# goes here until its GPU checks run.  linear_fp32 (dsv4 issue #5) was written without a GPU.
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"linear_fp32"})
+# (bench/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32 (2026-11-30).
+# A new kernel goes here until its GPU checks run.
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...))).
 _COMPOSED_TWINS = frozenset({"hc_post_pre"})

@@ -7,8 +7,10 @@ them with 32x32 SIMT tiles over too few blocks to stream the weight at full band
 kernel splits K so that ~2 programs per SM read the weight, and reduces the splits inside the
 launch (fixed order, bit-reproducible), as the FP8 GEMM of ``triton_dense`` does.
 
-Same signature as the twin in ``dsv4/ops/torch_dense.py``.  Above :data:`MAX_KERNEL_ROWS` rows
-the twin (cuBLAS) runs: prefill GEMMs are compute bound and well served there.
+Same signature as the twin in ``dsv4/ops/torch_dense.py``.  The kernel runs for
+:data:`MIN_KERNEL_ROWS` .. :data:`MAX_KERNEL_ROWS` rows, where it measured faster than cuBLAS on
+the H200 (docs/PERFORMANCE.md, fifth session: 16 rows 14–25 µs against 18–41 µs); one row
+(cuBLAS's GEMV: 4.5–6.8 µs against 5.5–9.3) and 64 rows (2× faster in cuBLAS) go to the twin.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from dsv4.ops import torch_dense
 from dsv4.ops.triton_dense import sm_count, splitk_counters, splitk_reduce, torch_twin_off_gpu
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
-           "MAX_KERNEL_ROWS"]
+           "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS"]
 
-# Rows up to which the kernel runs; more rows go to the twin (cuBLAS on the GPU).
-MAX_KERNEL_ROWS = 64
+# Rows for which the kernel runs; others go to the twin (cuBLAS on the GPU).  Measured bounds:
+# see the module docstring.
+MIN_KERNEL_ROWS = 2
+MAX_KERNEL_ROWS = 16
 # Most K splits of one tile: the last split re-reads every partial, unrolled.
 MAX_SPLITS = 32
 
@@ -193,10 +197,10 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 GEMM ``x.float() @ w.T``: x [T, K] any float dtype, w [N, K] float32 -> [T, N] fp32.
 
-    Exact fp32 products and fp32 sums (FMA; no TF32).  T <= :data:`MAX_KERNEL_ROWS`: the
-    split-K kernel; more rows: the twin (cuBLAS).
+    Exact fp32 products and fp32 sums (FMA; no TF32).  :data:`MIN_KERNEL_ROWS` <= T <=
+    :data:`MAX_KERNEL_ROWS`: the split-K kernel; other T: the twin (cuBLAS).
     """
     torch_dense.check_linear_fp32_args(x, w)
-    if x.shape[0] > MAX_KERNEL_ROWS:
+    if not MIN_KERNEL_ROWS <= x.shape[0] <= MAX_KERNEL_ROWS:
         return torch_dense.linear_fp32(x, w)
     return linear_fp32_with_config(x, w, None)

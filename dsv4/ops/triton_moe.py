@@ -544,13 +544,12 @@ class MoeConfig:
 
 # Split-K at decode.  At one token only ~6 row blocks × the N tiles stream the weights (192
 # programs at V4-Flash widths, 1.45 waves of the H200's 132 SMs, ~1.1 TB/s): K splits multiply
-# the programs up to ~4 per SM, while each split keeps >= 1024 of K (8 steps of 128: its
-# pipeline stays full and the fp32 partials stay small next to the weights it reads).  A first
-# rule from that reasoning, not yet measured (V4-Flash, one token: up 4, down 2);
-# bench/moe_decode.py --sweep times splits 1/2/4/8 for the H200 numbers.
+# the programs up to ~4 per SM, while each split keeps >= 512 of K (4 steps of 128).  H200
+# sweep (bench/moe_decode.py --sweep, docs/PERFORMANCE.md fifth session), V4-Flash, one token:
+# up/down splits 4/4 69.3 µs, 4/2 72.4, 8/2 76.1, 1/1 81.1; from 16 tokens unsplit is best.
 _SPLIT_SMS = 132
 _SPLIT_TARGET_PROGRAMS = 4 * _SPLIT_SMS
-_SPLIT_MIN_K = 1024
+_SPLIT_MIN_K = 512
 _SPLIT_MAX = 8
 
 
@@ -573,7 +572,7 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     up), 64-row blocks with 128-wide tiles and 4 warps beyond, 128-row blocks with 8 warps from
     128 rows per expert (8K prefill: 11.8 ms against 12.3 with 64-row blocks).  16-row blocks
     whose programs (active experts × N tiles) are too few to fill the GPU split K
-    (:func:`_pick_split`; V4-Flash: one token up 4 / down 2, 8 tokens and more unsplit)."""
+    (:func:`_pick_split`; V4-Flash: one token up 4 / down 4, 8 tokens and more unsplit)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:

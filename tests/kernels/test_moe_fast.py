@@ -159,7 +159,7 @@ def _counters_clean() -> bool:
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_split_k_bit_reproducible_gpu(T: int) -> None:
-    """The default decode plan splits K (1 token: up 4 / down 2) and a forced 3/3 plan (ragged
+    """The default decode plan splits K (1 token: up 4 / down 4) and a forced 3/3 plan (ragged
     shares): bit-identical over two identical calls (fixed summation order whatever the
     arrival order), close to the unsplit plan and the twin, every output written, all arrival
     counters back to 0; the same with fp32 compute against the fp32 twin."""
