@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from dsv4.config import ModelConfig
 from dsv4.ops.torch_dense import batch_invariant_linear
 
-__all__ = ["Linear", "RMSNorm", "rope_cos_sin", "rope_inv_freq", "yarn_correction_range",
-           "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
+__all__ = ["Linear", "RMSNorm", "fused_linears", "rope_cos_sin", "rope_inv_freq",
+           "yarn_correction_range", "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
            "keeps_quantized", "load_device", "set_parameter"]
 
 WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
@@ -190,6 +190,68 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, "
                 f"numerics={self.numerics}, quantized_storage={self.quantized_storage}")
+
+
+def fused_linears(x: Tensor, linears: Sequence[Linear]) -> list[Tensor]:
+    """``[lin(x) for lin in linears]`` as ONE FP8 GEMM when every Linear runs the FP8 kernel on
+    the GPU (``holds_quantized``, CUDA input), else each Linear on its own.
+
+    Projections that read the same input (the attention's ``wq_a`` and ``wkv``, the shared
+    expert's ``w1`` and ``w3``) then share one activation quantization and one launch: at decode
+    each GEMM is a few µs of latency over a few MB.  The first call re-stores the weights and
+    scales as row slices of one tensor (no second copy is kept: each Linear's ``qweight`` becomes
+    a view of its rows); a reload of any of them (a new ``qweight``) fuses again.  Each output
+    column is the same dot product as unfused (the kernel's K-split plan may differ: equal to
+    fp32 rounding).  The outputs are column slices of one [T, ΣN] tensor (row stride ΣN).
+    """
+    first = linears[0]
+    if len(linears) > 1 and _fuses_on(x) and all(lin.holds_quantized for lin in linears):
+        key = tuple(id(lin.qweight) for lin in linears)
+        group = first.__dict__.get("_fused_group")
+        if group is None or group[0] != key:
+            # Never inside a CUDA-graph capture (allocations there belong to the graph).
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            group = None if capturing else _fuse_rows(linears)
+            if group is not None:
+                first.__dict__["_fused_group"] = group
+        if group is not None:
+            from dsv4.ops import get_ops
+            _, w, scale, sizes = group
+            y = get_ops("triton").fp8_linear(x, w, scale, first.block, x.dtype)
+            return list(y.split(sizes, dim=-1))
+    return [lin(x) for lin in linears]
+
+
+def _fuses_on(x: Tensor) -> bool:
+    """Where :func:`fused_linears` fuses: CUDA inputs (the CPU path keeps each GEMM: its
+    dense twins are batch-invariant per Linear, which the CPU tests compare exactly)."""
+    return x.is_cuda
+
+
+def _fuse_rows(linears: Sequence[Linear]) -> tuple[tuple[int, ...], Tensor, Tensor,
+                                                  list[int]] | None:
+    """(key, weight, scale, sizes) of the Linears' FP8 weights stacked by rows, each Linear's
+    ``qweight`` re-pointed at its slice; None when they cannot share one GEMM (other input
+    width, block, scale dtype, or an output count that is not a whole number of scale blocks)."""
+    from dsv4.formats import QuantWeight
+
+    first = linears[0]
+    b = first.block
+    qws = [lin.qweight for lin in linears]
+    if any(lin.in_features != first.in_features or lin.block != b or lin.out_features % b
+           or qw.fmt != "fp8" or qw.scale.dtype != qws[0].scale.dtype
+           or qw.device != qws[0].device for lin, qw in zip(linears, qws)):
+        return None
+    w = torch.cat([qw.weight for qw in qws])
+    scale = torch.cat([qw.scale for qw in qws])
+    sizes, row = [], 0
+    for lin in linears:
+        n = lin.out_features
+        lin.qweight = QuantWeight(w[row:row + n], scale[row // b:(row + n) // b], "fp8", b,
+                                  (n, lin.in_features))
+        sizes.append(n)
+        row += n
+    return tuple(id(lin.qweight) for lin in linears), w, scale, sizes
 
 
 class RMSNorm(nn.Module):

@@ -24,7 +24,8 @@ from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.dist.sharding import splits_shared_expert
 from dsv4.formats import FP4_BLOCK
-from dsv4.model.layers import Linear, check_numerics, keeps_quantized, set_parameter
+from dsv4.model.layers import (Linear, check_numerics, fused_linears, keeps_quantized,
+                               set_parameter)
 from dsv4.ops import get_ops
 from dsv4.ops.torch_dense import ExpertWeights
 
@@ -251,8 +252,10 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(d, i, fmt=fmt, block=b, numerics=numerics, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One op for the clamp + silu + product + rounding to x's dtype (w2's input).
-        a = self.ops.swiglu_act(self.w1(x), self.w3(x), self.swiglu_limit, x.dtype)
+        # w1 and w3 read the same x: one GEMM on the GPU.  One op for the clamp + silu +
+        # product + rounding to x's dtype (w2's input).
+        gate, up = fused_linears(x, (self.w1, self.w3))
+        a = self.ops.swiglu_act(gate, up, self.swiglu_limit, x.dtype)
         return self.w2(a)
 
 
