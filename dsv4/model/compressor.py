@@ -28,7 +28,8 @@ from dsv4.cache.formats import RecordFormat, encode_rows
 from dsv4.cache.tensors import CompressorSpec, CompressorState
 from dsv4.config import ModelConfig
 from dsv4.model.context import StepContext
-from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params
+from dsv4.model.layers import (Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params,
+                               stacked_weight)
 from dsv4.ops import torch_compress
 
 __all__ = ["Compressor", "CompressorV2", "EntryPlan", "entry_plan", "entry_pool_rows",
@@ -168,6 +169,18 @@ def entry_rope(ctx: StepContext, cfg: ModelConfig, layer_id: int, plan: EntryPla
     return ctx.memo[key]
 
 
+def kv_score_rows(ops: SimpleNamespace, x: Tensor, wkv: Linear, wgate: Linear
+                  ) -> tuple[Tensor, Tensor]:
+    """fp32 ``wkv(x)`` and ``wgate(x)`` (the reference's fp32 GEMMs, no activation quant) through
+    the op table's skinny GEMM; on the GPU one GEMM over the stacked weights (the outputs are
+    column slices of it, which the compressor kernels read in place)."""
+    w = stacked_weight(x, (wkv, wgate))
+    if w is None:
+        return ops.linear_fp32(x, wkv.weight), ops.linear_fp32(x, wgate.weight)
+    kv, score = ops.linear_fp32(x, w).split((wkv.out_features, wgate.out_features), dim=-1)
+    return kv, score
+
+
 def pool_entries(ctx: StepContext, state: CompressorState, kv: Tensor, score: Tensor
                  ) -> tuple[EntryPlan, Tensor]:
     """Pool the entries that complete in this step and update the carry-over state.
@@ -253,8 +266,7 @@ class Compressor(nn.Module):
         """The step's fp32 rows: kv = wkv(x), score = wgate(x) + ape[pos % r]."""
         # fp32 GEMMs on the Linears' weights (what their forward computes for fmt "bf16" held in
         # fp32: no activation fake quant), through the op table's skinny-GEMM kernel.
-        kv = self.ops.linear_fp32(x, self.wkv.weight)
-        score = self.ops.linear_fp32(x, self.wgate.weight)
+        kv, score = kv_score_rows(self.ops, x, self.wkv, self.wgate)
         # Each token's slot in its group: the same for every compressor of the ratio (memoized).
         key = ("group_slot", self.spec.ratio)
         if key not in ctx.memo:
@@ -357,6 +369,5 @@ class CompressorV2(nn.Module):
         if state is None or state.spec != self.spec:
             raise ValueError(f"CompressorV2(layer {self.layer_id}): needs a carry-over state for "
                              f"{self.spec}; got {None if state is None else state.spec}")
-        kv = self.ops.linear_fp32(x, self.wkv.weight)
-        score = self.ops.linear_fp32(x, self.wgate.weight)
+        kv, score = kv_score_rows(self.ops, x, self.wkv, self.wgate)
         return compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype, None)

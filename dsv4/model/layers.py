@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dsv4.config import ModelConfig
 from dsv4.ops.torch_dense import batch_invariant_linear
 
-__all__ = ["Linear", "RMSNorm", "fused_linears", "rope_cos_sin", "rope_inv_freq",
+__all__ = ["Linear", "RMSNorm", "fused_linears", "stacked_weight", "rope_cos_sin", "rope_inv_freq",
            "yarn_correction_range", "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
            "keeps_quantized", "load_device", "set_parameter"]
 
@@ -220,6 +220,35 @@ def fused_linears(x: Tensor, linears: Sequence[Linear]) -> list[Tensor]:
             y = get_ops("triton").fp8_linear(x, w, scale, first.block, x.dtype)
             return list(y.split(sizes, dim=-1))
     return [lin(x) for lin in linears]
+
+
+def stacked_weight(x: Tensor, linears: Sequence[Linear]) -> Tensor | None:
+    """The dense weights of ``linears`` (which all read ``x``) as one [ΣN, K] tensor whose row
+    slices are the Linears' own weights, for one GEMM in place of several (the compressors'
+    fp32 ``wkv`` + ``wgate``); None off the GPU (see :func:`fused_linears`), inside a CUDA-graph
+    capture before the first stacking, or when the weights cannot stack (dtype, width, device,
+    quantized storage).  The first call re-stores the weights (no second copy kept); a reload
+    of any of them stacks again."""
+    first = linears[0]
+    if not _fuses_on(x):
+        return None
+    key = tuple(id(lin.weight) for lin in linears)
+    group = first.__dict__.get("_stacked_weight")
+    if group is not None and group[0] == key:
+        return group[1]
+    w0 = first.weight
+    if (x.is_cuda and torch.cuda.is_current_stream_capturing()) or any(
+            lin.holds_quantized or lin.weight.shape != (lin.out_features, lin.in_features)
+            or lin.weight.dtype != w0.dtype or lin.in_features != first.in_features
+            or lin.weight.device != w0.device for lin in linears):
+        return None
+    w = torch.cat([lin.weight for lin in linears])
+    row = 0
+    for lin in linears:
+        set_parameter(lin, "weight", w[row:row + lin.out_features])
+        row += lin.out_features
+    first.__dict__["_stacked_weight"] = (tuple(id(lin.weight) for lin in linears), w)
+    return w
 
 
 def _fuses_on(x: Tensor) -> bool:

@@ -48,7 +48,7 @@ def _locate(pos, p0, cu0, slot, T, R: tl.constexpr, OVERLAP: tl.constexpr):
 @triton.jit
 def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_ptr, valid_ptr,
                              start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
-                             T, D, W, HALF, eps,
+                             T, D, W, SKV, SSC, HALF, eps,
                              R: tl.constexpr, OVERLAP: tl.constexpr, HAS_VALID: tl.constexpr,
                              HAS_ROPE: tl.constexpr, OUT_BF16: tl.constexpr,
                              S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -77,7 +77,10 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
         slot_ok = s < n_slots
         use_step = slot_ok & from_step
         use_state = slot_ok & (pos < p0) & (state_row >= 0)
-        step_base = step_row.to(tl.int64) * W + ch_off
+        # This step's kv / score rows may be column slices of a wider GEMM output (row strides
+        # SKV / SSC); the state rows are W wide.
+        kv_base = step_row.to(tl.int64) * SKV + ch_off
+        sc_base = step_row.to(tl.int64) * SSC + ch_off
         state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
         # Pass 1: pool channel blocks (float64 softmax over the slots), store them rounded to
         # the output dtype (the norm's input) and sum their squares.
@@ -87,10 +90,10 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
             cm = c < D
             m_step = use_step[:, None] & cm[None, :]
             m_state = use_state[:, None] & cm[None, :]
-            k_step = tl.load(kv_ptr + step_base[:, None] + c[None, :], mask=m_step, other=0.0)
+            k_step = tl.load(kv_ptr + kv_base[:, None] + c[None, :], mask=m_step, other=0.0)
             k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state,
                               other=0.0)
-            g_step = tl.load(score_ptr + step_base[:, None] + c[None, :], mask=m_step,
+            g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
                              other=float("-inf"))
             g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
                               other=float("-inf"))
@@ -144,7 +147,7 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
 
 @triton.jit
 def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_ptr, slot_ptr,
-                           T, W, R: tl.constexpr, OVERLAP: tl.constexpr,
+                           T, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
                            S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -166,13 +169,14 @@ def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_pt
     row_ok = s < n_rows
     use_step = row_ok & from_step
     use_state = row_ok & (pos < p0) & (state_row >= 0)
-    step_off = step_row.to(tl.int64)[:, None] * W + c[None, :]
+    kv_off = step_row.to(tl.int64)[:, None] * SKV + c[None, :]   # row strides: see above
+    sc_off = step_row.to(tl.int64)[:, None] * SSC + c[None, :]
     state_off = tl.maximum(state_row, 0).to(tl.int64)[:, None] * W + c[None, :]
     m_step = use_step[:, None] & cm[None, :]
     m_state = use_state[:, None] & cm[None, :]
-    kv = tl.where(from_step[:, None], tl.load(kv_ptr + step_off, mask=m_step, other=0.0),
+    kv = tl.where(from_step[:, None], tl.load(kv_ptr + kv_off, mask=m_step, other=0.0),
                   tl.load(skv_ptr + state_off, mask=m_state, other=0.0))
-    g = tl.where(from_step[:, None], tl.load(score_ptr + step_off, mask=m_step,
+    g = tl.where(from_step[:, None], tl.load(score_ptr + sc_off, mask=m_step,
                                              other=float("-inf")),
                  tl.load(ssc_ptr + state_off, mask=m_state, other=float("-inf")))
     # The slot's rows are read and rewritten by this block (rows move between the open and
@@ -205,6 +209,12 @@ def _index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous()
 
 
+def _unit_cols(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [T, W] as the kernels read it: any row stride (a column slice of a wider GEMM
+    output is read in place), unit column stride (a copy only otherwise)."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
 @torch_twin_off_gpu("dsv4.ops.torch_compress")
 def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
                      state_score: torch.Tensor, request: torch.Tensor, entry: torch.Tensor,
@@ -232,11 +242,12 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
     cos_t = cos.float().contiguous() if has_rope else out
     sin_t = sin.float().contiguous() if has_rope else out
     valid_t = valid if valid is not None else out          # bool: read as i1, no conversion
+    kv, score = _unit_cols(kv), _unit_cols(score)
     _compress_entries_kernel[(E,)](
-        kv.contiguous(), score.contiguous(), state_kv, state_score, _index(request),
+        kv, score, state_kv, state_score, _index(request),
         _index(entry), valid_t, _index(start_pos), _index(cu_seqlens), _index(slots),
         norm_weight.float().contiguous(), cos_t, sin_t, out,
-        kv.shape[0], d, kv.shape[1], half, float(norm_eps),
+        kv.shape[0], d, kv.shape[1], kv.stride(0), score.stride(0), half, float(norm_eps),
         R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None, HAS_ROPE=has_rope,
         OUT_BF16=out_dtype == torch.bfloat16, S_BLOCK=s_block, BLOCK_D=block_d,
         BLOCK_H=block_h, num_warps=num_warps)
@@ -259,7 +270,9 @@ def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch
     if R == 0:
         return
     s_block, block_w, num_warps = state_tiles(ratio, overlap, W)
+    kv, score = _unit_cols(kv), _unit_cols(score)
     _compress_state_kernel[(R, triton.cdiv(W, block_w))](
-        kv.contiguous(), score.contiguous(), state_kv, state_score, _index(start_pos),
-        _index(cu_seqlens), _index(slots), kv.shape[0], W, R=ratio, OVERLAP=bool(overlap),
+        kv, score, state_kv, state_score, _index(start_pos),
+        _index(cu_seqlens), _index(slots), kv.shape[0], W, kv.stride(0), score.stride(0),
+        R=ratio, OVERLAP=bool(overlap),
         S_BLOCK=s_block, BLOCK_W=block_w, num_warps=num_warps)

@@ -204,7 +204,7 @@ def test_kernels_in_interpreter() -> None:
     """Run this file's interpreter tests with ``TRITON_INTERPRET=1`` in a child."""
     if INTERP:
         pytest.skip("TRITON_INTERPRET is set: the interp tests are collected directly")
-    run_in_interpreter(__file__, "interp", min_passed=12)
+    run_in_interpreter(__file__, "interp", min_passed=14)
 
 
 def _compare(case: Case, out_dtype: torch.dtype) -> None:
@@ -244,6 +244,28 @@ def test_interp_ratio_128_and_odd_width() -> None:
     # A full ratio-128 group from the state plus the step; d = 24 leaves a partial channel block.
     _compare(make_case(128, False, 24, [100, 0], [60, 130], rope=8, seed=5), torch.float32)
     _compare(make_case(4, True, 24, [2, 7], [11, 1], rope=8, seed=6), torch.bfloat16)
+
+
+@needs_interp
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (2, False)])
+def test_interp_column_slices_read_in_place(ratio: int, overlap: bool) -> None:
+    """kv / score as column slices of one wider GEMM output (the stacked wkv + wgate on the GPU):
+    the kernels read them in place (row strides) and give what contiguous rows give."""
+    from dsv4.ops import triton_compress as tri
+
+    starts, lens = _STEPS[ratio]
+    case = make_case(ratio, overlap, 16, starts, lens, rope=8, seed=11)
+    want = case.entries(tri.compress_entries, torch.float32)
+    skv, ssc = case.state_kv.clone(), case.state_score.clone()
+    case.update(tri.compress_update_state, skv, ssc)
+    wide = torch.cat((case.kv, case.score, torch.full_like(case.kv, float("nan"))), dim=1)
+    W = case.kv.shape[1]
+    case.kv, case.score = wide[:, :W], wide[:, W:2 * W]
+    assert not case.kv.is_contiguous() and case.kv.stride(0) == 3 * W
+    got = case.entries(tri.compress_entries, torch.float32)
+    assert torch.equal(got, want)
+    case.update(tri.compress_update_state, case.state_kv, case.state_score)
+    assert torch.equal(case.state_kv, skv) and torch.equal(case.state_score, ssc)
 
 
 @needs_interp

@@ -60,3 +60,32 @@ def test_unfusable_groups_run_separately(monkeypatch: pytest.MonkeyPatch) -> Non
     dense.load_weight(torch.randn(128, 256).to(torch.bfloat16))
     out = fused_linears(x, (a, dense))
     assert torch.equal(out[1], dense(x)) and "_fused_group" not in a.__dict__
+
+
+def test_stacked_weight_for_the_compressor_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compressor's fp32 wkv + wgate as one GEMM over stacked weights (GPU path, enabled
+    here on CPU): the same rows to fp32 rounding, the Linears' weights become row slices of the
+    stack, a reload stacks again, and quantized storage never stacks."""
+    from dsv4.model.compressor import kv_score_rows
+    from dsv4.ops import get_ops
+
+    ops = get_ops("torch")
+    gen = torch.Generator().manual_seed(9)
+    wkv, wgate = (Linear(64, n, fmt="bf16", dtype=torch.float32) for n in (32, 32))
+    wkv.load_weight(torch.randn(32, 64, generator=gen))
+    wgate.load_weight(torch.randn(32, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    want = kv_score_rows(ops, x, wkv, wgate)
+    assert layers.stacked_weight(x, (wkv, wgate)) is None          # CPU: separate GEMMs
+    monkeypatch.setattr(layers, "_fuses_on", lambda x: True)
+    kv, score = kv_score_rows(ops, x, wkv, wgate)
+    torch.testing.assert_close(kv, want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(score, want[1], rtol=1e-6, atol=1e-6)
+    w = layers.stacked_weight(x, (wkv, wgate))
+    assert w.shape == (64, 64) and wgate.weight.data_ptr() == w[32:].data_ptr()
+    assert layers.stacked_weight(x, (wkv, wgate)) is w                # memoized
+    new = torch.randn(32, 64, generator=gen)
+    wgate.load_weight(new)
+    w2 = layers.stacked_weight(x, (wkv, wgate))
+    assert w2 is not w and torch.equal(w2[32:], new)
+    assert layers.stacked_weight(x, (_fp8_linear(128, 128, 1), _fp8_linear(128, 128, 2))) is None
