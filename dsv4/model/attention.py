@@ -22,7 +22,11 @@ What a layer publishes for later layers of the same step (top-k, candidates) liv
 Record caches (kv_cache_dtype "fp8", ``dsv4.cache.formats``): rows are packed on write
 (``encode_rows``, as the ops ``encode_records`` / ``write_records``), which rounds exactly as
 the official fake quant of that site, so the fake quant is skipped there; the ops get the pools
-as ``PackedRows`` (``rows_view``) and dequantize only the rows they gather.
+as ``PackedRows`` (``rows_view``) and dequantize only the rows they gather.  At prefill that
+decodes a record once per token attending to it (and per head block of the kernel), so a
+prefill / mixed step dequantizes each record source once per layer instead, into q's dtype, and
+hands the op those dense rows with the indices re-mapped (:func:`dense_prefill_pays` says when;
+the values are the same, exact in bf16, so the output is the same bit for bit).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-from dsv4.cache.formats import rows_view
+from dsv4.cache.formats import PackedRows, RecordFormat, rows_view
 from dsv4.cache.tensors import HybridCache, compressor_specs
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
@@ -42,10 +46,44 @@ from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
 from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params
 from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
 
-__all__ = ["Attention", "window_plan"]
+__all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_TOKENS"]
 
 # V4 official numerics: FP8 fake quant of the window KV's nope channels, per 64 (spec §3.6.2).
 _WINDOW_NOPE_FP8_BLOCK = 64
+
+# Record sources are dequantized whole (once per layer) in steps of at least this many tokens
+# whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
+DENSE_PREFILL_MIN_TOKENS = 64
+DENSE_PREFILL_ROWS_PER_TOKEN = 4
+DENSE_PREFILL_SLACK_ROWS = 4096
+# ctx.memo key of the dense copy of a compressed pool: ((pool's layer, dtype), rows).
+_DENSE_ENTRIES_MEMO = "dense_entries"
+
+
+def dense_prefill_pays(ctx: StepContext, fmt: RecordFormat | None, *, window: int = 0,
+                       ratio: int = 0) -> bool:
+    """Whether this step reads a record source through a dense copy dequantized once per layer
+    (the window source of ``window`` rows per slot, or the compressed entries of ``ratio``).
+
+    The op dequantizes the records it gathers, again for every token (and head block) that
+    gathers them: fine at decode, 2.6× the bf16 time at prefill (H200, T = 1K–4K).  A dense
+    copy costs one pass over its rows, so it pays when the step is a prefill / mixed one (not a
+    static or decode-only step: those keep fixed shapes and few gathers) of at least
+    ``DENSE_PREFILL_MIN_TOKENS`` tokens and the copy is not much bigger than the step: at most
+    ``DENSE_PREFILL_ROWS_PER_TOKEN·T + DENSE_PREFILL_SLACK_ROWS`` rows (R·W + T for the window,
+    R·L for the entries, L = max end_pos // ratio), which keeps a prefill chunk among many long
+    decode requests on the records, and the copy's memory bounded.  Host values only.
+    """
+    if fmt is None or ctx.static is not None or ctx.is_decode:
+        return False
+    T, R = ctx.num_tokens, ctx.num_requests
+    if T < DENSE_PREFILL_MIN_TOKENS:
+        return False
+    if ratio > 0:
+        rows = R * max(e // ratio for e in ctx.end_pos_host)
+    else:
+        rows = R * window + T
+    return 0 < rows <= DENSE_PREFILL_ROWS_PER_TOKEN * T + DENSE_PREFILL_SLACK_ROWS
 
 
 def window_plan(ctx: StepContext, window: int, decode_in_ring: bool) -> dict[str, Tensor]:
@@ -105,34 +143,38 @@ def _static_window_plan(ctx: StepContext, window: int) -> dict[str, Tensor]:
             "ring_rows": base + pos % W}
 
 
-def _token_entry_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
-    """[T, L] pool rows of each token's request's entries (:func:`entry_pool_rows` per token).
+def _token_entry_rows(ctx: StepContext, ratio: int, page_size: int,
+                      dense: bool = False) -> Tensor:
+    """[T, L] pool rows of each token's request's entries (:func:`entry_pool_rows` per token),
+    or with ``dense`` their rows in the step's dense copy (:func:`_dense_entry_rows`).
     A static-shape step's token t is request t: no gather."""
-    rows = entry_pool_rows(ctx, ratio, page_size)
+    rows = (_dense_entry_rows if dense else entry_pool_rows)(ctx, ratio, page_size)
     return rows if ctx.static is not None else rows[ctx.request_of_token]
 
 
-def _picked_rows(ctx: StepContext, ratio: int, page_size: int, ids: Tensor) -> Tensor:
-    """[T, k] int32 pool rows of the top-k entry ids ``ids`` (−1 stays −1).
+def _picked_rows(ctx: StepContext, ratio: int, page_size: int, ids: Tensor,
+                 dense: bool = False) -> Tensor:
+    """[T, k] int32 pool rows (``dense``: dense-copy rows) of the top-k entry ids ``ids``
+    (−1 stays −1).
 
     Two kernels per layer: the entry-row table gets a −1 column at index L, int32, once per
     step (memoized, shared by every layer of the ratio), and an id −1 becomes L by ``mod L+1``
     (ids are < L), so a single gather maps picks and blanks alike."""
-    key = ("picked_row_table", ratio, page_size)
+    key = ("picked_row_table", ratio, page_size, dense)
     if key not in ctx.memo:
-        rows = _token_entry_rows(ctx, ratio, page_size)
+        rows = _token_entry_rows(ctx, ratio, page_size, dense)
         blank = rows.new_full((rows.shape[0], 1), -1)
         ctx.memo[key] = torch.cat((rows, blank), dim=1).to(torch.int32)
     table = ctx.memo[key]
     return table.gather(1, ids.remainder(table.shape[1]))
 
 
-def _visible_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
-    """[T, L] int32 pool rows of every entry visible to each token, −1 after them (HCA; the
-    same for every layer of the ratio: memoized per step)."""
-    key = ("visible_rows", ratio, page_size)
+def _visible_rows(ctx: StepContext, ratio: int, page_size: int, dense: bool = False) -> Tensor:
+    """[T, L] int32 pool rows (``dense``: dense-copy rows) of every entry visible to each token,
+    −1 after them (HCA; the same for every layer of the ratio: memoized per step)."""
+    key = ("visible_rows", ratio, page_size, dense)
     if key not in ctx.memo:
-        rows = _token_entry_rows(ctx, ratio, page_size)
+        rows = _token_entry_rows(ctx, ratio, page_size, dense)
         if ctx.static is None:
             # Prefill / mixed: a token sees fewer entries than its request's last token.
             j = torch.arange(rows.shape[1], device=rows.device)
@@ -141,6 +183,24 @@ def _visible_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
         # past its (pos + 1) // r entries already.
         ctx.memo[key] = rows.to(torch.int32)
     return ctx.memo[key]
+
+
+def _dense_entry_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
+    """[R, L] rows of each request's entries in the dense copy of :func:`_dense_entries`:
+    request r's entry j is row ``r·L + j``; −1 where :func:`entry_pool_rows` has none (so the
+    blanks are those of the pool rows, and the op sees the same mask)."""
+    rows = entry_pool_rows(ctx, ratio, page_size)
+    local = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
+    return torch.where(rows >= 0, local, -1)
+
+
+def _dense_entries(ctx: StepContext, pool: Tensor, fmt: RecordFormat, ratio: int,
+                   page_size: int, dtype: torch.dtype) -> Tensor:
+    """[R·L, d] the entries of the step's requests in the record pool ``pool``, dequantized to
+    ``dtype`` (exact), row ``r·L + j`` = request r's entry j (:func:`_dense_entry_rows`); rows
+    of missing entries hold pool row 0 and are never referenced."""
+    rows = entry_pool_rows(ctx, ratio, page_size).clamp(min=0).view(-1)
+    return fmt.unpack(pool.view(-1, pool.shape[-1]).index_select(0, rows), dtype)
 
 
 class Attention(nn.Module):
@@ -222,12 +282,14 @@ class Attention(nn.Module):
             ctx.memo[key] = rope_cos_sin(self.cfg, self.layer_id, ctx.positions)
         return ctx.memo[key]
 
-    def _window_source(self, kv: Tensor, ctx: StepContext, cache: HybridCache
-                       ) -> tuple[Tensor, Tensor]:
+    def _window_source(self, kv: Tensor, ctx: StepContext, cache: HybridCache,
+                       dtype: torch.dtype) -> tuple[Tensor | PackedRows, Tensor]:
         """(kv_a, idx_a) of the window branch; stores the newest W rows into the ring.
 
         With record pools this step's rows are packed once and read back through the same
-        records as the ring's, so prefill and decode see the same values."""
+        records as the ring's, so prefill and decode see the same values; when
+        :func:`dense_prefill_pays`, the step's source (ring rows + new rows) is dequantized once
+        into ``dtype`` and the op reads those rows (same indices)."""
         ring = cache.window_ring(self.layer_id)
         fmt = cache.window_format
         width = ring.shape[-1]
@@ -242,27 +304,52 @@ class Attention(nn.Module):
         new_rows = self.ops.encode_records(kv, fmt, ring.dtype)
         source = torch.cat((ring[ctx.slots].view(-1, width), new_rows), dim=0)
         flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
+        if dense_prefill_pays(ctx, fmt, window=self.window):
+            return fmt.unpack(source, dtype), plan["idx"]
         return rows_view(source, fmt), plan["idx"]
 
+    def _entry_source(self, ctx: StepContext, cache: HybridCache, dtype: torch.dtype
+                      ) -> tuple[Tensor | PackedRows, bool]:
+        """The compressed entries this layer reads (after this step's writes) and whether they
+        are a dense copy (its indices are :func:`_dense_entry_rows`, not pool rows).
+
+        The flat pool (records as ``PackedRows``), or when :func:`dense_prefill_pays` the step's
+        requests' entries dequantized once into ``dtype``; the copy is kept for the layers
+        that read the same pool next (V4.1 reuse / reindex layers), one copy at a time."""
+        pool = cache.compressed_pool(self.layer_id)
+        fmt = cache.compressed_format
+        if not dense_prefill_pays(ctx, fmt, ratio=self.ratio):
+            return rows_view(pool.view(-1, pool.shape[-1]), fmt), False
+        owner = (self.cfg.kv_source_of(self.layer_id) if self.cfg.is_v41 else self.layer_id,
+                 dtype)
+        held = ctx.memo.get(_DENSE_ENTRIES_MEMO)
+        if held is None or held[0] != owner:
+            held = (owner, _dense_entries(ctx, pool, fmt, self.ratio, cache.page_size, dtype))
+            ctx.memo[_DENSE_ENTRIES_MEMO] = held
+        return held[1], True
+
     def _compressed_source(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
-                           cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """(kv_b, idx_b): the flat compressed pool and the rows each token attends to."""
+                           cos: Tensor, sin: Tensor, dtype: torch.dtype
+                           ) -> tuple[Tensor | PackedRows, Tensor]:
+        """(kv_b, idx_b): the compressed entries (:meth:`_entry_source`) and the rows of them
+        each token attends to."""
         if self.cfg.is_v41:
-            return self._compressed_source_v41(x, qr, ctx, cache, cos, sin)
+            return self._compressed_source_v41(x, qr, ctx, cache, cos, sin, dtype)
         pool = cache.compressed_pool(self.layer_id)
         fmt = cache.compressed_format
         if self.compressor is not None:
             self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool, fmt)
+        kv_b, dense = self._entry_source(ctx, cache, dtype)
         if self.indexer is not None:
             ids = self.indexer(x, qr, ctx, cache, cos, sin)                    # [T, k]
-            idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids)
+            idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids, dense)
         else:
-            idx_b = _visible_rows(ctx, self.ratio, cache.page_size)
-        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b
+            idx_b = _visible_rows(ctx, self.ratio, cache.page_size, dense)
+        return kv_b, idx_b
 
     def _compressed_source_v41(self, x: Tensor, qr: Tensor, ctx: StepContext,
-                               cache: HybridCache, cos: Tensor, sin: Tensor
-                               ) -> tuple[Tensor, Tensor]:
+                               cache: HybridCache, cos: Tensor, sin: Tensor, dtype: torch.dtype
+                               ) -> tuple[Tensor | PackedRows, Tensor]:
         """V4.1 roles: (kv_b, idx_b) over the latest KV source's pool (spec §4.3–4.5)."""
         pool = cache.compressed_pool(self.layer_id)
         fmt = cache.compressed_format
@@ -291,8 +378,8 @@ class Attention(nn.Module):
                 raise ValueError(f"Attention(layer {self.layer_id}): reuses the top-k of layer "
                                  f"{self.topk_source}, which has not run in this step")
             ids = ctx.memo[key]
-        idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids)
-        return rows_view(pool.view(-1, pool.shape[-1]), fmt), idx_b
+        kv_b, dense = self._entry_source(ctx, cache, dtype)
+        return kv_b, _picked_rows(ctx, self.ratio, cache.page_size, ids, dense)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> Tensor:
@@ -324,10 +411,10 @@ class Attention(nn.Module):
         if fake_quant and self.cfg.is_v41:
             kv = quant_window_kv(kv, self.numerics)
 
-        kv_a, idx_a = self._window_source(kv, ctx, cache)
+        kv_a, idx_a = self._window_source(kv, ctx, cache, q.dtype)
         kv_b = idx_b = None
         if self.ratio > 0:
-            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin)
+            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
         if self.numerics == "official":
             # bf16 P before P·V, as the reference kernel (spec §3.6.5)
             o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
