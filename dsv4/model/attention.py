@@ -43,7 +43,8 @@ from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.model.compressor import Compressor, CompressorV2, entry_pool_rows, write_entries
 from dsv4.model.context import StepContext
 from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
-from dsv4.model.layers import Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params
+from dsv4.model.layers import (Linear, RMSNorm, check_numerics, fused_linears, rope_cos_sin,
+                               rope_params)
 from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
 
 __all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_TOKENS"]
@@ -395,7 +396,9 @@ class Attention(nn.Module):
         H, hd = self.n_heads, self.head_dim
         cos, sin = self._rope(ctx)
 
-        qr = self.q_norm(self.wq_a(x))
+        # wq_a and wkv read the same x: one FP8 GEMM on the GPU (column slices of its output).
+        q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
+        qr = self.q_norm(q_lat)
         # V4: per-head unweighted renorm (in q's dtype); V4.1 has none.  Then RoPE of each head's
         # tail.  One fused op, in place on wq_b's fresh output.
         q = self.ops.head_norm_rope(self.wq_b(qr).view(T, H, hd), cos, sin, self.cfg.norm_eps,
@@ -405,7 +408,7 @@ class Attention(nn.Module):
         # official numerics fake-quantize here (V4: the nope channels per 64, fused; V4.1: all
         # channels per 32).
         fake_quant = cache.window_format is None and self.numerics == "official"
-        kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, cos, sin, self.kv_norm.eps,
+        kv = self.ops.norm_rope(kv_lat, self.kv_norm.weight, cos, sin, self.kv_norm.eps,
                                 fp8_block=_WINDOW_NOPE_FP8_BLOCK
                                 if fake_quant and not self.cfg.is_v41 else 0)
         if fake_quant and self.cfg.is_v41:

@@ -323,30 +323,81 @@ def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
 @triton.jit
 def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
                      GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr):
-    """dst[row] = the GEMM-ready activation of one row block and K step: source row pair // TOPK
-    (GATHER: the token of the pair) or the row itself, FP8 fake-quantized (QUANT, BK = block),
-    for MXFP4 split into [even columns | odd columns].  Padding rows and unused blocks are left
-    unwritten (their GEMM rows are masked)."""
-    blk = tl.program_id(0)
+                     BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr):
+    """dst[row] = the GEMM-ready activation of RB rows (a slice of one row block) and one K
+    step: source row pair // TOPK (GATHER: the token of the pair) or the row itself, FP8
+    fake-quantized (QUANT, BK = block), for MXFP4 split into [even columns | odd columns].
+    Padding rows and unused blocks are left unwritten (their GEMM rows are masked).
+
+    Each row's BK values are one contiguous (vectorized) load, split into the even and odd
+    columns in registers (a [RB, BK/2, 2] view: each thread holds whole pairs), not two
+    stride-2 loads of 2 bytes per thread."""
+    pid = tl.program_id(0)
+    blk = pid // (BM // RB)
     k0 = tl.program_id(1) * BK
     e = tl.load(bexp_ptr + blk)
     if e < E:
-        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
+        rm = pid * RB + tl.arange(0, RB)        # the rows of one block are consecutive
+        pair = tl.load(pair_ptr + rm)
+        m_mask = pair < P
         if GATHER:
             rows = pair // TOPK
         else:
             rows = rm
         OUT: tl.constexpr = dst_ptr.dtype.element_ty
-        ev, od = _load_act_tile(src_ptr, rows.to(tl.int64), m_mask, k0, stride_src, FMT, BK,
-                                QUANT, OUT)
+        t = tl.load(src_ptr + rows.to(tl.int64)[:, None] * stride_src + k0
+                    + tl.arange(0, BK)[None, :], mask=m_mask[:, None], other=0.0)
         base = dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0
         if FMT == 1:
+            ev, od = tl.split(tl.reshape(t, (RB, BK // 2, 2)))
+            if QUANT:
+                qe, qo = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
+                ev, od = qe.to(OUT), qo.to(OUT)
             rj = tl.arange(0, BK // 2)
             tl.store(base + rj[None, :], ev, mask=m_mask[:, None])
             tl.store(base + (BK // 2 + rj)[None, :], od, mask=m_mask[:, None])
         else:
-            tl.store(base + tl.arange(0, BK)[None, :], ev, mask=m_mask[:, None])
+            if QUANT:
+                tf = t.to(tl.float32)
+                q, _ = _fake_quant_pair(tf, tf)
+                t = q.to(OUT)
+            tl.store(base + tl.arange(0, BK)[None, :], t, mask=m_mask[:, None])
+
+
+@dataclass(frozen=True)
+class PrepPlan:
+    """Tile plan of ``_moe_prep_kernel``: ``rows`` rows per program (a power of two dividing
+    the call's row block BM; larger values are clamped to BM) and num_warps."""
+
+    rows: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"PrepPlan: {name} must be a power of two; found {v!r}")
+
+
+def pick_prep_plan(BM: int) -> PrepPlan:
+    """Default prep plan for row blocks of BM: 32 rows per program (8 KB of bf16 per program
+    at BK 128: ~32 values per thread, a few per-row reductions; at decode BM 16 stays whole).
+    Not yet timed on the H200 (bench/sweep_glue.py sweeps it)."""
+    return PrepPlan(rows=min(BM, 32), num_warps=4)
+
+
+def moe_prep(src: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
+             dst: torch.Tensor, P: int, E: int, topk: int, gather: bool, fmt: int, quant: bool,
+             BM: int, BK: int, plan: PrepPlan | None = None) -> torch.Tensor:
+    """Launch ``_moe_prep_kernel`` over ``dst`` [blocks·BM, K] (K = src width, a multiple of
+    BK) with ``plan`` (``None``: :func:`pick_prep_plan`); returns dst."""
+    plan = plan or pick_prep_plan(BM)
+    rb = min(plan.rows, BM)
+    nb = block_expert.shape[0]
+    _moe_prep_kernel[(nb * (BM // rb), src.shape[1] // BK)](
+        src, pairs, block_expert, dst, P, E, topk, src.stride(0), dst.stride(0),
+        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, num_warps=plan.num_warps)
+    return dst
 
 
 @triton.jit
@@ -788,9 +839,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     arrivals = splitk_counters(x.device, need, "moe_experts") if need else block_expert
     # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
     xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
-    _moe_prep_kernel[(nb, D // cfg.BK)](
-        x, pairs, block_expert, xs, P, E, k, x.stride(0), xs.stride(0),
-        GATHER=True, FMT=fmt, QUANT=quant, BM=cfg.BM, BK=cfg.BK, num_warps=4)
+    moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     # fp32 partials of the splits (gate, up: [2, S, rows, I]); only real rows are written and
     # read.  Unsplit: never touched (act stands in).
@@ -806,9 +855,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
-        _moe_prep_kernel[(nb, inter // cfg.BK)](
-            act, pairs, block_expert, act_in, P, E, k, act.stride(0), act_in.stride(0),
-            GATHER=False, FMT=fmt, QUANT=quant, BM=cfg.BM, BK=cfg.BK, num_warps=4)
+        moe_prep(act, pairs, block_expert, act_in, P, E, k, False, fmt, quant, cfg.BM, cfg.BK)
         del act
     else:
         act_in = act
@@ -838,6 +885,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
     the picks are summed in fp32.
     """
+    from dsv4.ops import triton_moe_gemv as gemv
+    # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV).
+    if gemv.MOE_GEMV and gemv.gemv_qualifies(x, topk_ids, experts):
+        return gemv.moe_experts_gemv(x, topk_ids, topk_weights, experts, swiglu_limit)
     pairs = topk_ids.numel()
     if (DEQUANT_GEMM_MIN_ROWS is not None and experts.fmt != "dense"
             and hasattr(torch, "_grouped_mm")

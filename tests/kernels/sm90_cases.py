@@ -392,6 +392,39 @@ scenario("mhc_fused/v4_flash/fp32")(
     lambda: _mhc_fused(V4_FLASH, (1, PREFILL_T), __import__("torch").float32))
 
 
+@scenario("glue_plans/v4_flash")
+def _glue_plans() -> None:
+    """The mHC prefill default plans by name (bf16x3 mixes; fp32 ones on fp32 streams) and the
+    sweep's other plan families (bench/sweep_glue.py), and the expert prep at its default and
+    a wide plan (issue #5)."""
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_moe as tm
+    n, D, T = 4, 4096, 8192
+    f32, bf16 = torch.float32, torch.bfloat16
+    fn, scale, base = _empty(24, n * D, dtype=f32), _empty(3, dtype=f32), _empty(24, dtype=f32)
+    P = td.HcPlan
+    with RECORDER.override(td._hc_post_mix_kernel, PRECISION="tf32x3"), \
+            RECORDER.override(td._hc_mix_partial_kernel, PRECISION="tf32x3"):
+        for plan in (td.pick_hc_plan("post_pre", T, n, D, bf16), P(128, 32, 8, 2, 2, "bf16x3"),
+                     P(32, 32, 4, 2, 4, "bf16x3"), P(64, 32, 4, 3, 2)):
+            td.hc_post_pre_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
+                                     _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32), fn,
+                                     scale, base, 1e-6, 1e-6, 20, plan=plan)
+        for plan in (td.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3")):
+            td.hc_pre_with_plan(_empty(T, n, D, dtype=bf16), fn, scale, base, 1e-6, 1e-6, 20,
+                                plan=plan)
+    td.hc_post_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
+                         _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32),
+                         plan=P(1, 2048, 8, 3))
+    pairs = torch.zeros(64 * 128, dtype=torch.int32)
+    bexp = torch.zeros(64, dtype=torch.int32)
+    for plan in (None, tm.PrepPlan(128, 8)):
+        tm.moe_prep(_empty(T, D, dtype=bf16), pairs, bexp, _empty(64 * 128, D, dtype=bf16),
+                    T * 6, 256, 6, True, 1, True, 128, 128, plan)
+
+
 def _kv_sources(kind: str, m: ModelDims) -> tuple[Any, Any]:
     """(window source, compressed source) of a cache kind: dense bf16 pools or record pools."""
     import torch
@@ -584,6 +617,33 @@ def _moe_fp8mma() -> None:
         with RECORDER.override(tf8._fp8mma_up_kernel, ASM_DECODE=False), \
                 RECORDER.override(tf8._fp8mma_down_kernel, ASM_DECODE=False):
             tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+
+
+@scenario("moe_experts/gemv")
+def _moe_gemv() -> None:
+    """The GEMV expert path for 1-4 tokens (dsv4.ops.triton_moe_gemv, MXFP4, bf16 x): the
+    default plans of V4-Flash (official and bf16 numerics) and V4.1-Flash (act block 32) at
+    T = 1, 2, 4, a split-heavy and an unsplit plan, the ALU decode (DSV4_GEMV_DECODE=alu)."""
+    import torch
+
+    from dsv4.ops import triton_moe_gemv as gv
+    for m, official in ((V4_FLASH, True), (V4_FLASH, False), (V41_FLASH, True)):
+        ex = _experts(m, "fp4", official)
+        for T in (1, 2, 4):
+            gen = torch.Generator().manual_seed(T)
+            ids = torch.randint(0, E_ALLOC, (T, m.topk), generator=gen)
+            gv.moe_experts_gemv(_empty(T, m.dim, dtype=torch.bfloat16), ids,
+                                torch.rand(T, m.topk), ex, 10.0)
+    m = V4_FLASH
+    ex = _experts(m, "fp4", True)
+    x = _empty(1, m.dim, dtype=torch.bfloat16)
+    ids = torch.randint(0, E_ALLOC, (1, m.topk))
+    for cfg in (gv.GemvConfig(BN_up=16, BN_down=64, BK=128, split_up=8, split_down=8),
+                gv.GemvConfig(BN_up=64, BN_down=64, BK=256, warps_up=8, warps_down=8)):
+        gv.moe_experts_gemv(x, ids, torch.rand(1, m.topk), ex, 10.0, cfg)
+    with RECORDER.override(gv._gemv_up_kernel, ASM=False), \
+            RECORDER.override(gv._gemv_down_kernel, ASM=False):
+        gv.moe_experts_gemv(x, ids, torch.rand(1, m.topk), ex, 10.0)
 
 
 def _norm_rope(m: ModelDims) -> None:

@@ -114,3 +114,22 @@ def test_kernel_matches_twin_at_v4_flash_shapes(T: int) -> None:
     assert _rel(y.float(), y_r.float()) < 4e-3
     assert _rel(post, post_r) < 1e-5 and _rel(comb, comb_r) < 1e-5
     assert torch.isfinite(y.float()).all() and torch.isfinite(x_new.float()).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [64, 8192])
+def test_plans_agree_at_v4_flash_shapes(T: int) -> None:
+    """The default plan (bf16x3 mixes at prefill) and the fp32-mix plan of before give x_new
+    bit for bit (the same fused multiply-add chain per element), mixes to fp32 rounding, y to
+    one bf16 rounding; and the prefill default's mixes match the twin's pre of x_new."""
+    from dsv4.ops import triton_dense as tri
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args = _inputs(T, 4, 4096, torch.bfloat16, device="cuda", seed=T + 1)
+    x0, y0, p0, c0 = tri.hc_post_pre_with_plan(*args, **EPS)
+    x1, y1, p1, c1 = tri.hc_post_pre_with_plan(*args, **EPS, plan=tri.HcPlan(64, 32, 4, 3))
+    torch.cuda.synchronize()
+    assert torch.equal(x0.view(torch.int16), x1.view(torch.int16))
+    assert _rel(p0, p1) < 1e-5 and _rel(c0, c1) < 1e-5 and _rel(y0.float(), y1.float()) < 4e-3
+    y_r, p_r, c_r = ref.hc_pre(x0, *args[4:], **EPS)
+    assert _rel(p0, p_r) < 1e-5 and _rel(c0, c_r) < 1e-5 and _rel(y0.float(), y_r.float()) < 4e-3

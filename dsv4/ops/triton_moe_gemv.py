@@ -1,0 +1,463 @@
+"""GEMV path of the routed experts at decode (1-4 tokens), MXFP4 stacks (dsv4 issues #5 / #7).
+
+Same inputs and result as :func:`dsv4.ops.triton_moe.moe_experts_with_config` (and, to fp32
+rounding, as the torch twin ``dsv4.ops.torch_dense.moe_experts``) for T <= MOE_GEMV_MAX_TOKENS:
+with T tokens no expert gets more than T rows, so the 16-row MMA blocks of the grouped kernels
+run mostly on padding; here every (token, pick) pair is a matrix-vector product instead.
+
+Two launches, no plan, no host sync (CUDA graphs work; the routing is read on the device):
+
+1. ``_gemv_up_kernel`` grid (pair p = t·k + j, N tile of the I gate/up outputs, K split):
+   loads its token's x slice per K step (FP8 fake-quantized per ``act_block`` under official
+   numerics, in registers), streams the packed MXFP4 bytes of w1 and w3 of its expert as
+   [BN, BK/32, 16] uint8 tiles (16 contiguous bytes = one 32-wide scale group per thread,
+   evict-first), decodes e2m1 -> fp16 bits (value × 2^-14, exact) -> fp32, multiplies by the
+   even / odd activation columns, sums each 32-wide group (``tl.sum``, no tl.dot, no layout
+   change) and scales the group sum by its e8m0 power of two (exact).  Products of bf16/e4m3
+   activations by e2m1 values are exact in fp32, so the result equals the MMA path's to fp32
+   rounding (another summation order).  The finished tile runs the twin's epilogue: gate / up
+   rounded to x.dtype, the SwiGLU clamp, times the routing weight, rounded to x.dtype into
+   ``act`` [P, I].
+2. ``_gemv_down_kernel`` grid (token t, N tile of D, K split over I): for the k picks of its
+   token in pick order, the same streaming over w2 of the pick's expert with the activation row
+   fake-quantized per K step; each pick's result is rounded to x.dtype (the twin's bf16 GEMM
+   output) and the picks are summed in fp32 in pick order, straight into ``out`` [T, D]: no
+   per-pair rows, no combine launch, no atomics on data.
+
+Split-K (grid axis 2, S > 1): each split stores its fp32 partials into a per-call workspace and
+counts itself in at its tile's arrival counter (:func:`dsv4.ops.triton_dense.splitk_counters`,
+shared with the other split-K kernels); the last split to arrive sums the partials in the fixed
+order s = 0..S-1, runs the epilogue and resets the counter: bit-reproducible run to run and
+across CUDA-graph replays.
+
+Picks whose id is outside 0..E-1 are skipped (expert parallel shards), as the twin does.  Two
+tokens that pick the same expert each stream it (at most 4× the bytes of that expert, fine for
+T <= 4: the grouped MMA kernels take over from 5 tokens).
+
+Timing: not measured yet (bench/moe_gemv.py); :data:`MOE_GEMV` keeps the path off until the lead
+has timed it on the H200 (``DSV4_MOE_GEMV=1`` or setting the flag turns it on).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.torch_dense import ExpertWeights
+from dsv4.ops.triton_dense import (
+    INTERPRET,
+    pow2_from_exp,
+    round_as,
+    round_to_e4m3,
+    sm_count,
+    splitk_counters,
+    store_rne,
+    ue8m0_exponent,
+)
+
+__all__ = ["MOE_GEMV", "MOE_GEMV_MAX_TOKENS", "GemvConfig", "gemv_block_k", "gemv_qualifies",
+           "moe_experts_gemv", "pick_gemv_config"]
+
+# Off until timed on the H200 (the lead turns it on): triton_moe.moe_experts takes this path
+# for T <= MOE_GEMV_MAX_TOKENS when the flag is on and :func:`gemv_qualifies`.
+MOE_GEMV = os.environ.get("DSV4_MOE_GEMV", "0") == "1"
+MOE_GEMV_MAX_TOKENS = 4
+# MXFP4 decode on the GPU: "asm" (e2m1 -> e4m3 bytes, 4 at a time, then the sm_89+ e4m3x2 ->
+# f16x2 conversion: :data:`_FP4_TO_F32_ASM`) or "alu" (per-byte fp16 bit building, the
+# interpreter's decode).  Both exact: the same bits.  DSV4_GEMV_DECODE picks (benchmarks).
+GEMV_DECODE = os.environ.get("DSV4_GEMV_DECODE", "asm")
+if GEMV_DECODE not in ("asm", "alu"):
+    raise ValueError(f"DSV4_GEMV_DECODE={GEMV_DECODE!r}: expected 'asm' or 'alu'")
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+# ------------------------------------------------------------------------------ jit helpers
+@triton.jit
+def _act_slice(row_ptr, k0, QB: tl.constexpr, BK: tl.constexpr):
+    """One activation row's K step [k0, k0 + BK) as its (even, odd) columns, each [BK/32, 16]
+    fp32 (group g, lane i: column k0 + 2·(16g + i) (+1)); QB > 0: FP8 fake quantization per QB
+    columns (spec §2.5: amax floor 1e-4, ue8m0 scale, e4m3 RNE), exact in any float dtype."""
+    G: tl.constexpr = BK // 32
+    k0 = tl.multiple_of(k0, 32)
+    pair = tl.load(row_ptr + k0 + (tl.arange(0, G)[:, None, None] * 32
+                                   + tl.arange(0, 16)[None, :, None] * 2
+                                   + tl.arange(0, 2)[None, None, :])).to(tl.float32)
+    ev, od = tl.split(pair)
+    if QB > 0:
+        R: tl.constexpr = BK // QB
+        C: tl.constexpr = QB // 2
+        e3 = tl.reshape(ev, (R, C))
+        o3 = tl.reshape(od, (R, C))
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=1), tl.max(tl.abs(o3), axis=1)),
+                          1e-4)
+        ex = ue8m0_exponent(amax)
+        inv = pow2_from_exp(-ex)[:, None]
+        s = pow2_from_exp(ex)[:, None]
+        e3 = round_to_e4m3(tl.clamp(e3 * inv, -448.0, 448.0)) * s
+        o3 = round_to_e4m3(tl.clamp(o3 * inv, -448.0, 448.0)) * s
+        ev = tl.reshape(e3, (G, 16))
+        od = tl.reshape(o3, (G, 16))
+    return ev, od
+
+
+@triton.jit
+def _e2m1_fp32_planes(byte):
+    """Packed MXFP4 bytes (uint8, any shape) -> (low-nibble, high-nibble) fp32 tensors holding
+    each e2m1 value × 2^-14 exactly: the code's magnitude bits go to fp16's exponent/mantissa
+    field (the e2m1 subnormal 0.5 lands on fp16's subnormal 2^-15), the sign to bit 15, and the
+    fp16 converts to fp32 exactly."""
+    b = byte.to(tl.int32)
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return (lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+            hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+# Four MXFP4 bytes ($8: 8 codes) -> the four low-nibble values ($0..$3, byte order) and the four
+# high-nibble values ($4..$7) in fp32, each e2m1 × 2^-6 exactly: a code's magnitude bits go to
+# bits 2..4 of an e4m3 byte (exponent field = the e2m1 exponent, the e2m1 subnormal 0.5 landing
+# on e4m3's subnormal 2^-7), its sign to bit 7; sm_89+ converts e4m3 pairs to f16x2 in one
+# instruction, then f16 -> f32 (exact).  Four bytes at once: ~4.5 instructions per byte.
+_FP4_TO_F32_ASM = tl.constexpr("""{
+.reg .b32 t, l, h, f0, f1, f2, f3;
+.reg .b16 l0, l1, h0, h1, a0, a1, a2, a3, a4, a5, a6, a7;
+shl.b32 t, $8, 2; and.b32 l, t, 0x1C1C1C1C;
+shl.b32 t, $8, 4; and.b32 t, t, 0x80808080; or.b32 l, l, t;
+shr.b32 t, $8, 2; and.b32 h, t, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080; or.b32 h, h, t;
+mov.b32 {l0, l1}, l;
+mov.b32 {h0, h1}, h;
+cvt.rn.f16x2.e4m3x2 f0, l0;
+cvt.rn.f16x2.e4m3x2 f1, l1;
+cvt.rn.f16x2.e4m3x2 f2, h0;
+cvt.rn.f16x2.e4m3x2 f3, h1;
+mov.b32 {a0, a1}, f0; mov.b32 {a2, a3}, f1; mov.b32 {a4, a5}, f2; mov.b32 {a6, a7}, f3;
+cvt.f32.f16 $0, a0; cvt.f32.f16 $1, a1; cvt.f32.f16 $2, a2; cvt.f32.f16 $3, a3;
+cvt.f32.f16 $4, a4; cvt.f32.f16 $5, a5; cvt.f32.f16 $6, a6; cvt.f32.f16 $7, a7;
+}""")
+
+
+@triton.jit
+def _gemv_step(w_ptr, s_ptr, e, rn, n_mask, k0, xe, xo, stride_we, stride_wn, stride_se,
+               stride_sn, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """Σ_k W[e, rn, k]·x[k] over one K step [k0, k0 + BK) for the rows rn, fp32 [BN]: the
+    packed bytes [BN, BK/32, 16] (one scale group per (row, g)) streamed evict-first, decoded
+    exactly, multiplied by the (even, odd) activation columns xe / xo [BK/32, 16], summed per
+    group, each group sum times its e8m0 scale 2^(s-127) (exact for s <= 240, as the ALU decode
+    of the MMA kernels), then over the groups."""
+    G: tl.constexpr = BK // 32
+    e = e.to(tl.int64)
+    rg = tl.arange(0, G)
+    # k0 is a multiple of BK (>= 32): 16-byte aligned rows of bytes, one vector load each.
+    kb = tl.multiple_of(k0 // 2, 16)
+    row = w_ptr + e * stride_we + rn.to(tl.int64)[:, None] * stride_wn + kb
+    byte = tl.load(row + tl.arange(0, BK // 2)[None, :], mask=n_mask[:, None], other=0,
+                   eviction_policy="evict_first")
+    byte = tl.reshape(byte, (BN, G, 16))
+    sc = tl.load(s_ptr + e * stride_se + rn.to(tl.int64)[:, None] * stride_sn + k0 // 32
+                 + rg[None, :], mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    if ASM and not INTERPRET:
+        lo, hi = tl.inline_asm_elementwise(_FP4_TO_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        bias: tl.constexpr = 6          # values e2m1 × 2^-6
+    else:
+        lo, hi = _e2m1_fp32_planes(byte)
+        bias: tl.constexpr = 14         # values e2m1 × 2^-14
+    gs = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)          # [BN, G]
+    f = ((sc.to(tl.int32) + bias) << 23).to(tl.float32, bitcast=True)     # 2^(s-127+bias)
+    return tl.sum(gs * f, axis=1)
+
+
+@triton.jit
+def _split_range(K, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """[k_lo, k_hi) of this program's K split (program_id(2) of num_programs(2)); the host
+    keeps S <= K / BK so no split is empty."""
+    if SPLIT:
+        steps = K // BK
+        s = tl.program_id(2)
+        S = tl.num_programs(2)
+        k_lo = (s * steps // S) * BK
+        k_hi = ((s + 1) * steps // S) * BK
+    else:
+        k_lo = 0
+        k_hi = K
+    return k_lo, k_hi
+
+
+@triton.jit
+def _arrive(count_ptr, tile):
+    """Count this split in at the tile's counter after its partial stores (release), True for
+    the last one to arrive (acquire: the other splits' partials are visible to it)."""
+    tl.debug_barrier()
+    old = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return old == tl.num_programs(2) - 1
+
+
+@triton.jit
+def _sum_splits(ptrs, mask, stride_s):
+    """Σ over the S partial slices (stride ``stride_s``) in the fixed order s = 0..S-1; ``.cg``
+    loads read L2, never a stale L1 line."""
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for _ in range(1, tl.num_programs(2)):
+        ptrs += stride_s
+        acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit,
+               HAS_LIMIT: tl.constexpr):
+    """act[p, rn] = (w · swiglu(g, u)).to(act dtype), g / u rounded to it first (the twin)."""
+    g = round_as(acc1, act_ptr)
+    u = round_as(acc3, act_ptr)
+    if HAS_LIMIT:
+        u = tl.clamp(u, -limit, limit)
+        g = tl.minimum(g, limit)
+    wt = tl.load(wt_ptr + p)
+    a = g * tl.sigmoid(g) * u * wt
+    store_rne(act_ptr + p.to(tl.int64) * stride_act + rn, a, n_mask)
+
+
+# ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_ptr, part_ptr,
+                    count_ptr, N, K, E, TOPK, stride_x, stride_act, stride_we, stride_wn,
+                    stride_se, stride_sn, stride_part_w, stride_part_s, limit,
+                    QB: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+    """act[p, tile] = w · swiglu(w1 x, w3 x) of pair p (token p // TOPK) for one N tile.
+    SPLIT: partials into ``part`` [2, S, P, N] (gate, up); the last split finishes the tile.
+    Skipped picks (id outside 0..E-1) touch nothing, in every split."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + p)
+    if (e >= 0) & (e < E):
+        t = p // TOPK
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        x_row = x_ptr + t.to(tl.int64) * stride_x
+        acc1 = tl.zeros((BN,), dtype=tl.float32)
+        acc3 = tl.zeros((BN,), dtype=tl.float32)
+        k_lo, k_hi = _split_range(K, BK, SPLIT)
+        for k0 in range(k_lo, k_hi, BK):
+            xe, xo = _act_slice(x_row, k0, QB, BK)
+            acc1 += _gemv_step(w1_ptr, s1_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
+                               stride_wn, stride_se, stride_sn, BN, BK, ASM)
+            acc3 += _gemv_step(w3_ptr, s3_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
+                               stride_wn, stride_se, stride_sn, BN, BK, ASM)
+        if SPLIT:
+            ptrs = (part_ptr + tl.program_id(2).to(tl.int64) * stride_part_s
+                    + p.to(tl.int64) * N + rn)
+            tl.store(ptrs, acc1, mask=n_mask)
+            tl.store(ptrs + stride_part_w, acc3, mask=n_mask)
+            tile = p * tl.num_programs(1) + pid_n
+            if _arrive(count_ptr, tile):
+                tl.debug_barrier()
+                base = part_ptr + p.to(tl.int64) * N + rn
+                acc1 = _sum_splits(base, n_mask, stride_part_s)
+                acc3 = _sum_splits(base + stride_part_w, n_mask, stride_part_s)
+                _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit,
+                           HAS_LIMIT)
+                # Clean for the next launch and CUDA-graph replays: no per-call zeroing.
+                tl.store(count_ptr + tile, 0)
+        else:
+            _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _gemv_down_kernel(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, count_ptr,
+                      N, K, E, stride_act, stride_out, stride_we, stride_wn, stride_se,
+                      stride_sn, stride_part_s, TOPK: tl.constexpr, QB: tl.constexpr,
+                      SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      ASM: tl.constexpr):
+    """out[t, tile] = Σ_j (w2[e_j] · act[t·k + j]) rounded to the act dtype, summed in fp32 in
+    pick order over the picks j of token t whose id is in 0..E-1.  SPLIT: each split stores its
+    per-pick partials into ``part`` [S, P, N]; the last split rounds and sums them."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    k_lo, k_hi = _split_range(K, BK, SPLIT)
+    total = tl.zeros((BN,), dtype=tl.float32)
+    for j in range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p)
+        ok = (e >= 0) & (e < E)
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        if ok:
+            a_row = act_ptr + p.to(tl.int64) * stride_act
+            for k0 in range(k_lo, k_hi, BK):
+                xe, xo = _act_slice(a_row, k0, QB, BK)
+                acc += _gemv_step(w2_ptr, s2_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
+                                  stride_wn, stride_se, stride_sn, BN, BK, ASM)
+        if SPLIT:
+            tl.store(part_ptr + tl.program_id(2).to(tl.int64) * stride_part_s
+                     + p.to(tl.int64) * N + rn, acc, mask=n_mask)
+        else:
+            if ok:
+                total += round_as(acc, act_ptr)
+    if SPLIT:
+        tile = t * tl.num_programs(1) + pid_n
+        if _arrive(count_ptr, tile):
+            tl.debug_barrier()
+            for j in range(TOPK):
+                p = t * TOPK + j
+                e = tl.load(ids_ptr + p)
+                if (e >= 0) & (e < E):
+                    acc = _sum_splits(part_ptr + p.to(tl.int64) * N + rn, n_mask, stride_part_s)
+                    total += round_as(acc, act_ptr)
+            tl.store(out_ptr + t.to(tl.int64) * stride_out + rn, total, mask=n_mask)
+            tl.store(count_ptr + tile, 0)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + rn, total, mask=n_mask)
+
+
+# ------------------------------------------------------------------------------ host side
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile plan of one GEMV expert call: N tiles of the up (BN_up rows of w1 and of w3) and
+    down GEMVs, the K step BK (a multiple of 32 and of the act-quant block), the K splits
+    (1: unsplit; more are clamped to the K steps) and the warps of each kernel."""
+
+    BN_up: int = 32
+    BN_down: int = 32
+    BK: int = 256
+    split_up: int = 1
+    split_down: int = 1
+    warps_up: int = 4
+    warps_down: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("BN_up", "BN_down", "BK"):
+            v = getattr(self, name)
+            if v < (32 if name == "BK" else 1) or v & (v - 1):
+                raise ValueError(f"GemvConfig: {name} must be a power of two"
+                                 f"{' >= 32' if name == 'BK' else ''}; found {v}")
+        for name in ("split_up", "split_down", "warps_up", "warps_down"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GemvConfig: {name} must be an int >= 1; found {v!r}")
+
+
+# Split-K targets: ~4 programs per SM, at most 8 splits (a first rule, not measured:
+# bench/moe_gemv.py sweeps the plans).
+_PROGRAMS_PER_SM = 4
+_SPLIT_MAX = 8
+
+
+def gemv_block_k(D: int, inter: int, act_block: int | None, want: int = 256) -> int | None:
+    """The largest K step <= ``want`` (power of two >= 32) dividing D and I and a multiple of
+    the act-quant block; None if there is none."""
+    bk = want
+    while bk >= 32:
+        if D % bk == 0 and inter % bk == 0 and (not act_block or bk % act_block == 0):
+            return bk
+        bk //= 2
+    return None
+
+
+def _split(programs: int, steps: int, sms: int) -> int:
+    s = 1
+    while programs * s < _PROGRAMS_PER_SM * sms and s * 2 <= min(_SPLIT_MAX, steps):
+        s *= 2
+    return s
+
+
+def pick_gemv_config(T: int, k: int, D: int, inter: int, act_block: int | None,
+                     device: torch.device | None = None) -> GemvConfig:
+    """Default plan: 32-row N tiles, K step 256 (or the largest that fits), 4 warps, K splits
+    until ~4 programs per SM (V4-Flash, one token: up 6 × 64 tiles × 2, down 128 tiles × 8)."""
+    bk = gemv_block_k(D, inter, act_block)
+    if bk is None:
+        raise ValueError(f"moe_experts_gemv: no K step fits D={D}, I={inter}, "
+                         f"act_block={act_block}")
+    sms = sm_count(device) if device is not None else 132
+    bn_up, bn_down = 32, 32
+    return GemvConfig(BN_up=bn_up, BN_down=bn_down, BK=bk,
+                      split_up=_split(T * k * -(-inter // bn_up), D // bk, sms),
+                      split_down=_split(T * -(-D // bn_down), inter // bk, sms))
+
+
+def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor | None:
+    if _E8M0 is not None and s.dtype == _E8M0:
+        return s.view(torch.uint8)
+    if s.dtype == torch.uint8:
+        return s
+    return None
+
+
+def gemv_qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
+    """Whether :func:`moe_experts_gemv` serves this call: at most MOE_GEMV_MAX_TOKENS tokens,
+    MXFP4 stacks with e8m0 scales, bf16 x (official or bf16 numerics), a K step that fits."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MOE_GEMV_MAX_TOKENS
+            and experts.fmt == "fp4" and x.dtype == torch.bfloat16
+            and all(_e8m0_bytes(getattr(experts, n)) is not None for n in ("s1", "s3", "s2"))
+            and gemv_block_k(x.shape[1], experts.inter_dim, experts.act_block) is not None)
+
+
+def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     experts: ExpertWeights, swiglu_limit: float,
+                     cfg: GemvConfig | None = None) -> torch.Tensor:
+    """:func:`dsv4.ops.triton_moe.moe_experts` for a few tokens of MXFP4 experts (module doc):
+    fp32 [T, D].  x bf16 or fp32 [T, D]; ``cfg`` None: :func:`pick_gemv_config`."""
+    from dsv4.ops.triton_moe import _check_experts
+
+    _check_experts(x, topk_ids, topk_weights, experts)
+    if experts.fmt != "fp4":
+        raise ValueError(f"moe_experts_gemv: MXFP4 experts only; found {experts.fmt!r}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"moe_experts_gemv: x must be bf16 or fp32; found {x.dtype}")
+    scales = [_e8m0_bytes(getattr(experts, n)) for n in ("s1", "s3", "s2")]
+    if any(s is None for s in scales):
+        raise ValueError("moe_experts_gemv: MXFP4 scales must be e8m0 (or their uint8 bytes)")
+    T, D = x.shape
+    E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    if T == 0 or k == 0:
+        return out.zero_()
+    qb = experts.act_block or 0
+    if cfg is None:
+        cfg = pick_gemv_config(T, k, D, inter, experts.act_block, x.device)
+    bk = cfg.BK
+    if D % bk or inter % bk or (qb and bk % qb):
+        raise ValueError(f"moe_experts_gemv: K step {bk} must divide D={D} and I={inter} and "
+                         f"be a multiple of the act block {qb}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.reshape(-1).float().contiguous()
+    w1, w3, w2 = (getattr(experts, n).view(torch.uint8) for n in ("w1", "w3", "w2"))
+    s1, s3, s2 = scales
+    if w1.stride() != w3.stride() or s1.stride() != s3.stride() or w1.stride(2) != 1 \
+            or w2.stride(2) != 1 or s1.stride(2) != 1 or s2.stride(2) != 1:
+        raise ValueError("moe_experts_gemv: w1 / w3 (and s1 / s3) must share strides, with "
+                         "contiguous rows")
+    P = T * k
+    split_up = max(1, min(cfg.split_up, D // bk))
+    split_down = max(1, min(cfg.split_down, inter // bk))
+    tiles_up, tiles_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
+    need = max(P * tiles_up if split_up > 1 else 0, T * tiles_down if split_down > 1 else 0)
+    counters = splitk_counters(x.device, need, "moe_experts_gemv") if need else ids
+    act = torch.empty(P, inter, dtype=x.dtype, device=x.device)
+    part_up = (torch.empty(2, split_up, P, inter, dtype=torch.float32, device=x.device)
+               if split_up > 1 else None)
+    _gemv_up_kernel[(P, tiles_up, split_up)](
+        x, ids, wts, w1, w3, s1, s3, act, act if part_up is None else part_up, counters,
+        inter, D, E, k, x.stride(0), act.stride(0), w1.stride(0), w1.stride(1),
+        s1.stride(0), s1.stride(1), 0 if part_up is None else part_up.stride(0),
+        0 if part_up is None else part_up.stride(1), float(swiglu_limit),
+        QB=qb, HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BN=cfg.BN_up, BK=bk,
+        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_up, num_stages=1)
+    part_down = (torch.empty(split_down, P, D, dtype=torch.float32, device=x.device)
+                 if split_down > 1 else None)
+    _gemv_down_kernel[(T, tiles_down, split_down)](
+        act, ids, w2, s2, out, out if part_down is None else part_down, counters,
+        D, inter, E, act.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), 0 if part_down is None else part_down.stride(0),
+        TOPK=k, QB=qb, SPLIT=split_down > 1, BN=cfg.BN_down, BK=bk,
+        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_down, num_stages=1)
+    return out
