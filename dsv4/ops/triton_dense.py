@@ -512,9 +512,13 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
     """Default plan of ``op`` ("pre": hc_pre / hc_head mixes, "post_pre": the fused post +
     mixes, "post": hc_post) for T tokens of n streams of width D.
 
-    Decode (T < HC_PREFILL_T) keeps the tile sizes the kernels had before plans existed.
-    Prefill: picked from the register / shared-memory counts of the offline sm_90 compile (no
-    spills), not yet timed on the H200 (bench/sweep_glue.py times the candidates)."""
+    The H200 sweep (bench/sweep_glue.py, docs/PERFORMANCE.md fifth session, V4-Flash widths):
+    bf16 streams take the "bf16x3" mixes at every T (exact products; 4–8% faster than the
+    fp32 path at decode, ~2× at prefill), so decode and prefill sum the same products.  Decode
+    (T < HC_PREFILL_T) keeps the tile sizes the kernels had before plans existed.  Prefill: the
+    fused post + mixes on 16-column chunks with 4 warps and ~4 programs per SM (8,192 tokens:
+    577 µs against 795 for 32-column chunks at 8 warps, 1,255 before plans); the mixes alone on
+    64-token tiles at 4 warps (259 µs, 187 registers, no spills)."""
     mix = "bf16x3" if dtype == torch.bfloat16 else "fp32"
     chunk = max(triton.cdiv(16, n), min(128 // n, triton.next_power_of_2(D)))
     if op == "post":
@@ -522,12 +526,11 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
     if op not in ("pre", "post_pre"):
         raise ValueError(f"pick_hc_plan: op must be 'pre', 'post_pre' or 'post'; found {op!r}")
     if T < HC_PREFILL_T:
-        return HcPlan(BT=16, BD=chunk, num_warps=4, num_stages=3)
+        return HcPlan(BT=16, BD=chunk, num_warps=4, num_stages=3, mix=mix)
     if op == "pre":
-        # 187 registers, 90 KB of shared memory: two 4-warp programs per SM (was 255 + spills).
         return HcPlan(BT=64, BD=chunk, num_warps=4, num_stages=3, per_sm=2, mix=mix)
-    # 252 registers, no spills, 52 KB: one 8-warp program per SM (was 4 warps, 624 B spilled).
-    return HcPlan(BT=64, BD=chunk, num_warps=8, num_stages=2, per_sm=2, mix=mix)
+    return HcPlan(BT=64, BD=max(triton.cdiv(16, n), chunk // 2), num_warps=4, num_stages=3,
+                  per_sm=4, mix=mix)
 
 
 @triton.jit

@@ -166,9 +166,13 @@ def test_plans_reject_bad_values() -> None:
         tm.PrepPlan(rows=24)
     with pytest.raises(ValueError, match="op must be"):
         td.pick_hc_plan("head", 1, 4, 64, torch.bfloat16)
-    # Decode keeps the plans the kernels had before plans existed.
-    assert td.pick_hc_plan("post_pre", 1, 4, 4096, torch.bfloat16) == td.HcPlan(16, 32, 4, 3)
-    assert td.pick_hc_plan("pre", 64, 4, 4096, torch.bfloat16) == td.HcPlan(16, 32, 4, 3)
+    # Decode keeps the tile sizes the kernels had before plans existed, with the bf16x3 mixes
+    # of prefill (the H200 sweep's best at every T).
+    want = td.HcPlan(16, 32, 4, 3, mix="bf16x3")
+    assert td.pick_hc_plan("post_pre", 1, 4, 4096, torch.bfloat16) == want
+    assert td.pick_hc_plan("pre", 64, 4, 4096, torch.bfloat16) == want
+    assert td.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16) == td.HcPlan(
+        64, 16, 4, 3, per_sm=4, mix="bf16x3")
     assert td.pick_hc_plan("post", 1, 4, 4096, torch.bfloat16) == td.HcPlan(1, 512, 4, 3)
     # fp32 streams never take the bf16 mix.
     assert td.pick_hc_plan("post_pre", 8192, 4, 4096, torch.float32).mix == "fp32"
@@ -192,4 +196,4 @@ def test_sweep_tiny_smoke(tmp_path: Path) -> None:
     assert {r["op"] for r in rows} == {"hc_post_pre", "hc_pre", "hc_post", "prep_up",
                                        "prep_down"}
     assert all(r.get("same") for r in rows), [r for r in rows if not r.get("same")]
-    assert sum(1 for r in rows if not r["plan"].startswith("default")) >= 5
+    assert sum(1 for r in rows if not r["plan"].startswith("default")) >= 3
