@@ -268,6 +268,46 @@ def bench_linear32(T: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict
     return r, tried
 
 
+# Prefill (8,192 rows, bf16 x as in the model): the compressors' stacked wkv + wgate and the
+# gate, through the bf16x3 tensor-core path against cuBLAS's fp32 GEMM.
+LINEAR32_PREFILL = [("cmp_r4_overlap_kv_gate", 2048, 4096), ("cmp_r128_kv_gate", 1024, 4096),
+                    ("cmp_indexer_kv_gate", 512, 4096), ("moe_gate", 256, 4096)]
+
+
+def bench_linear32_prefill(T: int, name: str, N: int, K: int, sweep: bool
+                           ) -> tuple[dict, list]:
+    from dsv4.ops import triton_linear32 as tl32
+    x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+    w = torch.randn(N, K, device=DEV) * 0.02
+    plan = tl32.pick_prefill_config(T, N, K)
+    t = time_graph([lambda: tl32.linear_fp32_with_config(x, w, plan)])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        want = torch.nn.functional.linear(x.float(), w)
+        base = time_graph([lambda: torch.nn.functional.linear(x.float(), w)])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    err = float((tl32.linear_fp32_with_config(x, w, plan) - want).norm() / want.norm())
+    r = row("linear_fp32", f"{name} T={T} N={N} K={K} bf16x", t, None, base,
+            N * K * 4 + T * K * 2 + T * N * 4, 2 * T * N * K, "bf16",
+            f"bf16x3 plan {asdict(plan)}; rel err vs fp32 F.linear {err:.1e}; torch = fp32 "
+            "F.linear of x.float(), TF32 off")
+    tried = []
+    if sweep:
+        for bm, bn, bk, nw, st in ((128, 128, 64, 8, 3), (128, 64, 32, 4, 3),
+                                   (64, 128, 32, 4, 3), (128, 256, 32, 8, 3),
+                                   (128, 128, 32, 4, 4)):
+            cfg = tl32.Linear32Config(BM=bm, BN=min(bn, max(16, N)), BK=bk, num_warps=nw,
+                                      num_stages=st, bf16x3=True)
+            try:
+                tried.append((time_graph([lambda c=cfg: tl32.linear_fp32_with_config(x, w, c)],
+                                         1.5), asdict(cfg)))
+            except Exception as e:  # a plan that does not compile/fit: report and go on
+                tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+    return r, tried
+
+
 # ----------------------------------------------------------------------------- mHC
 def bench_hc(T: int) -> list[dict]:
     n, D = 4, 4096
@@ -366,6 +406,8 @@ def main() -> int:
         for T in (1, 16, 64):
             for name, N, K in LINEAR32_SHAPES:
                 add(*bench_linear32(T, name, N, K, args.sweep and name != "moe_gate"))
+        for name, N, K in LINEAR32_PREFILL:
+            add(*bench_linear32_prefill(8192, name, N, K, True))
     print("\n" + hdr)
     for r in rows:
         print(fmt(r))

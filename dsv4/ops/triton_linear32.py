@@ -22,15 +22,21 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.triton_dense import sm_count, splitk_counters, splitk_reduce, torch_twin_off_gpu
+from dsv4.ops.triton_dense import (_dot_bf16x3, sm_count, splitk_counters, splitk_reduce,
+                                   torch_twin_off_gpu)
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
-           "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS"]
+           "pick_prefill_config", "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS", "PREFILL_BF16X3"]
 
 # Rows for which the kernel runs; others go to the twin (cuBLAS on the GPU).  Measured bounds:
 # see the module docstring.
 MIN_KERNEL_ROWS = 2
 MAX_KERNEL_ROWS = 16
+# Prefill (more rows) with a bf16 x: the kernel's "bf16x3" tensor-core path instead of cuBLAS's
+# fp32 SIMT GEMM (x is exact in bf16 and w is split exactly into three bf16 parts, so every
+# product is exact and only the fp32 sums round, as in an fp32 GEMM).  Off until timed on the
+# H200 (bench/kernels.py --only linear_fp32).
+PREFILL_BF16X3 = False
 # Most K splits of one tile: the last split re-reads every partial, unrolled.
 MAX_SPLITS = 32
 
@@ -39,11 +45,14 @@ MAX_SPLITS = 32
 def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
                      stride_ws, k_per_split,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SPLITS: tl.constexpr, DOT: tl.constexpr):
+                     SPLITS: tl.constexpr, DOT: tl.constexpr, BF16X3: tl.constexpr = False):
     """out[M, N] (fp32) = x[M, K] @ w[N, K]^T with fp32 products and sums.
 
     Grid: (M tiles × N tiles, SPLITS); split s covers K ``[s·k_per_split, (s+1)·k_per_split)``
     clipped to K (``k_per_split`` is a multiple of BK; every split has >= 1 chunk inside K).
+
+    BF16X3 (bf16 x, dot path): x stays bf16 and each fp32 weight tile is split into three bf16
+    parts summing to it exactly; three bf16 tensor-core dots then give exact products.
 
     DOT: the tile product is ``tl.dot(..., input_precision="ieee")`` (FMA, BM >= 16); else it
     is a broadcast multiply accumulated per (row, column, k lane) in a [BM, BN, BK] register
@@ -75,12 +84,16 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
         rk = k + tl.arange(0, BK)
         k_mask = rk < k1
         a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if not BF16X3:
+            a = a.to(tl.float32)
         # The weight is read once per launch: stream it past L1.
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        if DOT:
+        if BF16X3:
+            acc = _dot_bf16x3(acc, a, tl.trans(w))
+        elif DOT:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
             acc3 += a[:, None, :] * w[None, :, :]
@@ -100,7 +113,8 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
 @dataclass(frozen=True)
 class Linear32Config:
     """Tile plan of one ``linear_fp32`` launch: BM < 16 multiplies by broadcast, BM >= 16 by
-    ``tl.dot`` (ieee); ``split_k`` is a request, clipped so every split gets >= 1 BK chunk."""
+    ``tl.dot`` (ieee, or three bf16 dots with ``bf16x3`` for a bf16 x); ``split_k`` is a
+    request, clipped so every split gets >= 1 BK chunk."""
 
     BM: int
     BN: int
@@ -108,8 +122,12 @@ class Linear32Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    bf16x3: bool = False
 
     def __post_init__(self) -> None:
+        if self.bf16x3 and self.BM < 16:
+            raise ValueError(f"Linear32Config: bf16x3 needs the dot path (BM >= 16); found "
+                             f"BM={self.BM}")
         for name in ("BM", "BN", "BK"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -155,6 +173,14 @@ def pick_linear32_config(M: int, N: int, K: int, device: torch.device) -> Linear
                           num_stages=3 if dot else 2)
 
 
+def pick_prefill_config(M: int, N: int, K: int) -> Linear32Config:
+    """Plan of the prefill path (bf16x3, M > MAX_KERNEL_ROWS): 128×128 output tiles, no split
+    (a first guess, not yet timed: bench/kernels.py --only linear_fp32 --sweep)."""
+    bn = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
+    return Linear32Config(BM=128 if M >= 128 else 64, BN=bn, BK=32, split_k=1, num_warps=8,
+                          num_stages=3, bf16x3=True)
+
+
 def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
                             cfg: Linear32Config | None) -> torch.Tensor:
     """:func:`linear_fp32` through the kernel whatever M, with an explicit tile plan
@@ -189,6 +215,7 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
     _linear32_kernel[(tiles, split)](
         x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16,
+        BF16X3=cfg.bf16x3 and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -201,6 +228,9 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     :data:`MAX_KERNEL_ROWS`: the split-K kernel; other T: the twin (cuBLAS).
     """
     torch_dense.check_linear_fp32_args(x, w)
-    if not MIN_KERNEL_ROWS <= x.shape[0] <= MAX_KERNEL_ROWS:
+    M = x.shape[0]
+    if M > MAX_KERNEL_ROWS and PREFILL_BF16X3 and x.dtype == torch.bfloat16:
+        return linear_fp32_with_config(x, w, pick_prefill_config(M, w.shape[0], x.shape[1]))
+    if not MIN_KERNEL_ROWS <= M <= MAX_KERNEL_ROWS:
         return torch_dense.linear_fp32(x, w)
     return linear_fp32_with_config(x, w, None)

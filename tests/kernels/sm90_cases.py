@@ -824,6 +824,12 @@ def _linear32() -> None:
                 tl32.Linear32Config(BM=64, BN=128, BK=32, split_k=1),
                 tl32.Linear32Config(BM=64, BN=128, BK=32, split_k=4)):
         tl32.linear_fp32_with_config(_empty(cfg.BM, 4096, dtype=torch.float32), w, cfg)
+    # Prefill rows with a bf16 x: the bf16x3 tensor-core path (the compressors' stacked wkv +
+    # wgate widths and the gate), its picked plans.
+    for N in (2048, 1024, 512, 256):
+        wp = _empty(N, 4096, dtype=torch.float32)
+        tl32.linear_fp32_with_config(_empty(8192, 4096, dtype=torch.bfloat16), wp,
+                                     tl32.pick_prefill_config(8192, N, 4096))
 
 
 scenario("linear_fp32/v4_flash")(_linear32)

@@ -161,3 +161,23 @@ def test_linear32_config_validation() -> None:
         tl32.Linear32Config(BM=16, BN=32, BK=8)
     with pytest.raises(ValueError, match="split_k must be >= 1"):
         tl32.Linear32Config(BM=1, BN=32, BK=32, split_k=0)
+
+
+def test_linear32_prefill_bf16x3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill rows with a bf16 x through the bf16x3 dot path (exact products, fp32 sums): the
+    twin's fp32 GEMM to fp32 rounding, ragged tiles included; fp32 x keeps the twin."""
+    gen = torch.Generator().manual_seed(21)
+    for M, N, K in ((40, 48, 96), (130, 24, 160)):
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        w = torch.randn(N, K, generator=gen) * 0.3
+        cfg = tl32.Linear32Config(BM=32, BN=16, BK=32, num_warps=4, num_stages=2, bf16x3=True)
+        got = tl32.linear_fp32_with_config(x, w, cfg)
+        assert rel_err(got, ref.linear_fp32(x, w)) < 2e-6, (M, N, K)
+    monkeypatch.setattr(tl32, "PREFILL_BF16X3", True)
+    plan = tl32.pick_prefill_config(40, 48, 96)
+    assert plan.bf16x3 and plan.split_k == 1
+    x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    w = torch.randn(48, 96, generator=gen)
+    assert rel_err(tl32.linear_fp32(x, w), ref.linear_fp32(x, w)) < 2e-6
+    with pytest.raises(ValueError, match="bf16x3"):
+        tl32.Linear32Config(BM=8, BN=16, BK=32, bf16x3=True)
