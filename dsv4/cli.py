@@ -37,8 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch run as a CUDA graph (default: --max-num-seqs)")
     p.add_argument("--cuda-graph-capture", default=None, choices=["startup", "lazy"],
                    help="capture the decode graphs at start (default) or on first use")
-    p.add_argument("--cuda-graphs-under-tp", action="store_true", default=None,
-                   help="also use CUDA graphs with --tensor-parallel-size > 1 (default off)")
+    p.add_argument("--cuda-graphs-under-tp", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs also with --tensor-parallel-size > 1 (default on)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -63,9 +63,10 @@ class EngineOptions:
     batch bucket (``dsv4.engine.cuda_graphs``), captured when the engine starts
     (``cuda_graph_capture="startup"``, the default: no request waits for a capture and its
     Triton compiles, seconds each) or on each bucket's first use (``"lazy"``: quicker start).
-    ``cuda_graphs_under_tp`` (default False): also replay decode CUDA graphs under tensor /
+    ``cuda_graphs_under_tp`` (default True): also replay decode CUDA graphs under tensor /
     expert parallelism (every rank captures and replays the same graphs, NCCL collectives
-    inside; the step broadcast stays outside).  Off until verified on GPUs: such runs are eager.
+    inside; the step broadcast stays outside; tests/dist/test_tp_graphs_gpu.py passed on two
+    H200s).  False runs such decode steps eagerly.
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
     ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
     loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:
@@ -91,7 +92,7 @@ class EngineOptions:
     enforce_eager: bool = False
     cuda_graph_max_batch: int | None = None
     cuda_graph_capture: str = "startup"
-    cuda_graphs_under_tp: bool = False
+    cuda_graphs_under_tp: bool = True
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)

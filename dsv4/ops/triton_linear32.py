@@ -34,9 +34,11 @@ MIN_KERNEL_ROWS = 2
 MAX_KERNEL_ROWS = 16
 # Prefill (more rows) with a bf16 x: the kernel's "bf16x3" tensor-core path instead of cuBLAS's
 # fp32 SIMT GEMM (x is exact in bf16 and w is split exactly into three bf16 parts, so every
-# product is exact and only the fp32 sums round, as in an fp32 GEMM).  Off until timed on the
-# H200 (bench/kernels.py --only linear_fp32).
-PREFILL_BF16X3 = False
+# product is exact and only the tensor core's fp32 sums round).  H200, 8,192 rows (bench/kernels.py
+# --only linear_fp32, docs/PERFORMANCE.md fifth session): 3.0–3.4× faster than cuBLAS fp32
+# (stacked r4 wkv + wgate 895 µs against 2,807), 1.4e-5 relative to it (the tensor core's
+# accumulation order; bf16's resolution is 3.9e-3).
+PREFILL_BF16X3 = True
 # Most K splits of one tile: the last split re-reads every partial, unrolled.
 MAX_SPLITS = 32
 
@@ -174,10 +176,11 @@ def pick_linear32_config(M: int, N: int, K: int, device: torch.device) -> Linear
 
 
 def pick_prefill_config(M: int, N: int, K: int) -> Linear32Config:
-    """Plan of the prefill path (bf16x3, M > MAX_KERNEL_ROWS): 128×128 output tiles, no split
-    (a first guess, not yet timed: bench/kernels.py --only linear_fp32 --sweep)."""
-    bn = 128 if N >= 128 else max(16, triton.next_power_of_2(N))
-    return Linear32Config(BM=128 if M >= 128 else 64, BN=bn, BK=32, split_k=1, num_warps=8,
+    """Plan of the prefill path (bf16x3, M > MAX_KERNEL_ROWS): 128×64 output tiles, 4 warps,
+    no split — the H200 sweep's best at every V4-Flash width (N 256..2048, K 4096, 8,192 rows;
+    128×128 at 8 warps 5–15% slower)."""
+    bn = 64 if N >= 64 else max(16, triton.next_power_of_2(N))
+    return Linear32Config(BM=128 if M >= 128 else 64, BN=bn, BK=32, split_k=1, num_warps=4,
                           num_stages=3, bf16x3=True)
 
 

@@ -1,46 +1,80 @@
 """Routed experts (spec §3.9) on FP8 tensor cores: MXFP4 stacks under official numerics, for
-prefill (dsv4 issue #5).  Off by default: nothing calls it but the tests and the bench.
+prefill (dsv4 issue #5).  Off by default: nothing calls it but the tests and the bench; the
+flag :data:`FP8MMA_PREFILL` (``DSV4_FP8MMA=1``) and :func:`fp8mma_applies` are there so the op
+table can route prefill calls here in one line.
 
-Why it is exact.  With ``ExpertWeights.act_block`` set, the torch twin
+The products are exact.  With ``ExpertWeights.act_block`` set, the torch twin
 (``dsv4.ops.torch_dense.moe_experts``) FP8-fake-quantizes the expert inputs per act block with
-power-of-two (ue8m0) scales, so every activation value is e4m3 × 2^s(row, block); every MXFP4
-weight is e2m1 × 2^s(column, 32-block), and the e2m1 values (0, ±0.5 .. ±6) are e4m3 values too.
-An FP8 MMA of the codes over one 32-wide K group, scaled afterwards by the row's and the
-column's power of two, gives the products of the bf16 path exactly; the groups are summed in
-fp32 (another order than the bf16 kernel of ``triton_moe``, so equal to fp32 rounding).  A
-fresh dot per 32-wide group also keeps Hopper's reduced-precision FP8 accumulation short.
+power-of-two (ue8m0) scales, so every activation value is e4m3 × 2^sa(row, block); every MXFP4
+weight is e2m1 × 2^s(column, 32-group).  The GEMMs walk K in steps of ``KS`` = 128 (the act
+block: one activation scale per row and step; gcd(act_block, 128) in general) and do ONE FP8 dot
+per step, DeepGEMM's promotion interval:
+
+    acc += dot(a8 [BM, KS], w8 [KS, BN]) · sa[row] · 2^(sref[n] − 127)
+
+To get there, each 32-group's weight scale is folded into the e4m3 weight bytes relative to the
+step's reference exponent ``sref = smax − 6`` (``smax`` the largest of the step's group
+exponents of that output row): the byte of code c in group g is the e4m3 of e2m1(c) · 2^u,
+u = s_g − sref = 6 − d_g with d_g = smax − s_g.  The nonzero e2m1 magnitudes have e4m3 exponent
+fields 6..9 (0.5 .. 6), e4m3 normals have fields 1..15 (and 0x78 = 256, 0x7C = 384 are finite in
+e4m3fn): the shifted value is an exact e4m3 *normal* for -5 ≤ u ≤ 6, i.e. for a spread
+d_g ≤ :data:`FOLD_SPREAD` = 11 (a factor 2048) within every (expert, row, step).  In that range
+the byte is a table byte plus 8·(11 − d_g) in the exponent field, one ``prmt`` and one add per
+4 codes, no subnormal encodings.  (Subnormals would reach a spread of 14 with a second encoding;
+real MXFP4 rows stay far inside 11.)  Stacks with a wider spread anywhere (or an e8m0 NaN byte)
+run the bf16-MMA kernels of ``triton_moe`` instead: :func:`fold_spread_ok` checks each scale
+tensor once (one reduction, one host sync, cached per tensor and its version; never inside a
+CUDA-graph capture, where an unchecked stack counts as failing).
+
+Numerics: the products are exact, but within one K step the tensor core adds 128 products in
+its own reduced precision (Hopper's FP8 MMA keeps ~14 significant bits in the chain of a K = 128
+dot, the reason for DeepGEMM's 128-wide promotion interval); the steps are summed in fp32.  So
+the result equals the twin (bf16 GEMMs of the same exact products, fp32 sums in another order)
+to bf16-level tolerance, not to fp32 rounding: the tests allow a relative 2e-3 against the twin
+and the bf16-MMA kernels on V4-Flash-shaped random stacks (each 128-sum carries a relative error
+of ~2^-14 · sqrt(128) ≈ 7e-4 of its magnitude at worst; the bf16 roundings of the gate/up outputs
+and the activation, which both paths make, are ~2^-9 per value and can flip between the paths);
+the end-to-end tiny-shape tests keep the old 1e-2 bound of the bf16 expert tests.
 
 Steps (the routing plan, the SwiGLU epilogue and the combine are those of ``triton_moe``):
 
 1. ``moe_plan``: the (token, pick) pairs sorted by expert into row blocks of BM;
 2. ``_fp8_prep_kernel`` (GATHER): each pair's token row quantized per act block into e4m3
    codes in the plan's sorted rows, and its fp32 scales [rows, K / block];
-3. ``_fp8mma_up_kernel``: gate and up GEMMs per (block, N tile), K in steps of 32: the packed
-   weight bytes decoded to e4m3 bytes in registers, ``tl.dot`` of the e4m3 tiles, scaled into
-   the fp32 accumulator; then the clamped SwiGLU × routing weight, stored bf16
-   (``triton_moe._up_epilogue``);
+3. ``_fp8mma_up_kernel``: gate and up GEMMs per (block, N tile), K in steps of KS: the packed
+   weight bytes decoded (scale-folded) to e4m3 bytes in registers, one ``tl.dot`` of the e4m3
+   tiles per step scaled into the fp32 accumulator; then the clamped SwiGLU × routing weight,
+   stored bf16 (``triton_moe._up_epilogue``);
 4. ``_fp8_prep_kernel`` again on that activation (the twin fake-quantizes it before w2);
 5. ``_fp8mma_down_kernel``: the w2 GEMM the same way, one bf16 output row per pair;
 6. ``triton_moe._moe_combine_kernel``: per token the fp32 sum of its picks.
 
 The weight decode on the GPU (:data:`FP8MMA_DECODE` "asm") turns 4 packed bytes into 8 e4m3
-bytes with two ``prmt`` table lookups (magnitude, sign); it leaves the codes of each 8 columns
-in an order of its own (:func:`mma_k_position`), so the activation codes are stored in that
-order too (a dot does not depend on the order of K, only on both operands sharing it).  The
-interpreter takes integer operations (:func:`_e2m1_to_e4m3_bits`) and a permute to the same order.
+bytes with ``prmt`` table lookups (biased magnitude, the group's exponent add, sign); it leaves
+the codes of each 8 columns in an order of its own (:func:`mma_k_position`), so the activation
+codes are stored in that order too (a dot does not depend on the order of K, only on both
+operands sharing it).  The interpreter takes integer operations (:func:`_e2m1_to_e4m3_folded`)
+and a permute to the same order.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dsv4.ops.torch_dense import ExpertWeights
-from dsv4.ops.triton_dense import INTERPRET, _INTERPRET_HOST, quantize_block_rows, store_rne
+from dsv4.ops.triton_dense import (
+    _INTERPRET_HOST,
+    INTERPRET,
+    quantize_block_rows,
+    store_rne,
+)
 from dsv4.ops.triton_moe import (
     _check_experts,
     _moe_combine_kernel,
@@ -52,11 +86,30 @@ from dsv4.ops.triton_moe import (
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
-__all__ = ["MoeFp8Config", "moe_experts_fp8mma", "pick_fp8mma_config"]
+__all__ = ["FP8MMA_PREFILL", "MoeFp8Config", "fold_spread_ok", "fp8mma_applies",
+           "moe_experts_fp8mma", "pick_fp8mma_config"]
 
-# The MXFP4 scale group and the K step of the FP8 MMAs (host int and kernel constexpr).
+# Route prefill expert calls here (the lead wires it into the op table after timing).
+FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "0") == "1"
+
+# The MXFP4 scale group (host int and kernel constexpr).
 GROUP_SIZE = 32
 GROUP = tl.constexpr(GROUP_SIZE)
+# The widest K step of one FP8 dot (the act block of official numerics).
+MAX_STEP = 128
+# Largest spread smax - s_g of the group exponents within one (expert, row, K step) that the
+# scale-folded decode turns into exact e4m3 normals (see the module docstring).
+FOLD_SPREAD = 11
+_FOLD = tl.constexpr(FOLD_SPREAD)
+# The weight bytes carry 2^(s_g - smax + 6): the step's column factor is 2^(smax - 6 - 127).
+_FOLD_UP = 6
+_FOLD_UP_C = tl.constexpr(_FOLD_UP)
+
+
+def k_step(act_block: int) -> int:
+    """The K step of the FP8 dots for an act block: the largest width <= 128 that holds one
+    activation scale per row (gcd with 128: 128 for the act block 128 of V4, 32 for V4.1's)."""
+    return math.gcd(int(act_block), MAX_STEP)
 
 
 # ------------------------------------------------------------------------------ jit helpers
@@ -73,6 +126,19 @@ def _e2m1_to_e4m3_bits(nib):
 
 
 @triton.jit
+def _e2m1_to_e4m3_folded(nib, v):
+    """e2m1 codes (int32 0..15) of a group whose exponent add is ``v`` = 8·(11 - d), d the
+    group's spread 0..11 below the step's largest -> the e4m3fn bytes of e2m1 · 2^(6 - d).
+
+    The biased table (the e4m3 bytes of e2m1 · 2^-5: 0, 0x08, 0x10, 0x14, 0x18, 0x1C, 0x20,
+    0x24) plus v in the exponent field for nonzero magnitudes: fields 1..15, never a carry."""
+    m = nib & 7
+    base = tl.where(m >= 2, (((m >> 1) + 1) << 3) | ((m & 1) << 2), 8)
+    mag = tl.where(m == 0, 0, base + v)
+    return mag | ((nib & 8) << 4)
+
+
+@triton.jit
 def mma_k_position(k):
     """Column of natural K index k in the operand order of the MMAs (a permutation within each
     8 columns, the same for both operands, so the dot is unchanged): the byte order in which
@@ -81,23 +147,31 @@ def mma_k_position(k):
     return (k & -8) | ((k & 3) << 1) | ((k >> 2) & 1)
 
 
-# Four packed MXFP4 bytes ($2: 8 e2m1 codes, natural k order in its nibbles) -> their e4m3
-# bytes, codes k 0..3 in $0 and k 4..7 in $1.  prmt looks each code's magnitude (nibble & 7)
-# up in the 8-byte table {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C} (e4m3 of 0, 0.5, 1,
-# 1.5, 2, 3, 4, 6); a second prmt picks 0x00 or 0x80 by the sign bit (nibble bit 3).
+# Four packed MXFP4 bytes ($2: 8 e2m1 codes of one 32-group, natural k order in its nibbles)
+# and the group's exponent add v = 8·(11 - d) ($3: the uint8 v packed 4 times, v·0x01010101)
+# -> their scale-folded e4m3 bytes, codes k 0..3 in $0 and k 4..7 in $1.  Per half: prmt looks
+# each code's magnitude (nibble & 7) up in the biased table {0x00, 0x08, 0x10, 0x14, 0x18,
+# 0x1C, 0x20, 0x24} (e4m3 of e2m1 · 2^-5); a second prmt with the same selectors picks the add
+# from {0, v, v, v, v, v, v, v} (0 for magnitude 0); the sum (fields 1..15, no carry between
+# bytes) gets the sign from a third prmt (0x00 or 0x80 by nibble bit 3).
 _E2M1_TO_E4M3_ASM = tl.constexpr("""{
-.reg .b32 lo, hi, sg, z, sel, s, m;
-mov.b32 lo, 0x3C383000;
-mov.b32 hi, 0x4C484440;
+.reg .b32 lo, hi, sg, z, sel, s, m, a, vlo;
+mov.b32 lo, 0x14100800;
+mov.b32 hi, 0x24201C18;
 mov.b32 sg, 0x00008000;
 mov.b32 z, 0;
+and.b32 vlo, $3, 0xFFFFFF00;
 and.b32 sel, $2, 0x7777;
 prmt.b32 m, lo, hi, sel;
+prmt.b32 a, vlo, $3, sel;
+add.u32 m, m, a;
 shr.b32 s, $2, 3; and.b32 s, s, 0x1111;
 prmt.b32 s, sg, z, s;
 or.b32 $0, m, s;
 shr.b32 sel, $2, 16; and.b32 sel, sel, 0x7777;
 prmt.b32 m, lo, hi, sel;
+prmt.b32 a, vlo, $3, sel;
+add.u32 m, m, a;
 shr.b32 s, $2, 19; and.b32 s, s, 0x1111;
 prmt.b32 s, sg, z, s;
 or.b32 $1, m, s;
@@ -105,42 +179,59 @@ or.b32 $1, m, s;
 
 
 @triton.jit
-def _mxfp4_e4m3_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
-                     stride_sn, ASM_DECODE: tl.constexpr, BN: tl.constexpr):
-    """One 32-wide K group of expert e's MXFP4 rows rn: (e4m3 codes [BN, 32] in the MMA K order
-    of :func:`mma_k_position`, the rows' fp32 group scales [BN]).  ASM_DECODE: the inline-PTX
-    byte lookup (GPU only); else integer ALU operations (the interpreter), the same bytes."""
-    # 64-bit expert offsets: E × N × K/2 passes 2^31 bytes for V4-Pro stacks.
-    e = e.to(tl.int64)
-    rj = tl.arange(0, GROUP // 2)
-    byte = tl.load(w_ptr + e * stride_we + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
-                   mask=n_mask[:, None], other=0)
-    if ASM_DECODE and not INTERPRET:
-        # out_h[4g + r] holds natural k = 8g + 4h + r: joined, position 2(4g + r) + h.
-        first, second = tl.inline_asm_elementwise(
-            _E2M1_TO_E4M3_ASM, "=r,=r,r", [byte], dtype=(tl.uint8, tl.uint8), is_pure=True,
-            pack=4)
-        codes = tl.reshape(tl.join(first, second), (BN, GROUP))
-    else:
-        b = byte.to(tl.int32)
-        lo = _e2m1_to_e4m3_bits(b & 15)          # k = 2j
-        hi = _e2m1_to_e4m3_bits((b >> 4) & 15)   # k = 2j + 1
-        natural = tl.reshape(tl.join(lo, hi), (BN, GROUP // 8, 2, 4))   # [n, g, h, r]
-        codes = tl.reshape(tl.permute(natural, (0, 1, 3, 2)), (BN, GROUP)).to(tl.uint8)
-    w8 = codes.to(tl.float8e4nv, bitcast=True)
-    # e8m0 byte b -> 2^(b - 127) built from the fp32 exponent bits.
-    sb = tl.load(s_ptr + e * stride_se + rn * stride_sn + k0 // GROUP, mask=n_mask, other=127)
-    sw = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return w8, sw
+def _pow2_exact(be):
+    """2^(be - 127) in fp32 for an int32 biased exponent be (also fp32 subnormals; 0 below)."""
+    normal = (tl.maximum(be, 1) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(be + 22, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(be >= 1, normal, tl.where(be >= -22, sub, 0.0))
 
 
 @triton.jit
-def _act_group(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.constexpr):
-    """Rows rm of a prepped activation at the 32-wide K group k0: (e4m3 codes [BM, 32] in the
-    MMA K order, the rows' fp32 scales of the act block holding the group [BM]).  Padding rows
+def _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
+                     stride_sn, ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr):
+    """One KS-wide K step of expert e's MXFP4 rows rn: (scale-folded e4m3 codes [BN, KS] in the
+    MMA K order of :func:`mma_k_position`, the rows' fp32 step factors 2^(smax - 6 - 127) [BN]).
+    ASM_DECODE: the inline-PTX byte lookups (GPU only); else integer ALU operations (the
+    interpreter), the same bytes."""
+    # 64-bit expert offsets: E × N × K/2 passes 2^31 bytes for V4-Pro stacks.
+    e = e.to(tl.int64)
+    rg = tl.arange(0, KS // GROUP)
+    sb = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (rg + k0 // GROUP)[None, :],
+                 mask=n_mask[:, None], other=127).to(tl.int32)                 # [BN, G]
+    smax = tl.max(sb, axis=1)
+    # Exponent add of each group (8 · (11 - d)); clamped: a wider spread never gets here (the
+    # host check routes such stacks to the bf16 kernels).
+    v = tl.maximum(_FOLD - (smax[:, None] - sb), 0) * 8                        # [BN, G]
+    rj = tl.arange(0, GROUP // 2)
+    byte = tl.load(w_ptr + e * stride_we + rn[:, None, None] * stride_wn
+                   + (k0 // 2 + rg[:, None] * (GROUP // 2) + rj[None, :])[None, :, :],
+                   mask=n_mask[:, None, None], other=0)                        # [BN, G, 16]
+    if ASM_DECODE and not INTERPRET:
+        vb = tl.broadcast_to(v[:, :, None], (BN, KS // GROUP, GROUP // 2)).to(tl.uint8)
+        # out_h[4q + r] holds natural k = 8q + 4h + r of the group: joined, 2(4q + r) + h.
+        first, second = tl.inline_asm_elementwise(
+            _E2M1_TO_E4M3_ASM, "=r,=r,r,r", [byte, vb], dtype=(tl.uint8, tl.uint8),
+            is_pure=True, pack=4)
+        codes = tl.reshape(tl.join(first, second), (BN, KS))
+    else:
+        b = byte.to(tl.int32)
+        vv = v[:, :, None]
+        lo = _e2m1_to_e4m3_folded(b & 15, vv)          # k = 2j
+        hi = _e2m1_to_e4m3_folded((b >> 4) & 15, vv)   # k = 2j + 1
+        natural = tl.reshape(tl.join(lo, hi), (BN, KS // 8, 2, 4))   # [n, q, h, r]
+        codes = tl.reshape(tl.permute(natural, (0, 1, 3, 2)), (BN, KS)).to(tl.uint8)
+    w8 = codes.to(tl.float8e4nv, bitcast=True)
+    return w8, _pow2_exact(smax - _FOLD_UP_C)
+
+
+@triton.jit
+def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.constexpr,
+              KS: tl.constexpr):
+    """Rows rm of a prepped activation at the KS-wide K step k0: (e4m3 codes [BM, KS] in the
+    MMA K order, the rows' fp32 scales of the act block holding the step [BM]).  Padding rows
     read 0."""
     rows = rm.to(tl.int64)
-    a8 = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + tl.arange(0, GROUP))[None, :],
+    a8 = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + tl.arange(0, KS))[None, :],
                  mask=m_mask[:, None], other=0.0)
     sa = tl.load(sa_ptr + rows * stride_sam + k0 // AB, mask=m_mask, other=0.0)
     return a8, sa
@@ -180,9 +271,11 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
                       wt_ptr, act_ptr, P, N, K, E, stride_xm, stride_xsm, stride_actm,
                       stride_we, stride_wn, stride_se, stride_sn, limit,
                       HAS_LIMIT: tl.constexpr, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr):
+                      KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """act[row] = w · swiglu(w1 x, w3 x) (bf16) for the pairs of one row block and N tile;
-    x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``)."""
+    x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``).
+    One FP8 dot per KS-wide K step and weight, its row and column powers of two applied in fp32
+    (part · sa is exact, the fma rounds once, as an add)."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -192,15 +285,13 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
         n_mask = rn < N
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, GROUP):
-            # A fresh dot per group (exact products, short tensor-core sums), its row and column
-            # powers of two applied in fp32: part·sa is exact, the fma rounds once, as an add.
-            a8, sa = _act_group(xq_ptr, xs_ptr, rm, m_mask, k0, stride_xm, stride_xsm, AB)
-            g8, sg = _mxfp4_e4m3_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                      stride_se, stride_sn, ASM_DECODE, BN)
+        for k0 in range(0, K, KS):
+            a8, sa = _act_step(xq_ptr, xs_ptr, rm, m_mask, k0, stride_xm, stride_xsm, AB, KS)
+            g8, sg = _mxfp4_e4m3_step(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
+                                      stride_se, stride_sn, ASM_DECODE, BN, KS)
             acc1 = tl.fma(tl.dot(a8, tl.trans(g8)) * sa[:, None], sg[None, :], acc1)
-            u8, su = _mxfp4_e4m3_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                      stride_se, stride_sn, ASM_DECODE, BN)
+            u8, su = _mxfp4_e4m3_step(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
+                                      stride_se, stride_sn, ASM_DECODE, BN, KS)
             acc3 = tl.fma(tl.dot(a8, tl.trans(u8)) * sa[:, None], su[None, :], acc3)
         _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
                      limit, tl.bfloat16, HAS_LIMIT)
@@ -209,10 +300,10 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
 @triton.jit
 def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, P, N, K, E,
                         stride_am, stride_asm, stride_ym, stride_we, stride_wn, stride_se,
-                        stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr):
+                        stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
+                        KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """y[pair] = w2 · act[row] (bf16) for the pairs of one row block and N tile; act given as
-    e4m3 codes ``aq`` with fp32 scales ``as`` per act block."""
+    e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step."""
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -221,17 +312,17 @@ def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_pt
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, GROUP):
-            a8, sa = _act_group(aq_ptr, as_ptr, rm, m_mask, k0, stride_am, stride_asm, AB)
-            w8, sw = _mxfp4_e4m3_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                      stride_se, stride_sn, ASM_DECODE, BN)
+        for k0 in range(0, K, KS):
+            a8, sa = _act_step(aq_ptr, as_ptr, rm, m_mask, k0, stride_am, stride_asm, AB, KS)
+            w8, sw = _mxfp4_e4m3_step(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
+                                      stride_se, stride_sn, ASM_DECODE, BN, KS)
             acc = tl.fma(tl.dot(a8, tl.trans(w8)) * sa[:, None], sw[None, :], acc)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         store_rne(y_ptrs, acc, m_mask[:, None] & n_mask[None, :])
 
 
 # ------------------------------------------------------------------------------ host side
-# How the GEMM kernels decode the MXFP4 codes to e4m3 bytes on the GPU: "asm" (two prmt byte
+# How the GEMM kernels decode the MXFP4 codes to e4m3 bytes on the GPU: "asm" (prmt byte
 # lookups per 4 packed bytes, inline PTX) or "alu" (the integer operations the interpreter runs).
 # Both give the same bytes in the same order.  DSV4_FP8MMA_DECODE=alu picks the other one.
 FP8MMA_DECODE = os.environ.get("DSV4_FP8MMA_DECODE", "asm")
@@ -265,18 +356,90 @@ class MoeFp8Config:
             raise ValueError(f"MoeFp8Config: stages must be an int >= 1; found {self.stages!r}")
 
 
+# The default plans (see pick_fp8mma_config): 2K-token prefill of V4-Flash (~48 rows per
+# expert) and 8K (~190).
+PLAN_SMALL = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=4, warps_down=4, stages=3)
+PLAN_LARGE = MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)
+
+
 def pick_fp8mma_config(num_pairs: int, num_experts: int) -> MoeFp8Config:
     """Tile plan by the average rows per active expert: 64-row blocks below 128 rows (2K-token
-    prefill of V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).
-
-    Chosen offline from the sm_90 compile (ptxas register counts; not yet timed on the GPU):
-    the up kernel holds two fp32 accumulators plus the two fresh dot results, so it takes 8
-    warps and at most 64×128 / 128×64 tiles (255 registers and ~1 KB of spills per thread at
-    128×128; none at these), the down kernel 64×128 with 4 warps / 128×128 with 8."""
+    prefill of V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).  Chosen offline from the
+    sm_90 compile (no spills, shared memory within the H200's 227 KB; registers and bytes in
+    tests/kernels/sm90_cases.py); not yet timed on the GPU (bench/moe_prefill_fp8.py --sweep)."""
     active = max(1, min(num_experts, num_pairs))
-    if num_pairs / active < 128:
-        return MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=4)
-    return MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=8)
+    return PLAN_SMALL if num_pairs / active < 128 else PLAN_LARGE
+
+
+# ------------------------------------------------------------------------------ spread check
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:      # inference tensors keep no version counter (and cannot change)
+        return None
+
+
+# scale tensor -> {K step: (its version when checked, its largest spread)}
+_SPREADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def scale_spread(s: torch.Tensor, ks: int) -> int | None:
+    """The largest spread max - min of the e8m0 exponents of an MXFP4 scale tensor
+    [..., K/32] within each (row, ``ks``-wide K step), 255 if any byte is the e8m0 NaN; cached
+    per tensor (and its version), computed with one reduction and one host sync.  None when it
+    is not cached and cannot be computed now (inside a CUDA-graph capture)."""
+    ver = _version(s)
+    entry = _SPREADS.get(s)
+    if entry is not None and ks in entry and entry[ks][0] == ver:
+        return entry[ks][1]
+    if s.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    u = s.view(torch.uint8) if s.dtype == _E8M0 else s
+    if u.dtype != torch.uint8:
+        raise ValueError(f"scale_spread: needs e8m0 or uint8 scales; found {s.dtype}")
+    g = ks // GROUP_SIZE
+    if u.shape[-1] % g:
+        raise ValueError(f"scale_spread: {u.shape[-1]} groups per row are not whole steps of "
+                         f"{ks}")
+    r = u.reshape(*u.shape[:-1], u.shape[-1] // g, g)
+    spread = (r.amax(-1).to(torch.int16) - r.amin(-1).to(torch.int16)).amax()
+    spread = torch.where((u == 255).any(), torch.full_like(spread, 255), spread)
+    val = int(spread.item())
+    if entry is None:
+        entry = _SPREADS[s] = {}
+    entry[ks] = (ver, val)
+    return val
+
+
+def fold_spread_ok(experts: ExpertWeights, ks: int) -> bool:
+    """Whether every (expert, row, ``ks``-wide K step) of the three scale tensors stays within
+    :data:`FOLD_SPREAD` (the scale-folded decode is exact there); False when unknown (first
+    call inside a CUDA-graph capture)."""
+    for name in ("s1", "s3", "s2"):
+        spread = scale_spread(getattr(experts, name), ks)
+        if spread is None or spread > FOLD_SPREAD:
+            return False
+    return True
+
+
+def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
+    """Whether a call should take :func:`moe_experts_fp8mma` (for the op table, with
+    :data:`FP8MMA_PREFILL`): MXFP4 stacks with e8m0 (uint8) scales under official numerics with
+    an act block that is a multiple of 128 (one dot per 128-wide K step; smaller act blocks
+    work but are slower than the bf16-MMA kernels), bf16 x [T, D] with D and I multiples of the
+    act block, at least 32 pairs per local expert (the expert count stands in for the active
+    ones: no host sync), and every scale spread within :data:`FOLD_SPREAD` (checked once per
+    scale tensor; the first check syncs)."""
+    ab = experts.act_block
+    if experts.fmt != "fp4" or not ab or ab % MAX_STEP or x.dtype != torch.bfloat16:
+        return False
+    if x.dim() != 2 or x.shape[1] % ab or experts.inter_dim % ab:
+        return False
+    if any(getattr(experts, n).dtype not in (_E8M0, torch.uint8) for n in ("s1", "s3", "s2")):
+        return False
+    if topk_ids.numel() < 32 * experts.num_experts:
+        return False
+    return fold_spread_ok(experts, k_step(ab))
 
 
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
@@ -310,7 +473,9 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     stacks under official numerics (``act_block`` set) and bf16 compute (ValueError otherwise).
 
     x [T, D] bf16; topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights [T, k];
-    ``cfg``: the tile plan (None: :func:`pick_fp8mma_config`).  Off CUDA without the Triton
+    ``cfg``: the tile plan (None: :func:`pick_fp8mma_config`).  Stacks whose scale spread is
+    beyond :data:`FOLD_SPREAD` somewhere (or unchecked inside a CUDA-graph capture) run the
+    bf16-MMA kernels (``triton_moe.moe_experts_with_config``).  Off CUDA without the Triton
     interpreter it runs the torch twin.
     """
     ab = _check_fp8mma(x, experts)
@@ -320,9 +485,14 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         return torch_dense.moe_experts(x, topk_ids, topk_weights, experts, swiglu_limit)
     T, D = x.shape
     E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
-    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if T == 0 or k == 0:
-        return out.zero_()
+        return torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    ks = k_step(ab)
+    if not fold_spread_ok(experts, ks):
+        from dsv4.ops import triton_moe
+        return triton_moe.moe_experts_with_config(x, topk_ids, topk_weights, experts,
+                                                  swiglu_limit, None)
+    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     P = T * k
     if cfg is None:
         cfg = pick_fp8mma_config(P, E)
@@ -351,7 +521,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, E, xq.stride(0),
         xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0,
-        ASM_DECODE=asm, AB=ab, BM=cfg.BM, BN=cfg.BN_up,
+        ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_up,
         num_warps=cfg.warps_up, num_stages=cfg.stages)
     del xq, xs
     aq = torch.empty(rows, inter, dtype=e4m3, device=x.device)
@@ -364,7 +534,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     _fp8mma_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
         aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, E, aq.stride(0), as_.stride(0),
         y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), ASM_DECODE=asm,
-        AB=ab, BM=cfg.BM,
+        AB=ab, KS=ks, BM=cfg.BM,
         BN=cfg.BN_down, num_warps=cfg.warps_down, num_stages=cfg.stages)
     del aq, as_
     BD = min(1024, triton.next_power_of_2(D))

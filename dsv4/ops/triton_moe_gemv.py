@@ -80,28 +80,33 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 @triton.jit
 def _act_slice(row_ptr, k0, QB: tl.constexpr, BK: tl.constexpr):
     """One activation row's K step [k0, k0 + BK) as its (even, odd) columns, each [BK/32, 16]
-    fp32 (group g, lane i: column k0 + 2·(16g + i) (+1)); QB > 0: FP8 fake quantization per QB
-    columns (spec §2.5: amax floor 1e-4, ue8m0 scale, e4m3 RNE), exact in any float dtype."""
+    fp32 (group g, lane i: column k0 + 2·(16g + i) (+1)); QB > 0 (a multiple of 32): FP8 fake
+    quantization per QB columns (spec §2.5: amax floor 1e-4, ue8m0 scale, e4m3 RNE), exact in
+    any float dtype.
+
+    Two plain [G, 16] loads (even, odd columns), the per-group amax [G], and the per-block amax
+    as a masked max over the G groups ([G, G], groups g and g' share a block iff g // (QB/32) ==
+    g' // (QB/32)): no ``tl.split`` / 3-D pair tile / ``tl.reshape`` between layouts (issue #5:
+    the earlier [G, 16, 2] load + split + reshape form gave wrong, run-to-run different results
+    on the H200 whenever the pair tile held more than one element per thread, BK > 32·warps)."""
     G: tl.constexpr = BK // 32
     k0 = tl.multiple_of(k0, 32)
-    pair = tl.load(row_ptr + k0 + (tl.arange(0, G)[:, None, None] * 32
-                                   + tl.arange(0, 16)[None, :, None] * 2
-                                   + tl.arange(0, 2)[None, None, :])).to(tl.float32)
-    ev, od = tl.split(pair)
+    rg = tl.arange(0, G)
+    offs = k0 + rg[:, None] * 32 + tl.arange(0, 16)[None, :] * 2
+    ev = tl.load(row_ptr + offs).to(tl.float32)
+    od = tl.load(row_ptr + offs + 1).to(tl.float32)
     if QB > 0:
-        R: tl.constexpr = BK // QB
-        C: tl.constexpr = QB // 2
-        e3 = tl.reshape(ev, (R, C))
-        o3 = tl.reshape(od, (R, C))
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=1), tl.max(tl.abs(o3), axis=1)),
-                          1e-4)
+        GPB: tl.constexpr = QB // 32
+        gmax = tl.maximum(tl.max(tl.abs(ev), axis=1), tl.max(tl.abs(od), axis=1))     # [G]
+        if GPB > 1:
+            same = (rg[:, None] // GPB) == (rg[None, :] // GPB)                      # [G, G]
+            gmax = tl.max(tl.where(same, gmax[None, :], 0.0), axis=1)
+        amax = tl.maximum(gmax, 1e-4)
         ex = ue8m0_exponent(amax)
         inv = pow2_from_exp(-ex)[:, None]
         s = pow2_from_exp(ex)[:, None]
-        e3 = round_to_e4m3(tl.clamp(e3 * inv, -448.0, 448.0)) * s
-        o3 = round_to_e4m3(tl.clamp(o3 * inv, -448.0, 448.0)) * s
-        ev = tl.reshape(e3, (G, 16))
-        od = tl.reshape(o3, (G, 16))
+        ev = round_to_e4m3(tl.clamp(ev * inv, -448.0, 448.0)) * s
+        od = round_to_e4m3(tl.clamp(od * inv, -448.0, 448.0)) * s
     return ev, od
 
 
@@ -352,7 +357,9 @@ _SPLIT_MAX = 8
 
 def gemv_block_k(D: int, inter: int, act_block: int | None, want: int = 256) -> int | None:
     """The largest K step <= ``want`` (power of two >= 32) dividing D and I and a multiple of
-    the act-quant block; None if there is none."""
+    the act-quant block (itself a multiple of 32); None if there is none."""
+    if act_block and act_block % 32:
+        return None         # the fake quantization works on whole 32-column groups
     bk = want
     while bk >= 32:
         if D % bk == 0 and inter % bk == 0 and (not act_block or bk % act_block == 0):
@@ -424,7 +431,7 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if cfg is None:
         cfg = pick_gemv_config(T, k, D, inter, experts.act_block, x.device)
     bk = cfg.BK
-    if D % bk or inter % bk or (qb and bk % qb):
+    if D % bk or inter % bk or (qb and (bk % qb or qb % 32)):
         raise ValueError(f"moe_experts_gemv: K step {bk} must divide D={D} and I={inter} and "
                          f"be a multiple of the act block {qb}")
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -113,7 +113,7 @@ def test_static_plan_on_a_worker_without_graphs_is_an_error() -> None:
 def test_engine_options_of_graphs_under_tp() -> None:
     from dsv4.engine.llm_engine import EngineOptions
 
-    assert EngineOptions().cuda_graphs_under_tp is False  # eager under TP until verified
+    assert EngineOptions().cuda_graphs_under_tp is True  # verified on two H200s
     with pytest.raises(ValueError, match="cuda_graphs_under_tp='yes' is invalid"):
         EngineOptions(cuda_graphs_under_tp="yes")
     with pytest.raises(ValueError, match="model_factory must be a callable"):

@@ -61,6 +61,7 @@ def test_config_and_qualification_rules() -> None:
     assert gv.gemv_block_k(5120, 2304, 32) == 256
     assert gv.gemv_block_k(4096, 2048, 512) is None
     assert gv.gemv_block_k(96, 96, None) == 32
+    assert gv.gemv_block_k(4096, 2048, 16) is None          # act blocks are whole 32-groups
     cfg = gv.pick_gemv_config(1, 6, 4096, 2048, 128)
     assert cfg.BK == 256 and cfg.split_up >= 1 and cfg.split_down >= 1
     for bad in ({"BN_up": 24}, {"BK": 16}, {"split_up": 0}, {"warps_down": True}):
@@ -131,6 +132,33 @@ def test_interp_gemv_against_twin_and_mma(T: int, k: int, act_block, dtype, plan
 
 
 @interp_only
+@pytest.mark.parametrize("bk,act_block,split_up,split_down", [
+    (256, 128, 1, 4), (256, 128, 2, 8), (512, 128, 2, 4), (256, 32, 4, 8), (512, 256, 1, 1)])
+def test_interp_k_step_spans_several_act_blocks(bk: int, act_block: int, split_up: int,
+                                                split_down: int) -> None:
+    """Issue #5 regression (the H200 failures were all K steps of 256 / 512 with act block 128):
+    a K step covering several act-quant blocks quantizes each block with its own scale; the
+    twin's bits to the bf16 bound, run-to-run bits, skipped ids, split and unsplit plans.  The
+    per-block amax is checked directly: one block of x scaled by 2^12 must not move the other
+    blocks' quantization (a per-step amax would flush them)."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe_gemv as gv
+    E_, D_, I_ = 4, 1024, 512
+    gen = torch.Generator().manual_seed(bk + act_block + split_up)
+    ex = _fp4_experts(gen, E_, D_, I_, act_block, scale_lo=112, scale_hi=132)
+    x = (torch.randn(3, D_, generator=gen) * 3)
+    x[:, :act_block] *= 4096.0                      # one loud block per K step's first block
+    x = x.to(torch.bfloat16)
+    ids = torch.tensor([[0, 3, 1], [2, -1, 0], [E_ + 1, 1, 3]])
+    w = torch.rand(3, 3, generator=gen) + 0.2
+    cfg = gv.GemvConfig(BN_up=32, BN_down=64, BK=bk, split_up=split_up, split_down=split_down)
+    y = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
+    assert torch.equal(y, gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg))
+    assert bool(torch.isfinite(y).all())
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
+
+
+@interp_only
 def test_interp_extreme_scales_and_skipped_tokens() -> None:
     """Scales 2^-27 .. 2^13 (e8m0 100..140) with x of large magnitude; a token whose
     picks are all skipped gets exact zeros; the unsplit and split plans agree to fp32 rounding."""
@@ -182,6 +210,14 @@ def test_interp_errors() -> None:
 
 # ------------------------------------------------------------------------------ GPU
 G_E, G_D, G_I, G_K = 256, 4096, 2048, 6
+# The plans of the first H200 sweep (issue #5): every BK 256 / 512 plan at 4 warps was wrong and
+# not run-to-run reproducible (the [BK/32, 16, 2] activation load + split + reshape, more than
+# one element per thread); the BK 128 and the 8-warp plans were right.  All must pass now.
+# (BN_up, BN_down, BK, split_up, split_down, warps)
+GPU_PLANS = [(32, 32, 256, 2, 8, 4), (32, 32, 256, 1, 4, 4), (32, 32, 256, 4, 8, 4),
+             (16, 32, 256, 4, 8, 4), (16, 16, 256, 4, 8, 4), (32, 64, 256, 2, 4, 4),
+             (64, 64, 256, 2, 4, 8), (32, 32, 128, 4, 8, 4), (16, 32, 512, 2, 4, 4),
+             (64, 64, 128, 4, 8, 4)]
 
 
 def _gpu_routing(T: int, gen: torch.Generator):
@@ -208,13 +244,16 @@ def test_gpu_gemv_v4_flash(T: int) -> None:
         ids[T - 1, 0] = ids[0, 0]
     want = ref.moe_experts(x, ids, w, ex, 10.0)
     mma = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
-    for cfg in (None, gv.GemvConfig(BN_up=16, BN_down=64, BK=128, split_up=8, split_down=8)):
+    for cfg in (None, gv.GemvConfig(BN_up=16, BN_down=64, BK=128, split_up=8, split_down=8),
+                *(gv.GemvConfig(bu, bd, bk, su, sd, wp, wp)
+                  for bu, bd, bk, su, sd, wp in GPU_PLANS)):
         _poison()
         y = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
         _poison()
         y2 = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
-        assert bool(torch.isfinite(y).all()) and torch.equal(y, y2)
-        assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND
+        assert bool(torch.isfinite(y).all()) and torch.equal(y, y2), f"{cfg}: run-to-run"
+        assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND, \
+            f"{cfg}: rel {_rel(y, want):.2e} (twin), {_rel(y, mma):.2e} (MMA)"
 
 
 @needs_gpu

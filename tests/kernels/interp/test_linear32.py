@@ -107,8 +107,8 @@ def test_linear32_picked_plan_and_op_table() -> None:
 
 
 def test_linear32_outside_kernel_rows_runs_twin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row and more than MAX_KERNEL_ROWS rows go to the twin (cuBLAS on the GPU, faster
-    there as measured): no kernel launch."""
+    """One row, and more than MAX_KERNEL_ROWS rows of an fp32 x, go to the twin (cuBLAS on the
+    GPU, faster there as measured): no kernel launch."""
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(32, 64, generator=gen)
 
@@ -173,7 +173,7 @@ def test_linear32_prefill_bf16x3(monkeypatch: pytest.MonkeyPatch) -> None:
         cfg = tl32.Linear32Config(BM=32, BN=16, BK=32, num_warps=4, num_stages=2, bf16x3=True)
         got = tl32.linear_fp32_with_config(x, w, cfg)
         assert rel_err(got, ref.linear_fp32(x, w)) < 2e-6, (M, N, K)
-    monkeypatch.setattr(tl32, "PREFILL_BF16X3", True)
+    assert tl32.PREFILL_BF16X3
     plan = tl32.pick_prefill_config(40, 48, 96)
     assert plan.bf16x3 and plan.split_k == 1
     x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
