@@ -26,7 +26,8 @@ from dsv4.ops.triton_dense import (_dot_bf16x3, sm_count, splitk_counters, split
                                    torch_twin_off_gpu)
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
-           "pick_prefill_config", "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS", "PREFILL_BF16X3"]
+           "pick_prefill_config", "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS", "PREFILL_BF16X3",
+           "PREFILL_MIN_ROWS"]
 
 # Rows for which the kernel runs; others go to the twin (cuBLAS on the GPU).  Measured bounds:
 # see the module docstring.
@@ -39,6 +40,10 @@ MAX_KERNEL_ROWS = 16
 # (stacked r4 wkv + wgate 895 µs against 2,807), 1.4e-5 relative to it (the tensor core's
 # accumulation order; bf16's resolution is 3.9e-3).
 PREFILL_BF16X3 = True
+# Rows from which the bf16x3 path runs: its 128-row tiles need prefill-sized T to fill the GPU
+# (at 64 decode rows it ran 94 µs per call on the H200 — one row of tiles — against cuBLAS's
+# 13–25 µs; the full-size two-GPU run of the fifth session at concurrency 64 showed it).
+PREFILL_MIN_ROWS = 1024
 # Most K splits of one tile: the last split re-reads every partial, unrolled.
 MAX_SPLITS = 32
 
@@ -228,11 +233,12 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 GEMM ``x.float() @ w.T``: x [T, K] any float dtype, w [N, K] float32 -> [T, N] fp32.
 
     Exact fp32 products and fp32 sums (FMA; no TF32).  :data:`MIN_KERNEL_ROWS` <= T <=
-    :data:`MAX_KERNEL_ROWS`: the split-K kernel; other T: the twin (cuBLAS).
+    :data:`MAX_KERNEL_ROWS`: the split-K kernel; T >= :data:`PREFILL_MIN_ROWS` with a bf16 x:
+    the bf16x3 tensor-core path (exact products); other T: the twin (cuBLAS).
     """
     torch_dense.check_linear_fp32_args(x, w)
     M = x.shape[0]
-    if M > MAX_KERNEL_ROWS and PREFILL_BF16X3 and x.dtype == torch.bfloat16:
+    if M >= PREFILL_MIN_ROWS and PREFILL_BF16X3 and x.dtype == torch.bfloat16:
         return linear_fp32_with_config(x, w, pick_prefill_config(M, w.shape[0], x.shape[1]))
     if not MIN_KERNEL_ROWS <= M <= MAX_KERNEL_ROWS:
         return torch_dense.linear_fp32(x, w)

@@ -119,6 +119,10 @@ def test_linear32_outside_kernel_rows_runs_twin(monkeypatch: pytest.MonkeyPatch)
     for T in (tl32.MIN_KERNEL_ROWS - 1, tl32.MAX_KERNEL_ROWS + 1):
         x = torch.randn(T, 64, generator=gen)
         assert torch.equal(tl32.linear_fp32(x, w), ref.linear_fp32(x, w))
+    # Decode-sized bf16 rows above the kernel's range: cuBLAS too, not the prefill path.
+    x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    assert 64 < tl32.PREFILL_MIN_ROWS
+    assert torch.equal(tl32.linear_fp32(x, w), ref.linear_fp32(x, w))
 
 
 def test_linear32_strided_x_and_odd_dtype() -> None:
@@ -178,6 +182,7 @@ def test_linear32_prefill_bf16x3(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan.bf16x3 and plan.split_k == 1
     x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
     w = torch.randn(48, 96, generator=gen)
+    monkeypatch.setattr(tl32, "PREFILL_MIN_ROWS", 32)
     assert rel_err(tl32.linear_fp32(x, w), ref.linear_fp32(x, w)) < 2e-6
     with pytest.raises(ValueError, match="bf16x3"):
         tl32.Linear32Config(BM=8, BN=16, BK=32, bf16x3=True)
