@@ -8,7 +8,7 @@ widths (D 4096, I 2048, 256 experts top-6), MXFP4, official numerics (act_block 
 Each row is timed as CUDA-graph replays of ``ROTATE`` calls on different routings (the weights
 come from HBM, as in a real step).  Columns: µs per call, the floor (distinct experts' MXFP4
 bytes / 4.29 TB/s), the ratio to it, GB/s (distinct experts' bytes / time), the relative error
-against the torch twin, finite.  At one token (``--no-sweep``: off) the GEMV tile plans of
+against the torch twin, finite, repro (a second eager call gives the same bits).  At one token (``--no-sweep``: off) the GEMV tile plans of
 :data:`SWEEP` are timed too, and the decodes ("asm" / "alu").  Runs in well under a minute on
 the H200 (not measured yet).
 """
@@ -43,7 +43,9 @@ def _time(fn_of, calls, twin, dev: str, replays: int) -> dict[str, Any]:
     try:
         outs = [f() for f in fns]
         res: dict[str, Any] = {"finite": all(bool(torch.isfinite(o).all()) for o in outs),
-                               "rel_twin": rel(outs[0], twin)}
+                               "rel_twin": rel(outs[0], twin),
+                               # issue #5: the same call again, bit for bit
+                               "repro": bool(torch.equal(outs[0], fns[0]()))}
         del outs
         res["us"] = per_call_seconds(fns, dev, replays) * 1e6
     except Exception as e:  # noqa: BLE001 - report an unbuildable plan, time the others
@@ -57,7 +59,7 @@ def _row(name: str, r: dict[str, Any], floor_us: float, nbytes: int) -> str:
     us = r["us"]
     return (f"  {name:<34} {fmt_us(us):>8} µs  floor {fmt_us(floor_us):>7}  "
             f"x{us / floor_us:5.2f}  {nbytes / (us * 1e-6) / 1e9:7.0f} GB/s  "
-            f"rel {r['rel_twin']:.2e}  finite {r['finite']}")
+            f"rel {r['rel_twin']:.2e}  finite {r['finite']}  repro {r['repro']}")
 
 
 def run(args: argparse.Namespace) -> dict:

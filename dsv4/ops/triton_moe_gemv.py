@@ -30,6 +30,15 @@ shared with the other split-K kernels); the last split to arrive sums the partia
 order s = 0..S-1, runs the epilogue and resets the counter: bit-reproducible run to run and
 across CUDA-graph replays.
 
+Issue #5 (H200, first sweep): every plan with a K step > 32·warps (BK 256 / 512 at 4 warps, the
+default included) gave wrong (rel ~0.8 vs the twin), run-to-run different results; BK 128 and
+the 8-warp BK 256 plan were right, as were all interpreter runs.  The activation slice was then
+one [BK/32, 16, 2] load split into even / odd columns and reshaped to [BK/QB, QB/2] for the
+per-block amax (several elements per thread exactly in the failing plans); it is now two plain
+[BK/32, 16] loads and a masked max over the groups (:func:`_act_slice`).  Whether that was the
+defect is for the next H200 run to confirm (tests/kernels/test_moe_gemv.py::test_gpu_*: every
+plan of that sweep, run-to-run bits).
+
 Picks whose id is outside 0..E-1 are skipped (expert parallel shards), as the twin does.  Two
 tokens that pick the same expert each stream it (at most 4× the bytes of that expert, fine for
 T <= 4: the grouped MMA kernels take over from 5 tokens).

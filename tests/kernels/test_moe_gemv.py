@@ -89,6 +89,21 @@ def test_kernels_in_interpreter() -> None:
 
 
 # ------------------------------------------------------------------------------ interpreter
+try:
+    import triton
+    import triton.language as tl
+
+    from dsv4.ops.triton_moe_gemv import _act_slice
+
+    @triton.jit
+    def _act_slice_probe(x_ptr, ev_ptr, od_ptr, QB: tl.constexpr, BK: tl.constexpr):
+        ev, od = _act_slice(x_ptr, 0, QB, BK)
+        o = tl.arange(0, BK // 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        tl.store(ev_ptr + o, ev)
+        tl.store(od_ptr + o, od)
+except ImportError:                 # no triton: the plain CPU tests still run
+    _act_slice_probe = None
+
 E, D, INTER = 8, 256, 128
 
 
@@ -138,9 +153,8 @@ def test_interp_k_step_spans_several_act_blocks(bk: int, act_block: int, split_u
                                                 split_down: int) -> None:
     """Issue #5 regression (the H200 failures were all K steps of 256 / 512 with act block 128):
     a K step covering several act-quant blocks quantizes each block with its own scale; the
-    twin's bits to the bf16 bound, run-to-run bits, skipped ids, split and unsplit plans.  The
-    per-block amax is checked directly: one block of x scaled by 2^12 must not move the other
-    blocks' quantization (a per-step amax would flush them)."""
+    twin's bits to the bf16 bound, run-to-run bits, skipped ids, split and unsplit plans, one
+    loud act block per row (the per-block scales themselves: test_interp_act_slice_per_block)."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe_gemv as gv
     E_, D_, I_ = 4, 1024, 512
@@ -156,6 +170,30 @@ def test_interp_k_step_spans_several_act_blocks(bk: int, act_block: int, split_u
     assert torch.equal(y, gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg))
     assert bool(torch.isfinite(y).all())
     assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
+
+
+@interp_only
+@pytest.mark.parametrize("bk,qb", [(256, 128), (512, 128), (256, 32), (128, 128), (256, 0)])
+def test_interp_act_slice_per_block(bk: int, qb: int) -> None:
+    """``_act_slice`` alone: the (even, odd) columns of one K step, fake-quantized with one
+    ue8m0 scale per act block even when the step spans several blocks (blocks 2^12 apart in
+    magnitude: a scale shared across the step would flush the quiet ones): the exact bits of a
+    torch reference."""
+    gen = torch.Generator().manual_seed(bk + qb)
+    x = torch.randn(bk, generator=gen) * 3
+    if qb:
+        x.view(-1, qb)[::2] *= 4096.0
+    x = x.to(torch.bfloat16)
+    ev, od = torch.empty(bk // 2), torch.empty(bk // 2)
+    _act_slice_probe[(1,)](x, ev, od, QB=qb, BK=bk)
+    want = x.float()
+    if qb:
+        blk = want.view(-1, qb)
+        t = blk.abs().amax(-1).clamp_min(1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
+        m, e = torch.frexp(t)
+        s = torch.ldexp(torch.ones_like(t), e - (m == 0.5).int())[:, None]
+        want = ((blk / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).view(-1)
+    assert torch.equal(ev, want[0::2]) and torch.equal(od, want[1::2])
 
 
 @interp_only
