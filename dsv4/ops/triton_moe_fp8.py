@@ -114,18 +114,6 @@ def k_step(act_block: int) -> int:
 
 # ------------------------------------------------------------------------------ jit helpers
 @triton.jit
-def _e2m1_to_e4m3_bits(nib):
-    """e2m1 codes (int32 0..15, bit 3 the sign) -> the e4m3fn bytes of the same values (int32).
-
-    Magnitude m: 0 -> 0x00, 1 (0.5) -> 0x30 (2^-1), m >= 2 -> exponent (m >> 1) + 6 (bias 7)
-    and mantissa bit (m & 1) as e4m3's top mantissa bit (1.5 = 0x3C, 6 = 0x4C); sign to bit 7."""
-    m = nib & 7
-    big = (((m >> 1) + 6) << 3) | ((m & 1) << 2)
-    mag = tl.where(m >= 2, big, tl.where(m == 1, 0x30, 0))
-    return mag | ((nib & 8) << 4)
-
-
-@triton.jit
 def _e2m1_to_e4m3_folded(nib, v):
     """e2m1 codes (int32 0..15) of a group whose exponent add is ``v`` = 8·(11 - d), d the
     group's spread 0..11 below the step's largest -> the e4m3fn bytes of e2m1 · 2^(6 - d).
@@ -357,16 +345,21 @@ class MoeFp8Config:
 
 
 # The default plans (see pick_fp8mma_config): 2K-token prefill of V4-Flash (~48 rows per
-# expert) and 8K (~190).
-PLAN_SMALL = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=4, warps_down=4, stages=3)
-PLAN_LARGE = MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)
+# expert) and 8K (~190).  ptxas for sm_90 (V4-Flash widths): up 196 / down 227 registers,
+# 72 / 57 KB shared memory (small); up 195 / down 226, 72 / 80 KB (large); no spills.
+PLAN_SMALL = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=4, stages=3)
+PLAN_LARGE = MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=8, stages=3)
 
 
 def pick_fp8mma_config(num_pairs: int, num_experts: int) -> MoeFp8Config:
     """Tile plan by the average rows per active expert: 64-row blocks below 128 rows (2K-token
-    prefill of V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).  Chosen offline from the
-    sm_90 compile (no spills, shared memory within the H200's 227 KB; registers and bytes in
-    tests/kernels/sm90_cases.py); not yet timed on the GPU (bench/moe_prefill_fp8.py --sweep)."""
+    prefill of V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).
+
+    Chosen offline from the sm_90 compile (not yet timed on the GPU; bench/moe_prefill_fp8.py
+    --sweep times the neighbours): the up kernel holds two fp32 accumulators plus a fresh dot
+    result, so it takes 8 warps and 64×128 / 128×64 tiles (128×128 spills 88 bytes per thread
+    at 8 warps, 2.8 KB at 4), the down kernel 64×128 with 4 warps / 128×128 with 8; 3 stages
+    (the loads are pipelined through shared memory; 4 stages fit too, 96-131 KB)."""
     active = max(1, min(num_experts, num_pairs))
     return PLAN_SMALL if num_pairs / active < 128 else PLAN_LARGE
 

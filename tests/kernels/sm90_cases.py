@@ -600,30 +600,72 @@ def _moe_grouped() -> None:
 @scenario("moe_experts/v4_flash/fp4_fp8mma/prefill")
 def _moe_fp8mma() -> None:
     """The FP8-MMA expert path (dsv4.ops.triton_moe_fp8, MXFP4 under official numerics, bf16)
-    with the tile plans of a 512- and an 8192-token prefill (64- and 128-row blocks): fp8 dots
-    of register-decoded weights (the inline-PTX decode, and the ALU one that
-    DSV4_FP8MMA_DECODE=alu picks), their shared-memory needs."""
+    with the default tile plans of a 2,048- and an 8,192-token prefill (64- and 128-row blocks)
+    and the --sweep plans of bench/moe_prefill_fp8.py: one fp8 dot per 128-wide K step of
+    scale-folded, register-decoded weights (the inline-PTX decode, and the ALU one that
+    DSV4_FP8MMA_DECODE=alu picks), their shared-memory needs; V4.1-Flash (act block 32: 32-wide
+    steps).  The scale-spread check is bypassed (the empty scale tensors hold no real values).
+    ptxas at the defaults (sm_90): up 196 / down 227 registers, 72 / 57 KB shared (BM 64); up
+    195 / down 226, 72 / 80 KB (BM 128); no spills."""
     import torch
 
     from dsv4.ops import triton_moe_fp8 as tf8
-    m = V4_FLASH
-    ex = _experts(m, "fp4", True)
-    for T_real in (512, 8192):
-        cfg = tf8.pick_fp8mma_config(T_real * m.topk, m.experts)
-        gen = torch.Generator().manual_seed(T_real)
+    real_ok = tf8.fold_spread_ok
+    tf8.fold_spread_ok = lambda experts, ks: True
+    try:
+        m = V4_FLASH
+        ex = _experts(m, "fp4", True)
+        plans = [tf8.pick_fp8mma_config(T * m.topk, m.experts) for T in (2048, 8192)]
+        assert plans == [tf8.PLAN_SMALL, tf8.PLAN_LARGE]
+        gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, E_ALLOC, (64, m.topk), generator=gen)
         x = _empty(64, m.dim, dtype=torch.bfloat16)
-        tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
-        with RECORDER.override(tf8._fp8mma_up_kernel, ASM_DECODE=False), \
-                RECORDER.override(tf8._fp8mma_down_kernel, ASM_DECODE=False):
+        for cfg in plans:
             tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+            with RECORDER.override(tf8._fp8mma_up_kernel, ASM_DECODE=False), \
+                    RECORDER.override(tf8._fp8mma_down_kernel, ASM_DECODE=False):
+                tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+        m = V41_FLASH
+        ex = _experts(m, "fp4", True)
+        tf8.moe_experts_fp8mma(_empty(64, m.dim, dtype=torch.bfloat16),
+                               torch.randint(0, E_ALLOC, (64, m.topk), generator=gen),
+                               torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_SMALL)
+    finally:
+        tf8.fold_spread_ok = real_ok
+
+
+@scenario("moe_experts/v4_flash/fp4_fp8mma/sweep")
+def _moe_fp8mma_sweep() -> None:
+    """The other tile plans of bench/moe_prefill_fp8.py --sweep (they must compile and fit)."""
+    import importlib.util
+
+    import torch
+
+    from dsv4.ops import triton_moe_fp8 as tf8
+    spec = importlib.util.spec_from_file_location("moe_prefill_fp8_bench",
+                                                  REPO / "bench" / "moe_prefill_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real_ok = tf8.fold_spread_ok
+    tf8.fold_spread_ok = lambda experts, ks: True
+    try:
+        m = V4_FLASH
+        ex = _experts(m, "fp4", True)
+        ids = torch.randint(0, E_ALLOC, (64, m.topk), generator=torch.Generator().manual_seed(1))
+        x = _empty(64, m.dim, dtype=torch.bfloat16)
+        for cfg in bench.SWEEP:
+            if cfg not in (tf8.PLAN_SMALL, tf8.PLAN_LARGE):
+                tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+    finally:
+        tf8.fold_spread_ok = real_ok
 
 
 @scenario("moe_experts/gemv")
 def _moe_gemv() -> None:
     """The GEMV expert path for 1-4 tokens (dsv4.ops.triton_moe_gemv, MXFP4, bf16 x): the
     default plans of V4-Flash (official and bf16 numerics) and V4.1-Flash (act block 32) at
-    T = 1, 2, 4, a split-heavy and an unsplit plan, the ALU decode (DSV4_GEMV_DECODE=alu)."""
+    T = 1, 2, 4, a split-heavy and an unsplit plan, every plan of the first H200 sweep (issue
+    #5: BK 256 / 512 at 4 warps), the ALU decode (DSV4_GEMV_DECODE=alu)."""
     import torch
 
     from dsv4.ops import triton_moe_gemv as gv
@@ -638,8 +680,13 @@ def _moe_gemv() -> None:
     ex = _experts(m, "fp4", True)
     x = _empty(1, m.dim, dtype=torch.bfloat16)
     ids = torch.randint(0, E_ALLOC, (1, m.topk))
+    sweep = [(32, 32, 256, 2, 8, 4), (32, 32, 256, 1, 4, 4), (32, 32, 256, 4, 8, 4),
+             (16, 32, 256, 4, 8, 4), (16, 16, 256, 4, 8, 4), (32, 64, 256, 2, 4, 4),
+             (64, 64, 256, 2, 4, 8), (32, 32, 128, 4, 8, 4), (16, 32, 512, 2, 4, 4),
+             (64, 64, 128, 4, 8, 4)]
     for cfg in (gv.GemvConfig(BN_up=16, BN_down=64, BK=128, split_up=8, split_down=8),
-                gv.GemvConfig(BN_up=64, BN_down=64, BK=256, warps_up=8, warps_down=8)):
+                gv.GemvConfig(BN_up=64, BN_down=64, BK=256, warps_up=8, warps_down=8),
+                *(gv.GemvConfig(bu, bd, bk, su, sd, wp, wp) for bu, bd, bk, su, sd, wp in sweep)):
         gv.moe_experts_gemv(x, ids, torch.rand(1, m.topk), ex, 10.0, cfg)
     with RECORDER.override(gv._gemv_up_kernel, ASM=False), \
             RECORDER.override(gv._gemv_down_kernel, ASM=False):

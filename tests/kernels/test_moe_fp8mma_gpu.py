@@ -1,8 +1,15 @@
 """The FP8-MMA routed-expert path (dsv4.ops.triton_moe_fp8) on the GPU at V4-Flash widths (D 4096,
 I 2048, 256 experts, top-6), official numerics, bf16: against the torch twin and the bf16 kernel
-of triton_moe under both prefill tile plans (skipped without CUDA).  Outputs are allocated over
-NaN-poisoned memory so an element the kernels never write shows up.  Off the GPU (no
-interpreter): the op runs the torch twin, after the same argument checks."""
+of triton_moe under both prefill tile plans, scale spreads at the scale-folded decode's limit
+(11 per 128-wide K step), the fallback beyond it, the inline-PTX and ALU decodes giving the same
+bytes (skipped without CUDA).  Outputs are allocated over NaN-poisoned memory so an element the
+kernels never write shows up.  Off the GPU (no interpreter): the op runs the torch twin, after
+the same argument checks.
+
+Tolerance: the products are exact, but the tensor core sums each 128-wide K step in its own
+reduced precision (DeepGEMM's promotion interval), so the outputs equal the twin and the bf16-MMA
+kernels to a relative 2e-3 (norm-wise; see the module docstring of triton_moe_fp8), not to fp32
+rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +17,10 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from dsv4.ops import triton_moe_fp8 as f8
 from tests.kernels.test_gpu_kernels import _poison, _rel
 
 needs_gpu = pytest.mark.skipif(
@@ -21,16 +31,35 @@ DEV = "cuda"
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 
 
-def _stacks(gen: torch.Generator):
+# Norm-wise relative bound against the twin and the bf16-MMA kernels (module docstring).
+REL_BOUND = 2e-3
+
+
+def _stacks(gen: torch.Generator, lo: int = 118, hi: int = 123):
+    """Random MXFP4 stacks, e8m0 scales uniform in [lo, hi) (spread hi - 1 - lo at most)."""
     from dsv4.ops.torch_dense import ExpertWeights
 
     def stack(n: int, k: int):
         w = torch.randint(-128, 128, (E, n, k // 2), generator=gen, device=DEV, dtype=torch.int8)
-        s = torch.randint(118, 123, (E, n, k // 32), generator=gen, device=DEV)
+        s = torch.randint(lo, hi, (E, n, k // 32), generator=gen, device=DEV)
         return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
 
     (w1, s1), (w3, s3), (w2, s2) = stack(INTER, D), stack(INTER, D), stack(D, INTER)
     return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128)
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, sw_ptr, K: tl.constexpr, KS: tl.constexpr,
+                   BN: tl.constexpr, ASM: tl.constexpr):
+    """The K steps of one expert's rows decoded by _mxfp4_e4m3_step (bytes, step factors)."""
+    rn = tl.arange(0, BN)
+    e = tl.program_id(0)
+    for k0 in range(0, K, KS):
+        w8, sw = f8._mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, rn < BN, k0, 0, K // 2, 0, K // 32,
+                                     ASM, BN, KS)
+        rk = k0 + tl.arange(0, KS)
+        tl.store(out_ptr + rn[:, None] * K + rk[None, :], w8.to(tl.uint8, bitcast=True))
+        tl.store(sw_ptr + rn * (K // KS) + k0 // KS, sw)
 
 
 def _routing(T: int, gen: torch.Generator):
@@ -43,8 +72,8 @@ def _routing(T: int, gen: torch.Generator):
 @pytest.mark.parametrize("plan", ["pick", "bm64", "bm128"])
 def test_fp8mma_prefill_gpu(plan: str) -> None:
     """2048 tokens (a skipped pick, an id of another shard): finite everywhere, the twin and
-    triton_moe.moe_experts to the bf16 bound (same exact products, other fp32 orders: the bf16
-    roundings of the intermediates may flip)."""
+    triton_moe.moe_experts to REL_BOUND (same exact products, the tensor core's 128-wide sums,
+    other fp32 orders: the bf16 roundings of the intermediates may flip)."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     from dsv4.ops import triton_moe_fp8 as f8
@@ -60,10 +89,83 @@ def test_fp8mma_prefill_gpu(plan: str) -> None:
     _poison()
     y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg)
     assert y.shape == (T, D) and bool(torch.isfinite(y).all())
-    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
-    assert _rel(y, tri.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
+    assert f8.fold_spread_ok(ex, 128)
+    r_ref = _rel(y, ref.moe_experts(x, ids, w, ex, 10.0))
+    r_bf16 = _rel(y, tri.moe_experts(x, ids, w, ex, 10.0))
+    assert r_ref < REL_BOUND and r_bf16 < REL_BOUND, (r_ref, r_bf16)
     # Bit-reproducible run to run (no atomics, fixed order).
     assert torch.equal(y, f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg))
+
+
+def _run(T: int, ex, seed: int, cfg=None):
+    from dsv4.ops import triton_moe_fp8 as f8
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    _poison()
+    return x, ids, w, f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg)
+
+
+@needs_gpu
+def test_fp8mma_spread_at_the_limit_gpu() -> None:
+    """Scales uniform over 12 exponents (spread 11 = FOLD_SPREAD inside most 128-wide steps):
+    still the scale-folded path, to REL_BOUND; the ALU decode (DSV4_FP8MMA_DECODE=alu) gives
+    the same bytes, so bit-equal outputs."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_fp8 as f8
+    ex = _stacks(torch.Generator(device=DEV).manual_seed(5), 112, 124)
+    assert f8.scale_spread(ex.s1, 128) == f8.FOLD_SPREAD and f8.fold_spread_ok(ex, 128)
+    x, ids, w, y = _run(1024, ex, 6)
+    assert bool(torch.isfinite(y).all())
+    r_ref = _rel(y, ref.moe_experts(x, ids, w, ex, 10.0))
+    r_bf16 = _rel(y, tri.moe_experts(x, ids, w, ex, 10.0))
+    assert r_ref < REL_BOUND and r_bf16 < REL_BOUND, (r_ref, r_bf16)
+    saved = f8.FP8MMA_DECODE
+    f8.FP8MMA_DECODE = "alu"
+    try:
+        y_alu = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0)
+    finally:
+        f8.FP8MMA_DECODE = saved
+    assert torch.equal(y, y_alu)
+
+
+@needs_gpu
+def test_fp8mma_too_wide_spread_falls_back_gpu() -> None:
+    """One (expert, row, step) of s2 at spread FOLD_SPREAD + 1: the call runs the bf16-MMA
+    kernels (bit-equal to triton_moe.moe_experts_with_config) and equals the twin."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_fp8 as f8
+    ex = _stacks(torch.Generator(device=DEV).manual_seed(7))
+    ex.s2.view(torch.uint8)[9, 100, 4:8] = torch.tensor([110, 111, 110 + f8.FOLD_SPREAD + 1, 112],
+                                                        dtype=torch.uint8, device=DEV)
+    assert not f8.fold_spread_ok(ex, 128)
+    x, ids, w, y = _run(512, ex, 8)
+    assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, None))
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
+    assert not f8.fp8mma_applies(x, ids, ex)
+
+
+@needs_gpu
+@pytest.mark.parametrize("KS", [128, 32])
+def test_fp8mma_asm_and_alu_decode_same_bytes_gpu(KS: int) -> None:
+    """The inline-PTX decode and the ALU decode of one K step give the same e4m3 bytes for all
+    256 byte values and spreads 0..11, and the same step factors."""
+    gen = torch.Generator(device=DEV).manual_seed(KS)
+    BN, K = 64, 1024
+    w = torch.randint(0, 256, (BN, K // 2), generator=gen, device=DEV, dtype=torch.int32)
+    w[:, :256] = torch.arange(256, device=DEV)
+    w = w.to(torch.uint8)
+    s = (100 + torch.randint(0, 12, (BN, K // 32), generator=gen, device=DEV)).to(torch.uint8)
+    outs = []
+    for asm in (True, False):
+        out = torch.empty(BN, K, dtype=torch.uint8, device=DEV)
+        sw = torch.empty(BN, K // KS, device=DEV)
+        _decode_kernel[(1,)](w, s, out, sw, K=K, KS=KS, BN=BN, ASM=asm)
+        outs.append((out, sw))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",

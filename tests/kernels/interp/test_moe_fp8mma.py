@@ -1,7 +1,9 @@
 """The FP8-MMA routed-expert path (dsv4.ops.triton_moe_fp8) in the Triton interpreter at tiny
 widths: against the torch twin and the bf16 kernel of triton_moe (skipped picks, unused plan
-blocks, several N tiles, act blocks 32/64/128, extreme codes / scales / row magnitudes), the
-e2m1 -> e4m3 byte map over all 16 codes, the prep kernel's codes and scales, the errors.
+blocks, several N tiles, act blocks 32/64/128, extreme codes / scales / row magnitudes, scale
+spreads 0..11 within the 128-wide K steps and the fallback beyond), the scale-folded
+e2m1 -> e4m3 byte map over all 16 codes and spreads (the ALU decode and the inline-PTX decode's
+steps), the prep kernel's codes and scales, the spread check and its cache, the errors.
 
 Run with TRITON_INTERPRET=1 (tests/kernels/test_interpreter.py does that in a child process).
 """
@@ -30,6 +32,10 @@ E, D, INTER, TOPK = 8, 256, 128, 2
 # bf16 intermediates (gate/up outputs, the activation): a one-ulp flip of one of them moves the
 # output by ~4e-3 relative (the bound of the bf16 expert tests in test_moe_fast.py).
 BF16_BOUND = 1e-2
+# Norm-wise bound of the spread tests (the module docstring's 2e-3: on the GPU the tensor core
+# sums each 128-wide step in reduced precision; the interpreter sums in fp32, so here it only
+# covers the bf16 roundings that flip between the paths).
+REL_BOUND = 2e-3
 
 
 def _fp4_experts(gen: torch.Generator, act_block: int | None, n_exp: int = E, dim: int = D,
@@ -52,25 +58,32 @@ def _routing(T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------------------ byte map
 @triton.jit
-def _byte_map_kernel(nib_ptr, out_ptr, N: tl.constexpr):
+def _byte_map_kernel(nib_ptr, v_ptr, out_ptr, N: tl.constexpr):
     r = tl.arange(0, N)
     nib = tl.load(nib_ptr + r)
-    tl.store(out_ptr + r, f8._e2m1_to_e4m3_bits(nib).to(tl.uint8))
+    v = tl.load(v_ptr + r)
+    tl.store(out_ptr + r, f8._e2m1_to_e4m3_folded(nib, v).to(tl.uint8))
 
 
-def test_e2m1_to_e4m3_byte_map_all_codes() -> None:
-    """Each of the 16 e2m1 codes maps to the e4m3 byte of the same value (sign of zero too)."""
-    codes = torch.arange(16, dtype=torch.int32)
-    out = torch.empty(16, dtype=torch.uint8)
-    _byte_map_kernel[(1,)](codes, out, N=16)
+def test_folded_byte_map_all_codes_and_spreads() -> None:
+    """Each of the 16 e2m1 codes at each spread d = 0..11 maps to the e4m3 byte of
+    e2m1 · 2^(6 - d) exactly (a normal, sign of zero kept); d = 12 would leave e4m3's normals,
+    which is why FOLD_SPREAD is 11."""
+    assert f8.FOLD_SPREAD == 11
+    codes = torch.arange(16, dtype=torch.int32).repeat(16)
+    d = torch.arange(16, dtype=torch.int32).repeat_interleave(16).clamp_max(11)
+    out = torch.empty(256, dtype=torch.uint8)
+    _byte_map_kernel[(1,)](codes, (f8.FOLD_SPREAD - d) * 8, out, N=256)
     got = out.view(torch.float8_e4m3fn).float()
-    # One MXFP4 group of 32: the 16 codes twice, scale 2^0.
-    packed = formats.pack_e2m1(codes.to(torch.uint8).repeat(2).reshape(1, 32))
-    scale = torch.full((1, 1), 127, dtype=torch.uint8).view(E8M0)
-    want = formats.dequant_mxfp4(packed, scale, torch.float32).reshape(32)[:16]
-    assert torch.equal(got, want), (got, want)
+    e2m1 = torch.tensor(formats.E2M1_VALUES)[codes.long()]
+    assert torch.equal(got, e2m1 * torch.exp2(6.0 - d.float()))
     assert torch.equal(torch.signbit(got), codes >= 8)
-    assert torch.equal(want, torch.tensor(formats.E2M1_VALUES))
+    exp_field = (out.int() >> 3) & 15
+    nonzero = (codes & 7) != 0
+    assert bool((exp_field[nonzero] >= 1).all()) and bool((exp_field[nonzero] <= 15).all())
+    assert not bool(((out & 0x7F) == 0x7F).any())       # never e4m3fn's NaN
+    # One step further: 0.5 · 2^-6 is below e4m3's normals (subnormal 0x04).
+    assert torch.tensor(0.5 * 2.0**-6).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x04
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -85,59 +98,107 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
-def _asm_decode_word(word: int) -> tuple[int, int]:
-    """The steps of triton_moe_fp8._E2M1_TO_E4M3_ASM on one 32-bit word, in Python (its tables
-    read from the PTX text, its masks and shifts checked to be there)."""
+def _asm_decode_word(word: int, v: int) -> tuple[int, int]:
+    """The steps of triton_moe_fp8._E2M1_TO_E4M3_ASM on one 32-bit word and the group's add v
+    (its register $3 = v packed 4 times), in Python (its tables read from the PTX text, its
+    masks, shifts and lookups checked to be there, in order)."""
     text = str(getattr(f8._E2M1_TO_E4M3_ASM, "value", f8._E2M1_TO_E4M3_ASM))
     movs = dict(re.findall(r"mov\.b32 (\w+), (0x[0-9A-Fa-f]+);", text))
     lo, hi, sg = (int(movs[r], 16) for r in ("lo", "hi", "sg"))
-    for step in ("and.b32 sel, $2, 0x7777;", "shr.b32 s, $2, 3; and.b32 s, s, 0x1111;",
-                 "shr.b32 sel, $2, 16; and.b32 sel, sel, 0x7777;",
-                 "shr.b32 s, $2, 19; and.b32 s, s, 0x1111;", "prmt.b32 m, lo, hi, sel;",
-                 "prmt.b32 s, sg, z, s;", "or.b32 $0, m, s;", "or.b32 $1, m, s;"):
-        assert step in text, step
-    first = _prmt(lo, hi, word & 0x7777) | _prmt(sg, 0, (word >> 3) & 0x1111)
-    second = _prmt(lo, hi, (word >> 16) & 0x7777) | _prmt(sg, 0, (word >> 19) & 0x1111)
+    steps = ("and.b32 vlo, $3, 0xFFFFFF00;", "and.b32 sel, $2, 0x7777;",
+             "prmt.b32 m, lo, hi, sel;", "prmt.b32 a, vlo, $3, sel;", "add.u32 m, m, a;",
+             "shr.b32 s, $2, 3; and.b32 s, s, 0x1111;", "prmt.b32 s, sg, z, s;",
+             "or.b32 $0, m, s;", "shr.b32 sel, $2, 16; and.b32 sel, sel, 0x7777;",
+             "prmt.b32 m, lo, hi, sel;", "prmt.b32 a, vlo, $3, sel;", "add.u32 m, m, a;",
+             "shr.b32 s, $2, 19; and.b32 s, s, 0x1111;", "prmt.b32 s, sg, z, s;",
+             "or.b32 $1, m, s;")
+    at = 0
+    for step in steps:
+        at = text.index(step, at) + len(step)
+    v4 = v * 0x01010101
+    vlo = v4 & 0xFFFFFF00
+
+    def half(sel: int, sign_sel: int) -> int:
+        return (_prmt(lo, hi, sel) + _prmt(vlo, v4, sel)) | _prmt(sg, 0, sign_sel)
+
+    first = half(word & 0x7777, (word >> 3) & 0x1111)
+    second = half((word >> 16) & 0x7777, (word >> 19) & 0x1111)
     return first, second
 
 
 @triton.jit
-def _tile_kernel(w_ptr, s_ptr, out_ptr, sw_ptr, BN: tl.constexpr):
+def _tile_kernel(w_ptr, s_ptr, out_ptr, sw_ptr, K0: tl.constexpr, BN: tl.constexpr,
+                 KS: tl.constexpr, K: tl.constexpr):
     rn = tl.arange(0, BN)
     e = tl.program_id(0)     # expert 0 (a tensor, as in the GEMM kernels)
-    w8, sw = f8._mxfp4_e4m3_tile(w_ptr, s_ptr, e, rn, rn < BN, 32, 0, 32, 0, 2, False, BN)
-    r32 = tl.arange(0, 32)
-    tl.store(out_ptr + rn[:, None] * 32 + r32[None, :], w8.to(tl.uint8, bitcast=True))
+    w8, sw = f8._mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, rn < BN, K0, 0, K // 2, 0, K // 32,
+                                 False, BN, KS)
+    rk = tl.arange(0, KS)
+    tl.store(out_ptr + rn[:, None] * KS + rk[None, :], w8.to(tl.uint8, bitcast=True))
     tl.store(sw_ptr + rn, sw)
 
 
-def test_weight_tile_order_matches_the_asm_layout() -> None:
-    """The interpreter's decode of one K group (the second one of a row: k0 = 32) gives the
+def _step_scales(gen: torch.Generator, n: int, groups: int, spread_max: int, base: int = 100
+                 ) -> torch.Tensor:
+    """uint8 e8m0 scales [n, groups]: per 4-group step a random base and spreads 0..spread_max,
+    every step of every other row at exactly spread_max."""
+    b = base + torch.randint(0, 30, (n, groups // 4, 1), generator=gen)
+    o = torch.randint(0, spread_max + 1, (n, groups // 4, 4), generator=gen)
+    o[::2, :, 0] = spread_max       # exactly spread_max there
+    o[::2, :, 2] = 0
+    return (b + o).reshape(n, groups).to(torch.uint8)
+
+
+@pytest.mark.parametrize("spread", [0, 5, 11])
+def test_weight_step_decode_matches_the_asm_layout(spread: int) -> None:
+    """The interpreter's decode of one 128-wide K step (the second of a row: k0 = 128) gives the
     bytes that the inline-PTX decode's steps give, in the same order (its two outputs joined),
-    and those bytes in mma_k_position order are the weights' natural-order e4m3 values."""
-    gen = torch.Generator().manual_seed(4)
+    and those bytes in mma_k_position order times the step factor are the weights' natural-order
+    MXFP4 values exactly, at scale spreads up to FOLD_SPREAD."""
+    gen = torch.Generator().manual_seed(4 + spread)
+    BN, KS = 16, 128
+    w = torch.randint(0, 256, (BN, 128), generator=gen, dtype=torch.uint8)   # K = 256
+    s = _step_scales(gen, BN, 8, spread)
+    assert int((s.reshape(BN, 2, 4).amax(-1) - s.reshape(BN, 2, 4).amin(-1)).max()) == spread
+    out = torch.empty(BN, KS, dtype=torch.uint8)
+    sw = torch.empty(BN)
+    _tile_kernel[(1,)](w, s, out, sw, K0=128, BN=BN, KS=KS, K=256)
+    smax = s[:, 4:].int().amax(1)
+    assert torch.equal(sw, torch.exp2(smax.double() - 133).float())
+    words = w[:, 64:].contiguous().view(torch.int32)                      # [BN, 16]
+    want = torch.empty(BN, KS, dtype=torch.uint8)
+    for n in range(BN):
+        for q in range(16):
+            g = 4 + q // 4
+            v = 8 * (f8.FOLD_SPREAD - int(smax[n] - s[n, g]))
+            first, second = _asm_decode_word(int(words[n, q]) & 0xFFFFFFFF, v)
+            for r in range(4):   # joined: position 2(4q + r) + h
+                want[n, 8 * q + 2 * r] = (first >> (8 * r)) & 0xFF
+                want[n, 8 * q + 2 * r + 1] = (second >> (8 * r)) & 0xFF
+    assert torch.equal(out, want)
+    k = torch.arange(KS)
+    pos = (k & -8) | ((k & 3) << 1) | ((k >> 2) & 1)
+    natural = formats.dequant_mxfp4(w[:, 64:].view(torch.int8), s[:, 4:].view(E8M0),
+                                    torch.float64)
+    assert torch.equal(out[:, pos].view(torch.float8_e4m3fn).double() * sw.double()[:, None],
+                       natural)
+
+
+def test_weight_step_decode_act_block_32() -> None:
+    """KS = 32 (V4.1's act block): one group per step, spread 0, the factor 2^(s - 133)."""
+    gen = torch.Generator().manual_seed(9)
     BN = 16
-    w = torch.randint(0, 256, (BN, 32), generator=gen, dtype=torch.uint8)   # K = 64
-    s = torch.randint(100, 140, (BN, 2), generator=gen, dtype=torch.uint8)
+    w = torch.randint(0, 256, (BN, 128), generator=gen, dtype=torch.uint8)   # K = 256
+    s = torch.randint(100, 140, (BN, 8), generator=gen, dtype=torch.uint8)
     out = torch.empty(BN, 32, dtype=torch.uint8)
     sw = torch.empty(BN)
-    _tile_kernel[(1,)](w, s, out, sw, BN=BN)
-    assert torch.equal(sw, torch.exp2(s[:, 1].double() - 127).float())
-    words = w[:, 16:].contiguous().view(torch.int32)                       # [BN, 4]
-    want = torch.empty(BN, 32, dtype=torch.uint8)
-    for n in range(BN):
-        for g in range(4):
-            first, second = _asm_decode_word(int(words[n, g]) & 0xFFFFFFFF)
-            for r in range(4):   # joined: position 2(4g + r) + h
-                want[n, 8 * g + 2 * r] = (first >> (8 * r)) & 0xFF
-                want[n, 8 * g + 2 * r + 1] = (second >> (8 * r)) & 0xFF
-    assert torch.equal(out, want)
+    _tile_kernel[(1,)](w, s, out, sw, K0=32, BN=BN, KS=32, K=256)
     k = torch.arange(32)
     pos = (k & -8) | ((k & 3) << 1) | ((k >> 2) & 1)
-    natural = formats.dequant_mxfp4(w[:, 16:].view(torch.int8),
-                                    torch.full((BN, 1), 127, dtype=torch.uint8).view(E8M0),
-                                    torch.float32)
-    assert torch.equal(out[:, pos].view(torch.float8_e4m3fn).float(), natural)
+    natural = formats.dequant_mxfp4(w[:, 16:32].view(torch.int8), s[:, 1:2].view(E8M0),
+                                    torch.float64)
+    assert torch.equal(out[:, pos].view(torch.float8_e4m3fn).double() * sw.double()[:, None],
+                       natural)
 
 
 # ------------------------------------------------------------------------------ prep kernel
@@ -242,6 +303,116 @@ def test_no_tokens_or_no_picks() -> None:
     assert torch.equal(y, torch.zeros(3, D))
 
 
+def _routing_k(T: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen) + 0.1
+    return ids, w / w.sum(-1, keepdim=True) * 1.5
+
+
+def _spread_experts(gen: torch.Generator, spread: int, wide_at: str | None = None
+                    ) -> ref.ExpertWeights:
+    """MXFP4 stacks (act block 128) whose scales spread 0..``spread`` inside each 128-wide K
+    step (exactly ``spread`` in every other row); ``wide_at``: that scale tensor gets one step of
+    one row at FOLD_SPREAD + 1."""
+    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
+        s = torch.stack([_step_scales(gen, n, k // 32, spread, base=104) for _ in range(E)])
+        return w.view(torch.int8), s.view(E8M0)
+
+    (w1, s1), (w3, s3), (w2, s2) = stack(INTER, D), stack(INTER, D), stack(D, INTER)
+    if wide_at is not None:
+        s = {"s1": s1, "s3": s3, "s2": s2}[wide_at].view(torch.uint8)
+        s[3, 5, -4:] = torch.tensor([110, 110, 110 + f8.FOLD_SPREAD + 1, 111], dtype=torch.uint8)
+    return ref.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
+
+
+@pytest.mark.parametrize("T,k,spread", [(33, 6, 0), (64, 4, 7), (120, 2, 11), (200, 3, 11)])
+def test_scale_spreads_up_to_the_limit(T: int, k: int, spread: int) -> None:
+    """Scale spreads 0..FOLD_SPREAD inside the 128-wide steps (exactly the limit in half the
+    rows): the scale-folded path runs (no fallback) and agrees with the twin and the bf16-MMA
+    kernels to REL_BOUND, per token too."""
+    gen = torch.Generator().manual_seed(100 * spread + T)
+    ex = _spread_experts(gen, spread)
+    assert f8.fold_spread_ok(ex, 128)
+    assert f8.scale_spread(ex.s1, 128) == spread
+    x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16)
+    ids, w = _routing_k(T, k, gen)
+    ids[1, 0] = -1
+    y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0)
+    assert torch.isfinite(y).all()
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert y_ref.norm() > 0
+    assert rel_err(y, y_ref) < REL_BOUND
+    assert rel_err(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0)) < REL_BOUND
+    worst = max(rel_err(y[t], y_ref[t]) for t in range(T))
+    assert worst < BF16_BOUND, worst
+
+
+@pytest.mark.parametrize("where", ["s1", "s3", "s2"])
+def test_too_wide_spread_falls_back(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One (expert, row, step) of one scale tensor at FOLD_SPREAD + 1: the call runs the
+    bf16-MMA kernels (exactly their result) and still equals the twin."""
+    gen = torch.Generator().manual_seed(7)
+    ex = _spread_experts(gen, 3, wide_at=where)
+    assert not f8.fold_spread_ok(ex, 128)
+    assert f8.scale_spread(getattr(ex, where), 128) == f8.FOLD_SPREAD + 1
+    T = 40
+    x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16)
+    ids, w = _routing_k(T, 3, gen)
+    calls = []
+    real = tri.moe_experts_with_config
+    monkeypatch.setattr(tri, "moe_experts_with_config",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(f8, "_fp8mma_up_kernel", None)     # never launched
+    y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0)
+    assert calls == [1]
+    assert torch.equal(y, real(x, ids, w, ex, 10.0, None))
+    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
+    assert not f8.fp8mma_applies(x.new_zeros(4096, D), torch.zeros(4096, 6), ex)
+
+
+def test_spread_check_is_cached_per_tensor_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reduction per scale tensor and K step; an in-place change (new version) re-checks;
+    an e8m0 NaN byte fails; unknown (capture) counts as failing."""
+    gen = torch.Generator().manual_seed(8)
+    ex = _spread_experts(gen, 4)
+    s = ex.s1.view(torch.uint8)
+    assert f8.scale_spread(ex.s1, 128) == 4
+    calls = []
+    real_amax = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda *a, **kw: calls.append(1) or
+                        real_amax(*a, **kw))
+    assert f8.scale_spread(ex.s1, 128) == 4 and calls == []           # cached
+    assert f8.scale_spread(ex.s1, 64) <= 4 and calls                   # another step: computed
+    calls.clear()
+    s[0, 0, 0] = 255                                                   # the e8m0 NaN
+    assert f8.scale_spread(ex.s1, 128) == 255 and calls                # re-checked
+    assert not f8.fold_spread_ok(ex, 128)
+    monkeypatch.setattr(f8, "scale_spread", lambda *a: None)
+    assert not f8.fold_spread_ok(_spread_experts(gen, 0), 128)
+
+
+def test_fp8mma_applies() -> None:
+    """The wiring helper: MXFP4 + e8m0 + act block a multiple of 128 + bf16 x + >= 32 pairs per
+    expert + the spread check."""
+    gen = torch.Generator().manual_seed(11)
+    ex = _spread_experts(gen, 11)
+    ids = torch.zeros(64, 4, dtype=torch.int64)              # 256 pairs = 32 per expert
+    x = torch.zeros(64, D, dtype=torch.bfloat16)
+    assert f8.fp8mma_applies(x, ids, ex)
+    assert not f8.fp8mma_applies(x, ids[:, :3], ex)            # 192 < 32 · 8
+    assert not f8.fp8mma_applies(x.float(), ids, ex)
+    small_block = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, 32, "fp4", ex.s1, ex.s3, ex.s2)
+    assert not f8.fp8mma_applies(x, ids, small_block)
+    no_quant = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, None, "fp4", ex.s1, ex.s3, ex.s2)
+    assert not f8.fp8mma_applies(x, ids, no_quant)
+    fp32_scales = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, 128, "fp4", ex.s1.float(),
+                                    ex.s3.float(), ex.s2.float())
+    assert not f8.fp8mma_applies(x, ids, fp32_scales)
+    assert not f8.fp8mma_applies(x, ids, _spread_experts(gen, 2, wide_at="s2"))
+    assert isinstance(f8.FP8MMA_PREFILL, bool)
+
+
 # ------------------------------------------------------------------------------ errors, plans
 def test_rejects_what_it_does_not_cover() -> None:
     gen = torch.Generator().manual_seed(2)
@@ -281,8 +452,9 @@ def test_config_validation_and_pick() -> None:
     # V4-Flash prefill: 2K tokens ~48 rows per expert, 8K ~190.
     small, large = f8.pick_fp8mma_config(2048 * 6, 256), f8.pick_fp8mma_config(8192 * 6, 256)
     assert (small.BM, large.BM) == (64, 128)
-    # The up kernel's tiles stay at <= 8192 elements (no register spills on sm_90).
+    # The up kernel's tiles stay at <= 8192 elements per 8 warps (no register spills on sm_90).
     assert small.BM * small.BN_up <= 8192 and large.BM * large.BN_up <= 8192
+    assert small.warps_up == large.warps_up == 8
     assert f8.pick_fp8mma_config(1, 256).BM == 64
 
 
