@@ -35,16 +35,18 @@ default included) gave wrong (rel ~0.8 vs the twin), run-to-run different result
 the 8-warp BK 256 plan were right, as were all interpreter runs.  The activation slice was then
 one [BK/32, 16, 2] load split into even / odd columns and reshaped to [BK/QB, QB/2] for the
 per-block amax (several elements per thread exactly in the failing plans); it is now two plain
-[BK/32, 16] loads and a masked max over the groups (:func:`_act_slice`).  Whether that was the
-defect is for the next H200 run to confirm (tests/kernels/test_moe_gemv.py::test_gpu_*: every
-plan of that sweep, run-to-run bits).
+[BK/32, 16] loads and a masked max over the groups (:func:`_act_slice`), and the second H200
+run passed every GPU test (every plan of that sweep, run-to-run bits, graph replays).
 
 Picks whose id is outside 0..E-1 are skipped (expert parallel shards), as the twin does.  Two
 tokens that pick the same expert each stream it (at most 4× the bytes of that expert, fine for
 T <= 4: the grouped MMA kernels take over from 5 tokens).
 
-Timing: not measured yet (bench/moe_gemv.py); :data:`MOE_GEMV` keeps the path off until the lead
-has timed it on the H200 (``DSV4_MOE_GEMV=1`` or setting the flag turns it on).
+Timing (H200, bench/moe_gemv.py, CUDA-graph replay, docs/PERFORMANCE.md fifth session): slower
+than the grouped MMA kernels — T = 1 104 µs against 67.5, T = 2 188 vs 110, T = 4 339 vs 192 —
+so :data:`MOE_GEMV` stays off (``DSV4_MOE_GEMV=1`` turns it on).  The weight bytes compile to
+one-byte loads per thread (32 per step), not the intended 16-byte vectors: the first thing to
+fix before it can stream the weights at bandwidth.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ from dsv4.ops.triton_dense import (
 __all__ = ["MOE_GEMV", "MOE_GEMV_MAX_TOKENS", "GemvConfig", "gemv_block_k", "gemv_qualifies",
            "moe_experts_gemv", "pick_gemv_config"]
 
-# Off until timed on the H200 (the lead turns it on): triton_moe.moe_experts takes this path
-# for T <= MOE_GEMV_MAX_TOKENS when the flag is on and :func:`gemv_qualifies`.
+# Off: slower than the MMA kernels on the H200 (module docstring).  triton_moe.moe_experts
+# takes this path for T <= MOE_GEMV_MAX_TOKENS when the flag is on and :func:`gemv_qualifies`.
 MOE_GEMV = os.environ.get("DSV4_MOE_GEMV", "0") == "1"
 MOE_GEMV_MAX_TOKENS = 4
 # MXFP4 decode on the GPU: "asm" (e2m1 -> e4m3 bytes, 4 at a time, then the sm_89+ e4m3x2 ->
