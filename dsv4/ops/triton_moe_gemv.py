@@ -69,6 +69,9 @@ from dsv4.ops.triton_dense import (
     store_rne,
     ue8m0_exponent,
 )
+# The split-K prologue / arrival helpers and the argument checks of the MMA expert kernels
+# (triton_moe imports this module lazily, inside moe_experts: no import cycle).
+from dsv4.ops.triton_moe import _arrive_last, _check_experts, _split_k_range
 
 __all__ = ["MOE_GEMV", "MOE_GEMV_MAX_TOKENS", "GemvConfig", "gemv_block_k", "gemv_qualifies",
            "moe_experts_gemv", "pick_gemv_config"]
@@ -190,31 +193,6 @@ def _gemv_step(w_ptr, s_ptr, e, rn, n_mask, k0, xe, xo, stride_we, stride_wn, st
 
 
 @triton.jit
-def _split_range(K, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """[k_lo, k_hi) of this program's K split (program_id(2) of num_programs(2)); the host
-    keeps S <= K / BK so no split is empty."""
-    if SPLIT:
-        steps = K // BK
-        s = tl.program_id(2)
-        S = tl.num_programs(2)
-        k_lo = (s * steps // S) * BK
-        k_hi = ((s + 1) * steps // S) * BK
-    else:
-        k_lo = 0
-        k_hi = K
-    return k_lo, k_hi
-
-
-@triton.jit
-def _arrive(count_ptr, tile):
-    """Count this split in at the tile's counter after its partial stores (release), True for
-    the last one to arrive (acquire: the other splits' partials are visible to it)."""
-    tl.debug_barrier()
-    old = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    return old == tl.num_programs(2) - 1
-
-
-@triton.jit
 def _sum_splits(ptrs, mask, stride_s):
     """Σ over the S partial slices (stride ``stride_s``) in the fixed order s = 0..S-1; ``.cg``
     loads read L2, never a stale L1 line."""
@@ -259,7 +237,7 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
         x_row = x_ptr + t.to(tl.int64) * stride_x
         acc1 = tl.zeros((BN,), dtype=tl.float32)
         acc3 = tl.zeros((BN,), dtype=tl.float32)
-        k_lo, k_hi = _split_range(K, BK, SPLIT)
+        k_lo, k_hi = _split_k_range(K, BK, SPLIT)
         for k0 in range(k_lo, k_hi, BK):
             xe, xo = _act_slice(x_row, k0, QB, BK)
             acc1 += _gemv_step(w1_ptr, s1_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
@@ -272,7 +250,7 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
             tl.store(ptrs, acc1, mask=n_mask)
             tl.store(ptrs + stride_part_w, acc3, mask=n_mask)
             tile = p * tl.num_programs(1) + pid_n
-            if _arrive(count_ptr, tile):
+            if _arrive_last(count_ptr, tile):
                 tl.debug_barrier()
                 base = part_ptr + p.to(tl.int64) * N + rn
                 acc1 = _sum_splits(base, n_mask, stride_part_s)
@@ -298,7 +276,7 @@ def _gemv_down_kernel(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, count
     pid_n = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     n_mask = rn < N
-    k_lo, k_hi = _split_range(K, BK, SPLIT)
+    k_lo, k_hi = _split_k_range(K, BK, SPLIT)
     total = tl.zeros((BN,), dtype=tl.float32)
     for j in range(TOPK):
         p = t * TOPK + j
@@ -319,7 +297,7 @@ def _gemv_down_kernel(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, count
                 total += round_as(acc, act_ptr)
     if SPLIT:
         tile = t * tl.num_programs(1) + pid_n
-        if _arrive(count_ptr, tile):
+        if _arrive_last(count_ptr, tile):
             tl.debug_barrier()
             for j in range(TOPK):
                 p = t * TOPK + j
@@ -423,7 +401,6 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      cfg: GemvConfig | None = None) -> torch.Tensor:
     """:func:`dsv4.ops.triton_moe.moe_experts` for a few tokens of MXFP4 experts (module doc):
     fp32 [T, D].  x bf16 or fp32 [T, D]; ``cfg`` None: :func:`pick_gemv_config`."""
-    from dsv4.ops.triton_moe import _check_experts
 
     _check_experts(x, topk_ids, topk_weights, experts)
     if experts.fmt != "fp4":
