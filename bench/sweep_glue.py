@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -28,6 +27,7 @@ if "--tiny" in sys.argv:            # the interpreter must be chosen before trit
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv4.ops import triton_dense as td  # noqa: E402
 from dsv4.ops import triton_moe as tm  # noqa: E402
 from dsv4.ops.triton_moe_plan import moe_plan  # noqa: E402
@@ -51,33 +51,14 @@ PREP = [tm.PrepPlan(16, 4), tm.PrepPlan(64, 4), tm.PrepPlan(64, 8), tm.PrepPlan(
 
 
 def time_us(fn: Callable[[], Any], dev: str, reps: int) -> float:
-    """Median µs per call: CUDA-graph replays of ``reps`` calls (CPU: wall time of one call)."""
+    """Median µs per call: CUDA-graph replays (``bench/kernels.time_graph``, ~3 ms of calls per
+    replay; ``reps`` is unused there); CPU: wall time of one call."""
     if dev != "cuda":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        t0.record()
-        g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / reps)
-    return statistics.median(times)
+    from bench.kernels import time_graph
+    return time_graph([fn])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
