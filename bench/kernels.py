@@ -26,6 +26,7 @@ from dsv4.cache.formats import PackedRows, v4_kv_record
 from dsv4.ops import torch_attn, torch_dense
 from dsv4.ops import triton_attn as ta
 from dsv4.ops import triton_dense as td
+from dsv4.ops import triton_mhc
 
 BW = 4.29e12
 PEAK = {"fp8": 1459e12, "bf16": 792e12, "fp32": 792e12}
@@ -326,20 +327,20 @@ def bench_hc(T: int) -> list[dict]:
         n, device=DEV)
     x0, out0 = sets[0]
     rows = []
-    t = time_graph([lambda s=s: td.hc_pre(s[0], fn, scale, base, 1e-6, 1e-6, 20) for s in sets])
+    t = time_graph([lambda s=s: triton_mhc.hc_pre(s[0], fn, scale, base, 1e-6, 1e-6, 20) for s in sets])
     rows.append(row("hc_pre", f"T={T} n={n} D={D}", t,
-                    time_eager(lambda: td.hc_pre(x0, fn, scale, base, 1e-6, 1e-6, 20)),
+                    time_eager(lambda: triton_mhc.hc_pre(x0, fn, scale, base, 1e-6, 1e-6, 20)),
                     time_eager(lambda: torch_dense.hc_pre(x0, fn, scale, base, 1e-6, 1e-6, 20)),
                     per_set + fn.numel() * 4 + T * D * 2, 2 * T * 24 * n * D, "fp32",
                     "x is read twice (mix pass + collapse pass)"))
-    t = time_graph([lambda s=s: td.hc_post(s[1], s[0], post, comb) for s in sets])
+    t = time_graph([lambda s=s: triton_mhc.hc_post(s[1], s[0], post, comb) for s in sets])
     rows.append(row("hc_post", f"T={T} n={n} D={D}", t,
-                    time_eager(lambda: td.hc_post(out0, x0, post, comb)),
+                    time_eager(lambda: triton_mhc.hc_post(out0, x0, post, comb)),
                     time_eager(lambda: torch_dense.hc_post(out0, x0, post, comb)),
                     2 * per_set + T * D * 2, 2 * T * n * (n + 1) * D, "fp32"))
-    t = time_graph([lambda s=s: td.hc_head(s[0], fh, sh, bh, 1e-6, 1e-6) for s in sets])
+    t = time_graph([lambda s=s: triton_mhc.hc_head(s[0], fh, sh, bh, 1e-6, 1e-6) for s in sets])
     rows.append(row("hc_head", f"T={T} n={n} D={D}", t,
-                    time_eager(lambda: td.hc_head(x0, fh, sh, bh, 1e-6, 1e-6)),
+                    time_eager(lambda: triton_mhc.hc_head(x0, fh, sh, bh, 1e-6, 1e-6)),
                     time_eager(lambda: torch_dense.hc_head(x0, fh, sh, bh, 1e-6, 1e-6)),
                     per_set + fh.numel() * 4 + T * D * 2, 2 * T * n * n * D, "fp32"))
     return rows

@@ -28,14 +28,14 @@ if "--tiny" in sys.argv:            # the interpreter must be chosen before trit
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dsv4.ops import triton_dense as td  # noqa: E402
+from dsv4.ops import triton_mhc  # noqa: E402
 from dsv4.ops import triton_moe as tm  # noqa: E402
 from dsv4.ops.triton_moe_plan import moe_plan  # noqa: E402
 
 BW = 4.29e12
 EPS = (1e-6, 1e-6, 20)
-P = td.HcPlan
-# Candidates besides the default: decode token counts (< td.HC_PREFILL_T) and prefill.
+P = triton_mhc.HcPlan
+# Candidates besides the default: decode token counts (< triton_mhc.HC_PREFILL_T) and prefill.
 POST_PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2), P(16, 32, 4, 2, 4)],
             "prefill": [P(64, 32, 4, 3, 2), P(64, 32, 4, 2, 2, "bf16x3"),
                         P(64, 32, 8, 3, 2, "bf16x3"), P(128, 32, 8, 2, 2, "bf16x3"),
@@ -107,21 +107,21 @@ def sweep_hc(op: str, T: int, n: int, D: int, dev: str, reps: int, plans: list,
     bf = 2
     if op == "hc_post_pre":
         def call(p):
-            return td.hc_post_pre_with_plan(out, x_res, post, comb, fn, scale, base, *EPS,
+            return triton_mhc.hc_post_pre_with_plan(out, x_res, post, comb, fn, scale, base, *EPS,
                                             plan=p)
         nbytes = T * D * bf * 2 + T * n * D * bf * 3 + fn.numel() * 4
         bits, soft = (0,), (1,)
     elif op == "hc_pre":
         def call(p):
-            return td.hc_pre_with_plan(x_res, fn, scale, base, *EPS, plan=p)
+            return triton_mhc.hc_pre_with_plan(x_res, fn, scale, base, *EPS, plan=p)
         nbytes = T * n * D * bf * 2 + T * D * bf + fn.numel() * 4
         bits, soft = (), (0,)
     else:
         def call(p):
-            return (td.hc_post_with_plan(out, x_res, post, comb, plan=p),)
+            return (triton_mhc.hc_post_with_plan(out, x_res, post, comb, plan=p),)
         nbytes = T * D * bf + T * n * D * bf * 2
         bits, soft = (0,), ()
-    default = td.pick_hc_plan({"hc_post_pre": "post_pre", "hc_pre": "pre", "hc_post": "post"}[op],
+    default = triton_mhc.pick_hc_plan({"hc_post_pre": "post_pre", "hc_pre": "pre", "hc_post": "post"}[op],
                               T, n, D, torch.bfloat16)
     ref = call(None)
     rows = []
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = a.ops.split(",")
     rows: list[dict] = []
     for T in tokens:
-        phase = "prefill" if T >= td.HC_PREFILL_T else "decode"
+        phase = "prefill" if T >= triton_mhc.HC_PREFILL_T else "decode"
         if "hc_post_pre" in ops:
             rows += sweep_hc("hc_post_pre", T, n, D, dev, reps, post_pre[phase], deadline)
         if "hc_pre" in ops:

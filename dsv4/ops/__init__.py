@@ -24,7 +24,7 @@ _TORCH_MODULES = ("dsv4.ops.torch_attn", "dsv4.ops.torch_dense", "dsv4.ops.torch
 _TRITON_MODULES = ("dsv4.ops.triton_attn", "dsv4.ops.triton_dense", "dsv4.ops.triton_moe",
                    "dsv4.ops.triton_norm", "dsv4.ops.triton_compress", "dsv4.ops.triton_index",
                    "dsv4.ops.triton_records", "dsv4.ops.triton_route", "dsv4.ops.triton_topk",
-                   "dsv4.ops.triton_linear32")
+                   "dsv4.ops.triton_linear32", "dsv4.ops.triton_mhc")
 
 OP_NAMES = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "sparse_attn",

@@ -346,7 +346,7 @@ def _act_quant() -> None:
 def _mhc(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
     import torch
 
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     dtype = dtype or torch.bfloat16
     n, D = 4, m.dim
     f32 = torch.float32
@@ -354,12 +354,12 @@ def _mhc(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
         x = _empty(T, n, D, dtype=dtype)
         # On CUDA the mixes try tf32x3 first and fall back to ieee: both must compile.
         for prec in ("tf32x3", "ieee"):
-            with RECORDER.override(td._hc_mix_partial_kernel, PRECISION=prec):
-                td.hc_pre(x, _empty((2 + n) * n, n * D, dtype=f32), _empty(3, dtype=f32),
+            with RECORDER.override(triton_mhc._hc_mix_partial_kernel, PRECISION=prec):
+                triton_mhc.hc_pre(x, _empty((2 + n) * n, n * D, dtype=f32), _empty(3, dtype=f32),
                           _empty((2 + n) * n, dtype=f32), 1e-6, 1e-6, 20)
-                td.hc_head(x, _empty(n, n * D, dtype=f32), _empty(1, dtype=f32),
+                triton_mhc.hc_head(x, _empty(n, n * D, dtype=f32), _empty(1, dtype=f32),
                            _empty(n, dtype=f32), 1e-6, 1e-6)
-        td.hc_post(_empty(T, D, dtype=dtype), x, _empty(T, n, dtype=f32),
+        triton_mhc.hc_post(_empty(T, D, dtype=dtype), x, _empty(T, n, dtype=f32),
                    _empty(T, n, n, dtype=f32))
 
 
@@ -369,18 +369,18 @@ scenario("mhc/v4_flash/fp32")(lambda: _mhc(V4_FLASH, (1, PREFILL_T), __import__(
 
 
 def _mhc_fused(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
-    """hc_post fused with the next hc_pre (dsv4.ops.triton_dense.hc_post_pre): the post + mixes
+    """hc_post fused with the next hc_pre (dsv4.ops.triton_mhc.hc_post_pre): the post + mixes
     kernel in both precisions the GPU may pick, then the shared collapse kernel."""
     import torch
 
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     dtype = dtype or torch.bfloat16
     n, D = 4, m.dim
     f32 = torch.float32
     for T in Ts:
         for prec in ("tf32x3", "ieee"):
-            with RECORDER.override(td._hc_post_mix_kernel, PRECISION=prec):
-                td.hc_post_pre(_empty(T, D, dtype=dtype), _empty(T, n, D, dtype=dtype),
+            with RECORDER.override(triton_mhc._hc_post_mix_kernel, PRECISION=prec):
+                triton_mhc.hc_post_pre(_empty(T, D, dtype=dtype), _empty(T, n, D, dtype=dtype),
                                _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32),
                                _empty((2 + n) * n, n * D, dtype=f32), _empty(3, dtype=f32),
                                _empty((2 + n) * n, dtype=f32), 1e-6, 1e-6, 20)
@@ -399,23 +399,23 @@ def _glue_plans() -> None:
     a wide plan (issue #5)."""
     import torch
 
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     from dsv4.ops import triton_moe as tm
     n, D, T = 4, 4096, 8192
     f32, bf16 = torch.float32, torch.bfloat16
     fn, scale, base = _empty(24, n * D, dtype=f32), _empty(3, dtype=f32), _empty(24, dtype=f32)
-    P = td.HcPlan
-    with RECORDER.override(td._hc_post_mix_kernel, PRECISION="tf32x3"), \
-            RECORDER.override(td._hc_mix_partial_kernel, PRECISION="tf32x3"):
-        for plan in (td.pick_hc_plan("post_pre", T, n, D, bf16), P(128, 32, 8, 2, 2, "bf16x3"),
+    P = triton_mhc.HcPlan
+    with RECORDER.override(triton_mhc._hc_post_mix_kernel, PRECISION="tf32x3"), \
+            RECORDER.override(triton_mhc._hc_mix_partial_kernel, PRECISION="tf32x3"):
+        for plan in (triton_mhc.pick_hc_plan("post_pre", T, n, D, bf16), P(128, 32, 8, 2, 2, "bf16x3"),
                      P(32, 32, 4, 2, 4, "bf16x3"), P(64, 32, 4, 3, 2)):
-            td.hc_post_pre_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
+            triton_mhc.hc_post_pre_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
                                      _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32), fn,
                                      scale, base, 1e-6, 1e-6, 20, plan=plan)
-        for plan in (td.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3")):
-            td.hc_pre_with_plan(_empty(T, n, D, dtype=bf16), fn, scale, base, 1e-6, 1e-6, 20,
+        for plan in (triton_mhc.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3")):
+            triton_mhc.hc_pre_with_plan(_empty(T, n, D, dtype=bf16), fn, scale, base, 1e-6, 1e-6, 20,
                                 plan=plan)
-    td.hc_post_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
+    triton_mhc.hc_post_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
                          _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32),
                          plan=P(1, 2048, 8, 3))
     pairs = torch.zeros(64 * 128, dtype=torch.int32)

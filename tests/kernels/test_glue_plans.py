@@ -72,19 +72,19 @@ def _sweep_plans():
 @pytest.mark.parametrize("n", [4, 2])
 def test_interp_hc_post_pre_plans(n: int) -> None:
     from dsv4.ops import torch_dense as ref
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     sg = _sweep_plans()
     T, D = 19, 64
     args = _hc_inputs(T, n, D, seed=n)
-    x0, y0, p0, c0 = td.hc_post_pre_with_plan(*args, *EPS)
+    x0, y0, p0, c0 = triton_mhc.hc_post_pre_with_plan(*args, *EPS)
     # x_new: the plain bf16 rounding of the fp32 chain, bit for bit.
     assert torch.equal(x0.view(torch.int16), _post_chain(*args[:4]).view(torch.int16))
     y_r, p_r, c_r = ref.hc_pre(x0, *args[4:], *EPS)
     assert _rel(y0.float(), y_r.float()) < 4e-3 and _rel(p0, p_r) < 1e-5 and _rel(c0, c_r) < 1e-5
-    plans = [td.pick_hc_plan("post_pre", 8192, n, D, torch.bfloat16)]
+    plans = [triton_mhc.pick_hc_plan("post_pre", 8192, n, D, torch.bfloat16)]
     plans += sg.POST_PRE["decode"] + sg.POST_PRE["prefill"]
     for plan in {p for p in plans if p.BT <= 32 or p.BD <= 32}:   # keep the child fast
-        x, y, p, c = td.hc_post_pre_with_plan(*args, *EPS, plan=plan)
+        x, y, p, c = triton_mhc.hc_post_pre_with_plan(*args, *EPS, plan=plan)
         assert torch.equal(x.view(torch.int16), x0.view(torch.int16)), plan
         assert _rel(y.float(), y0.float()) < 4e-3, plan
         assert _rel(p, p0) < 1e-5 and _rel(c, c0) < 1e-5, plan
@@ -93,9 +93,9 @@ def test_interp_hc_post_pre_plans(n: int) -> None:
 @needs_interp
 def test_interp_hc_post_pre_composes_above_four_streams() -> None:
     from dsv4.ops import torch_dense as ref
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     args = _hc_inputs(3, 8, 16, seed=8)
-    x, y, p, c = td.hc_post_pre_with_plan(*args, *EPS)
+    x, y, p, c = triton_mhc.hc_post_pre_with_plan(*args, *EPS)
     assert _rel(x.float(), ref.hc_post(*args[:4]).float()) < 4e-3
     y_r, p_r, c_r = ref.hc_pre(x, *args[4:], *EPS)
     assert _rel(p, p_r) < 1e-5 and _rel(c, c_r) < 1e-5 and _rel(y.float(), y_r.float()) < 4e-3
@@ -105,25 +105,25 @@ def test_interp_hc_post_pre_composes_above_four_streams() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_interp_hc_pre_and_post_plans(dtype: torch.dtype) -> None:
     from dsv4.ops import torch_dense as ref
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     sg = _sweep_plans()
     out, x, post, comb, fn, scale, base = _hc_inputs(17, 4, 64, seed=5)
     x, out = x.to(dtype), out.to(dtype)
     y_r, p_r, c_r = ref.hc_pre(x, fn, scale, base, *EPS)
-    plans = [None, td.pick_hc_plan("pre", 8192, 4, 64, dtype)] + sg.PRE["decode"]
+    plans = [None, triton_mhc.pick_hc_plan("pre", 8192, 4, 64, dtype)] + sg.PRE["decode"]
     plans += [p for p in sg.PRE["prefill"] if p.BT <= 64]
     for plan in plans:
-        y, p, c = td.hc_pre_with_plan(x, fn, scale, base, *EPS, plan=plan)
+        y, p, c = triton_mhc.hc_pre_with_plan(x, fn, scale, base, *EPS, plan=plan)
         tol = 4e-3 if dtype == torch.bfloat16 else 1e-5
         assert _rel(y.float(), y_r.float()) < tol, plan
         assert _rel(p, p_r) < 1e-5 and _rel(c, c_r) < 1e-5, plan
     h_r = ref.hc_head(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)
-    h = td.hc_head_with_plan(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6,
-                             plan=td.pick_hc_plan("pre", 8192, 4, 64, dtype))
+    h = triton_mhc.hc_head_with_plan(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6,
+                             plan=triton_mhc.pick_hc_plan("pre", 8192, 4, 64, dtype))
     assert _rel(h.float(), h_r.float()) < (4e-3 if dtype == torch.bfloat16 else 1e-5)
-    new0 = td.hc_post_with_plan(out, x, post, comb)
+    new0 = triton_mhc.hc_post_with_plan(out, x, post, comb)
     for plan in sg.POST:
-        got = td.hc_post_with_plan(out, x, post, comb, plan=plan)
+        got = triton_mhc.hc_post_with_plan(out, x, post, comb, plan=plan)
         assert torch.equal(got, new0), plan
 
 
@@ -156,26 +156,26 @@ def test_interp_prep_plans(gather: bool) -> None:
 # ------------------------------------------------------------------------------ host checks
 def test_plans_reject_bad_values() -> None:
     pytest.importorskip("triton")
-    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_mhc
     from dsv4.ops import triton_moe as tm
     for bad in (dict(BT=24, BD=32), dict(BT=16, BD=32, mix="tf32"),
                 dict(BT=16, BD=32, num_stages=0), dict(BT=16, BD=32, num_warps=3)):
         with pytest.raises(ValueError, match="HcPlan"):
-            td.HcPlan(**bad)
+            triton_mhc.HcPlan(**bad)
     with pytest.raises(ValueError, match="PrepPlan"):
         tm.PrepPlan(rows=24)
     with pytest.raises(ValueError, match="op must be"):
-        td.pick_hc_plan("head", 1, 4, 64, torch.bfloat16)
+        triton_mhc.pick_hc_plan("head", 1, 4, 64, torch.bfloat16)
     # Decode keeps the tile sizes the kernels had before plans existed, with the bf16x3 mixes
     # of prefill (the H200 sweep's best at every T).
-    want = td.HcPlan(16, 32, 4, 3, mix="bf16x3")
-    assert td.pick_hc_plan("post_pre", 1, 4, 4096, torch.bfloat16) == want
-    assert td.pick_hc_plan("pre", 64, 4, 4096, torch.bfloat16) == want
-    assert td.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16) == td.HcPlan(
+    want = triton_mhc.HcPlan(16, 32, 4, 3, mix="bf16x3")
+    assert triton_mhc.pick_hc_plan("post_pre", 1, 4, 4096, torch.bfloat16) == want
+    assert triton_mhc.pick_hc_plan("pre", 64, 4, 4096, torch.bfloat16) == want
+    assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16) == triton_mhc.HcPlan(
         64, 16, 4, 3, per_sm=4, mix="bf16x3")
-    assert td.pick_hc_plan("post", 1, 4, 4096, torch.bfloat16) == td.HcPlan(1, 512, 4, 3)
+    assert triton_mhc.pick_hc_plan("post", 1, 4, 4096, torch.bfloat16) == triton_mhc.HcPlan(1, 512, 4, 3)
     # fp32 streams never take the bf16 mix.
-    assert td.pick_hc_plan("post_pre", 8192, 4, 4096, torch.float32).mix == "fp32"
+    assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.float32).mix == "fp32"
 
 
 def test_sweep_tiny_smoke(tmp_path: Path) -> None:

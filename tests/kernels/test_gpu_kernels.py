@@ -174,7 +174,7 @@ def test_indexer_scores_gpu(T: int, L: int) -> None:
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_hc_ops_gpu(T: int) -> None:
     from dsv4.ops import torch_dense as ref
-    from dsv4.ops import triton_dense as tri
+    from dsv4.ops import triton_mhc
     gen = torch.Generator(device=DEV).manual_seed(T)
     n, D = 4, 4096
     x = torch.randn(T, n, D, generator=gen, device=DEV).bfloat16()
@@ -182,19 +182,19 @@ def test_hc_ops_gpu(T: int) -> None:
     scale = torch.rand(3, generator=gen, device=DEV) + 0.5
     base = torch.randn(24, generator=gen, device=DEV) * 0.5
     _poison()
-    y, post, comb = tri.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    y, post, comb = triton_mhc.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     y_r, post_r, comb_r = ref.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     assert _finite(y) and _finite(post) and _finite(comb)
     assert _rel(y, y_r) < 4e-3 and _rel(post, post_r) < 1e-4 and _rel(comb, comb_r) < 1e-4
     out = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
     _poison()
-    new = tri.hc_post(out, x, post_r, comb_r)
+    new = triton_mhc.hc_post(out, x, post_r, comb_r)
     assert _finite(new) and _rel(new, ref.hc_post(out, x, post_r, comb_r)) < 4e-3
     fh = torch.randn(n, n * D, generator=gen, device=DEV) * 0.02
     sh = torch.rand(1, generator=gen, device=DEV) + 0.5
     bh = torch.randn(n, generator=gen, device=DEV)
     _poison()
-    h = tri.hc_head(x, fh, sh, bh, 1e-6, 1e-6)
+    h = triton_mhc.hc_head(x, fh, sh, bh, 1e-6, 1e-6)
     assert _finite(h) and _rel(h, ref.hc_head(x, fh, sh, bh, 1e-6, 1e-6)) < 4e-3
 
 
@@ -289,11 +289,11 @@ def test_fp8_linear_gpu_split_k_reproducible(M: int, N: int, K: int) -> None:
 
 def test_get_ops_triton_picks_kernels() -> None:
     from dsv4.ops import get_ops
-    from dsv4.ops import triton_attn, triton_dense
+    from dsv4.ops import triton_attn, triton_dense, triton_mhc
     ops = get_ops("triton")
     assert ops.fp8_linear is triton_dense.fp8_linear
     assert ops.sparse_attn is triton_attn.sparse_attn
-    assert ops.hc_pre is triton_dense.hc_pre
+    assert ops.hc_pre is triton_mhc.hc_pre
 
 
 # ------------------------------------------------------------------------------ routed experts

@@ -103,11 +103,11 @@ def test_kernel_matches_twin_at_v4_flash_shapes(T: int) -> None:
     """n 4, D 4096, bf16 streams.  Tolerances as the interpreter tests (see there): x_new 4e-3
     (one bf16 ulp on a few elements), post/comb 1e-5 vs the twin's pre of the kernel's x_new
     (tf32x3 split-K ≈ fp32), y 4e-3 (bf16 output)."""
-    from dsv4.ops import triton_dense as tri
+    from dsv4.ops import triton_mhc
 
     torch.backends.cuda.matmul.allow_tf32 = False
     args = _inputs(T, 4, 4096, torch.bfloat16, device="cuda", seed=T)
-    x_new, y, post, comb = tri.hc_post_pre(*args, **EPS)
+    x_new, y, post, comb = triton_mhc.hc_post_pre(*args, **EPS)
     torch.cuda.synchronize()
     assert _rel(x_new.float(), ref.hc_post(*args[:4]).float()) < 4e-3
     y_r, post_r, comb_r = ref.hc_pre(x_new, *args[4:], **EPS)
@@ -122,12 +122,12 @@ def test_plans_agree_at_v4_flash_shapes(T: int) -> None:
     """The default plan (bf16x3 mixes at prefill) and the fp32-mix plan of before give x_new
     bit for bit (the same fused multiply-add chain per element), mixes to fp32 rounding, y to
     one bf16 rounding; and the prefill default's mixes match the twin's pre of x_new."""
-    from dsv4.ops import triton_dense as tri
+    from dsv4.ops import triton_mhc
 
     torch.backends.cuda.matmul.allow_tf32 = False
     args = _inputs(T, 4, 4096, torch.bfloat16, device="cuda", seed=T + 1)
-    x0, y0, p0, c0 = tri.hc_post_pre_with_plan(*args, **EPS)
-    x1, y1, p1, c1 = tri.hc_post_pre_with_plan(*args, **EPS, plan=tri.HcPlan(64, 32, 4, 3))
+    x0, y0, p0, c0 = triton_mhc.hc_post_pre_with_plan(*args, **EPS)
+    x1, y1, p1, c1 = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=triton_mhc.HcPlan(64, 32, 4, 3))
     torch.cuda.synchronize()
     assert torch.equal(x0.view(torch.int16), x1.view(torch.int16))
     assert _rel(p0, p1) < 1e-5 and _rel(c0, c1) < 1e-5 and _rel(y0.float(), y1.float()) < 4e-3

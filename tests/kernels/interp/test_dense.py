@@ -20,6 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
 from dsv4 import formats  # noqa: E402
 from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_dense as tri  # noqa: E402
+from dsv4.ops import triton_mhc  # noqa: E402
 from interp_helpers import rel_err  # noqa: E402
 
 E8M0 = torch.float8_e8m0fnu
@@ -217,7 +218,7 @@ def test_hc_pre_matches_twin(T: int) -> None:
     gen = torch.Generator().manual_seed(T)
     n, D = 4, 96  # D not a power of two: masked D blocks
     x, fn, scale, base = _hc_inputs(T, n, D, gen, (2 + n) * n)
-    y, post, comb = tri.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    y, post, comb = triton_mhc.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     y_r, post_r, comb_r = ref.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
     assert y.shape == (T, D) and post.shape == (T, n) and comb.shape == (T, n, n)
     assert rel_err(y, y_r) < 1e-5
@@ -226,7 +227,7 @@ def test_hc_pre_matches_twin(T: int) -> None:
     # Sinkhorn output is (near) doubly stochastic: a property, independent of the twin.
     assert torch.allclose(comb.sum(-2), torch.ones(T, n), atol=1e-3)
     # bf16 streams: y rounded once.
-    yb, _, _ = tri.hc_pre(x.bfloat16(), fn, scale, base, 1e-6, 1e-6, 20)
+    yb, _, _ = triton_mhc.hc_pre(x.bfloat16(), fn, scale, base, 1e-6, 1e-6, 20)
     yb_r, _, _ = ref.hc_pre(x.bfloat16(), fn, scale, base, 1e-6, 1e-6, 20)
     assert yb.dtype == torch.bfloat16 and rel_err(yb.float(), yb_r.float()) < 4e-3
 
@@ -238,14 +239,14 @@ def test_hc_post_and_head_match_twin() -> None:
     out = torch.randn(T, D, generator=gen)
     post = torch.rand(T, n, generator=gen) * 2
     comb = torch.rand(T, n, n, generator=gen)  # not symmetric: the direction is checked
-    y = tri.hc_post(out, x_res, post, comb)
+    y = triton_mhc.hc_post(out, x_res, post, comb)
     assert rel_err(y, ref.hc_post(out, x_res, post, comb)) < 1e-6
-    yb = tri.hc_post(out.bfloat16(), x_res.bfloat16(), post, comb)
+    yb = triton_mhc.hc_post(out.bfloat16(), x_res.bfloat16(), post, comb)
     assert yb.dtype == torch.bfloat16
     assert rel_err(yb.float(), ref.hc_post(out.bfloat16(), x_res.bfloat16(), post, comb).float()) < 4e-3
     x, fn, _, base = _hc_inputs(T, n, D, gen, n)
     scale1 = torch.rand(1, generator=gen) + 0.5
-    h = tri.hc_head(x, fn, scale1, base, 1e-6, 1e-6)
+    h = triton_mhc.hc_head(x, fn, scale1, base, 1e-6, 1e-6)
     assert h.shape == (T, D)
     assert rel_err(h, ref.hc_head(x, fn, scale1, base, 1e-6, 1e-6)) < 1e-5
 
@@ -253,6 +254,6 @@ def test_hc_post_and_head_match_twin() -> None:
 def test_hc_rejects_bad_shapes() -> None:
     x = torch.randn(2, 4, 32)
     with pytest.raises(ValueError, match="fn"):
-        tri.hc_pre(x, torch.randn(24, 64), torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 20)
+        triton_mhc.hc_pre(x, torch.randn(24, 64), torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 20)
     with pytest.raises(ValueError, match="x_res"):
-        tri.hc_post(torch.randn(2, 16), x, torch.ones(2, 4), torch.ones(2, 4, 4))
+        triton_mhc.hc_post(torch.randn(2, 16), x, torch.ones(2, 4), torch.ones(2, 4, 4))

@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
     pytest.skip("needs TRITON_INTERPRET=1", allow_module_level=True)
 
 from dsv4.ops import torch_dense as ref  # noqa: E402
-from dsv4.ops import triton_dense as tri  # noqa: E402
+from dsv4.ops import triton_mhc  # noqa: E402
 from interp_helpers import rel_err  # noqa: E402
 
 EPS = dict(norm_eps=1e-6, hc_eps=1e-6, iters=20)
@@ -46,7 +46,7 @@ def _inputs(T: int, n: int, D: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post_pre_matches_twin(T: int, n: int, D: int, dtype: torch.dtype) -> None:
     args = _inputs(T, n, D, dtype, seed=T * 7 + n)
-    x_new, y, post, comb = tri.hc_post_pre(*args, **EPS)
+    x_new, y, post, comb = triton_mhc.hc_post_pre(*args, **EPS)
     assert x_new.shape == (T, n, D) and x_new.dtype == dtype
     assert y.shape == (T, D) and y.dtype == dtype
     assert post.shape == (T, n) and comb.shape == (T, n, n)
@@ -65,9 +65,9 @@ def test_hc_post_pre_matches_twin(T: int, n: int, D: int, dtype: torch.dtype) ->
 def test_hc_post_pre_equals_unfused_kernels() -> None:
     """Same result as the two unfused kernels (hc_post then hc_pre) in the interpreter."""
     args = _inputs(5, 4, 64, torch.bfloat16, seed=3)
-    x_new, y, post, comb = tri.hc_post_pre(*args, **EPS)
-    x2 = tri.hc_post(*args[:4])
-    y2, post2, comb2 = tri.hc_pre(x2, *args[4:], **EPS)
+    x_new, y, post, comb = triton_mhc.hc_post_pre(*args, **EPS)
+    x2 = triton_mhc.hc_post(*args[:4])
+    y2, post2, comb2 = triton_mhc.hc_pre(x2, *args[4:], **EPS)
     assert rel_err(x_new.float(), x2.float()) < 4e-3
     assert rel_err(y.float(), y2.float()) < 4e-3
     assert rel_err(post, post2) < 1e-5 and rel_err(comb, comb2) < 1e-5
@@ -76,10 +76,10 @@ def test_hc_post_pre_equals_unfused_kernels() -> None:
 def test_hc_post_pre_rejects_bad_shapes() -> None:
     out, x_res, post, comb, fn, scale, base = _inputs(2, 4, 32, torch.float32, seed=0)
     with pytest.raises(ValueError, match="fn"):
-        tri.hc_post_pre(out, x_res, post, comb, fn[:, :64], scale, base, **EPS)
+        triton_mhc.hc_post_pre(out, x_res, post, comb, fn[:, :64], scale, base, **EPS)
     with pytest.raises(ValueError, match="x_res"):
-        tri.hc_post_pre(out[:, :16], x_res, post, comb, fn, scale, base, **EPS)
+        triton_mhc.hc_post_pre(out[:, :16], x_res, post, comb, fn, scale, base, **EPS)
     with pytest.raises(ValueError, match="comb"):
-        tri.hc_post_pre(out, x_res, post, comb[:, :2], fn, scale, base, **EPS)
+        triton_mhc.hc_post_pre(out, x_res, post, comb[:, :2], fn, scale, base, **EPS)
     with pytest.raises(ValueError, match="iters"):
-        tri.hc_post_pre(out, x_res, post, comb, fn, scale, base, 1e-6, 1e-6, 0)
+        triton_mhc.hc_post_pre(out, x_res, post, comb, fn, scale, base, 1e-6, 1e-6, 0)

@@ -1,0 +1,532 @@
+"""Triton kernels of the mHC mixes (spec §3.4, §3.10): ``hc_pre`` (split-K mixes + RMS statistic,
+then gates, Sinkhorn and the collapse), ``hc_post``, ``hc_head`` and ``hc_post_pre`` (a
+sublayer's post fused with the next sublayer's pre), with their tile plans (:class:`HcPlan`).
+
+Same signatures as the torch twins in ``dsv4/ops/torch_dense.py``.  The kernels run on Hopper
+GPUs and, at tiny shapes, in the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.triton_dense import (
+    _dot_bf16x3,
+    round_to_bf16,
+    sm_count,
+    store_rne,
+    torch_twin_off_gpu,
+)
+
+__all__ = ["hc_pre", "hc_post", "hc_post_pre", "hc_head", "HcPlan", "pick_hc_plan",
+           "hc_pre_with_plan", "hc_head_with_plan", "hc_post_with_plan", "hc_post_pre_with_plan",
+           "HC_PREFILL_T"]
+
+
+# ------------------------------------------------------------------------------ mHC
+# Why the prefill launches were slow (dsv4 issue #5; register counts from the offline sm_90
+# compile of the real launches, T = 8192, bf16 streams): the fused post + mixes kernel ran
+# BT 64 × BD 32 at 4 warps with a tf32x3 dot: 255 registers + 624 B of spills and 114 KB of
+# shared memory, so one 4-warp program per SM; a 32-column chunk gives each thread one bf16
+# (2-byte accesses); tf32x3 splits the fp32 A tile into two more register tiles.  The plain
+# mixes kernel (hc_pre) at BT 64 spilled too.  The fused kernel now computes each output stream
+# as its own 2-D tile with its own dot (no 3-D tile reshaped into an MMA operand), and the
+# prefill plans take more warps and, for bf16 streams, the "bf16x3" mix: the bf16 activation
+# is exact as an MMA operand and fn is split exactly into three bf16 parts, so three bf16 MMAs
+# give the fp32 products exactly (fp32 sums; tf32x3 drops a lo·lo term) with no split of the
+# activation tile.
+@dataclass(frozen=True)
+class HcPlan:
+    """Tile plan of one mHC launch.
+
+    BT tokens per program (``hc_post``: 1, one token per program); BD columns of each of the n
+    streams per chunk (the mixes dot runs over n·BD columns of flatten(x)); num_warps /
+    num_stages of the launch; per_sm: the D (K) split aims at this many programs per SM;
+    mix: "fp32" (tf32x3 on the GPU, ieee where rejected and in the interpreter) or "bf16x3"
+    (bf16 streams only: three exact bf16 parts of fn against the bf16 activation; fp32 streams
+    take "fp32")."""
+
+    BT: int
+    BD: int
+    num_warps: int = 4
+    num_stages: int = 3
+    per_sm: int = 2
+    mix: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("BT", "BD", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"HcPlan: {name} must be a power of two; found {v!r}")
+        if self.num_stages < 1 or self.per_sm < 1:
+            raise ValueError(f"HcPlan: num_stages and per_sm must be >= 1; found "
+                             f"{self.num_stages}, {self.per_sm}")
+        if self.mix not in ("fp32", "bf16x3"):
+            raise ValueError(f"HcPlan: mix must be 'fp32' or 'bf16x3'; found {self.mix!r}")
+
+    def label(self) -> str:
+        """Short text for tables: BTxBD/warps/stages/per_sm/mix."""
+        return (f"BT{self.BT} BD{self.BD} w{self.num_warps} s{self.num_stages} "
+                f"sm{self.per_sm} {self.mix}")
+
+
+# From this many tokens the prefill plans apply; below, the decode plans of before (unchanged).
+HC_PREFILL_T = 1024
+
+
+def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
+    """Default plan of ``op`` ("pre": hc_pre / hc_head mixes, "post_pre": the fused post +
+    mixes, "post": hc_post) for T tokens of n streams of width D.
+
+    The H200 sweep (bench/sweep_glue.py, docs/PERFORMANCE.md fifth session, V4-Flash widths):
+    bf16 streams take the "bf16x3" mixes at every T (exact products; 4–8% faster than the
+    fp32 path at decode, ~2× at prefill), so decode and prefill sum the same products.  Decode
+    (T < HC_PREFILL_T) keeps the tile sizes the kernels had before plans existed.  Prefill: the
+    fused post + mixes on 16-column chunks with 4 warps and ~4 programs per SM (8,192 tokens:
+    577 µs against 795 for 32-column chunks at 8 warps, 1,255 before plans); the mixes alone on
+    64-token tiles at 4 warps (259 µs, 187 registers, no spills)."""
+    mix = "bf16x3" if dtype == torch.bfloat16 else "fp32"
+    chunk = max(triton.cdiv(16, n), min(128 // n, triton.next_power_of_2(D)))
+    if op == "post":
+        return HcPlan(BT=1, BD=min(512, triton.next_power_of_2(D)), num_warps=4, num_stages=3)
+    if op not in ("pre", "post_pre"):
+        raise ValueError(f"pick_hc_plan: op must be 'pre', 'post_pre' or 'post'; found {op!r}")
+    if T < HC_PREFILL_T:
+        return HcPlan(BT=16, BD=chunk, num_warps=4, num_stages=3, mix=mix)
+    if op == "pre":
+        return HcPlan(BT=64, BD=chunk, num_warps=4, num_stages=3, per_sm=2, mix=mix)
+    return HcPlan(BT=64, BD=max(triton.cdiv(16, n), chunk // 2), num_warps=4, num_stages=3,
+                  per_sm=4, mix=mix)
+
+
+@triton.jit
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split,
+                           NJ: tl.constexpr, NJP: tl.constexpr, BT: tl.constexpr,
+                           BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr):
+    """Split-K partials of ``flatten(x) @ fn^T`` [T, NJ] and of Σ x² [T] (fp32).
+
+    BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    rt = pid_t * BT + tl.arange(0, BT)
+    rj = tl.arange(0, NJP)
+    t_mask = rt < T
+    j_mask = rj < NJ
+    acc = tl.zeros((BT, NJP), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
+    k0 = split * k_per_split
+    for kk in range(0, k_per_split, BK):
+        rk = k0 + kk + tl.arange(0, BK)
+        k_mask = (rk < KTOT) & (kk + tl.arange(0, BK) < k_per_split)
+        xl = tl.load(x_ptr + rt[:, None] * KTOT + rk[None, :],
+                     mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        xv = xl.to(tl.float32)
+        fv = tl.load(fn_ptr + rj[None, :] * KTOT + rk[:, None],
+                     mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+        if BF16X3:
+            acc = _dot_bf16x3(acc, xl, fv)
+        else:
+            acc += tl.dot(xv, fv, input_precision=PRECISION)
+        sq += tl.sum(xv * xv, axis=1)
+    base = split * T
+    tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
+             mask=t_mask[:, None] & j_mask[None, :])
+    tl.store(sq_ptr + base + rt, sq, mask=t_mask)
+
+
+@triton.jit
+def _hc_sum_vec(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS, SP: tl.constexpr):
+    """Σ over splits of the partial mixes at the [n] columns ``offs`` of token t (one load)."""
+    rs = tl.arange(0, SP)
+    v = tl.load(part_ptr + (rs[:, None] * T + t) * NJP + offs[None, :],
+                mask=(rs < SPLITS)[:, None], other=0.0)
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _hc_sum_mat(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS, SP: tl.constexpr):
+    """Σ over splits of the partial mixes at the [n, n] columns ``offs`` of token t."""
+    rs = tl.arange(0, SP)
+    v = tl.load(part_ptr + (rs[:, None, None] * T + t) * NJP + offs[None, :, :],
+                mask=(rs < SPLITS)[:, None, None], other=0.0)
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
+                        T, D, SPLITS, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr,
+                        NJP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                        HEAD: tl.constexpr):
+    """Per token: RMS factor, sigmoid gates, Sinkhorn (in registers), collapse Σ_j pre_j·x_j.
+
+    HEAD: the final hc_head (mixes are the n pre gates only; no post / Sinkhorn).
+    Grid (T, D blocks); every D block recomputes the tiny gate math, block 0 writes post/comb.
+    (At T = 8192 it moved 335 MB in 83 µs on the H200, ~4 TB/s: at its bytes floor already.)
+    """
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rs = tl.arange(0, SP)
+    sq = tl.sum(tl.load(sq_ptr + rs * T + t, mask=rs < SPLITS, other=0.0), axis=0)
+    rstd = 1.0 / tl.sqrt(sq / (N * D) + norm_eps)
+    rn = tl.arange(0, N)
+    pre_mix = _hc_sum_vec(part_ptr, t, T, NJP, rn, SPLITS, SP) * rstd
+    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + rn)) + hc_eps
+    if not HEAD:
+        if pid_d == 0:
+            post_mix = _hc_sum_vec(part_ptr, t, T, NJP, N + rn, SPLITS, SP) * rstd
+            post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1)
+                                    + tl.load(base_ptr + N + rn))
+            tl.store(post_ptr + t * N + rn, post)
+            cidx = 2 * N + rn[:, None] * N + rn[None, :]
+            c = (_hc_sum_mat(part_ptr, t, T, NJP, cidx, SPLITS, SP) * rstd * tl.load(scale_ptr + 2)
+                 + tl.load(base_ptr + cidx))
+            # softmax over k (axis 1), + eps, column normalization, then (row, column) rounds.
+            c = tl.exp(c - tl.max(c, axis=1)[:, None])
+            c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            for _ in range(ITERS - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :], c)
+    rd = pid_d * BD + tl.arange(0, BD)
+    d_mask = rd < D
+    xv = tl.load(x_ptr + t * N * D + rn[:, None] * D + rd[None, :], mask=d_mask[None, :],
+                 other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * xv, axis=0)
+    store_rne(y_ptr + t * D + rd, y, d_mask)
+
+
+# fp32 mixes as the reference computes them: "tf32x3" keeps ~fp32 accuracy on tensor cores;
+# "ieee" (FMA) is the fallback if this Triton build rejects it, and the interpreter's choice.
+_HC_PRECISIONS = ["tf32x3", "ieee"]
+
+
+def _check_plan(name: str, plan: HcPlan, n: int, dot: bool) -> None:
+    if dot and (plan.BT < 16 or n * plan.BD < 16):
+        raise ValueError(f"{name}: the mixes dot needs BT >= 16 and n·BD >= 16; found BT "
+                         f"{plan.BT}, n·BD {n * plan.BD}")
+
+
+def _launch_mixes(kernel: Any, grid: tuple[int, int], args: tuple, device: torch.device,
+                  plan: HcPlan, bf16x3: bool, **constexprs: Any) -> None:
+    """Launch a mixes kernel with the first fp32 dot precision this Triton build accepts."""
+    precisions = _HC_PRECISIONS if device.type == "cuda" else ["ieee"]
+    for i, prec in enumerate(precisions):
+        try:
+            kernel[grid](*args, **constexprs, PRECISION=prec, BF16X3=bf16x3,
+                         num_warps=plan.num_warps, num_stages=plan.num_stages)
+            return
+        except Exception:  # compile-time rejection of the precision: drop it for good
+            if i + 1 == len(precisions):
+                raise
+            _HC_PRECISIONS.remove(prec)
+
+
+def _splits(length: int, chunk: int, tiles: int, plan: HcPlan, device: torch.device
+            ) -> tuple[int, int]:
+    """(per_split, splits): split ``length`` in multiples of ``chunk`` until the launch has
+    ~plan.per_sm programs per SM (decode: T is tiny, the reduction long)."""
+    want = max(1, triton.cdiv(plan.per_sm * sm_count(device), tiles))
+    per_split = max(chunk, triton.cdiv(triton.cdiv(length, want), chunk) * chunk)
+    return per_split, triton.cdiv(length, per_split)
+
+
+def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str, plan: HcPlan | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [T, n_hc, D]; found shape {tuple(x.shape)}")
+    T, n, D = x.shape
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{name}: n_hc must be a power of two for the Triton kernel; found {n}")
+    if tuple(fn.shape) != (rows, n * D):
+        raise ValueError(f"{name}: fn must be [{rows}, {n * D}] for x {tuple(x.shape)}; "
+                         f"found {tuple(fn.shape)}")
+    plan = plan or pick_hc_plan("pre", T, n, D, x.dtype)
+    _check_plan(name, plan, n, dot=True)
+    x = x.contiguous()
+    fn = fn.float().contiguous()
+    ktot = n * D
+    njp = max(16, triton.next_power_of_2(rows))
+    BT, BK = plan.BT, n * plan.BD
+    tiles = triton.cdiv(T, BT)
+    k_per_split, splits = _splits(ktot, BK, tiles, plan, x.device)
+    part = torch.empty(splits, T, njp, dtype=torch.float32, device=x.device)
+    sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
+    if T:
+        _launch_mixes(_hc_mix_partial_kernel, (tiles, splits),
+                      (x, fn, part, sq, T, ktot, k_per_split), x.device, plan,
+                      plan.mix == "bf16x3" and x.dtype == torch.bfloat16,
+                      NJ=rows, NJP=njp, BT=BT, BK=BK)
+    return x, part, sq, splits, njp
+
+
+def hc_pre_with_plan(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                     norm_eps: float, hc_eps: float, iters: int, plan: HcPlan | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hc_pre` with an explicit mixes plan (``None``: :func:`pick_hc_plan`)."""
+    n = x.shape[1] if x.dim() == 3 else 0
+    if iters < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1; found {iters}")
+    x, part, sq, splits, njp = _hc_mix(x, fn, (2 + n) * n, "hc_pre", plan)
+    T, n, D = x.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(T, n, dtype=torch.float32, device=x.device)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
+    if T:
+        BD = min(1024, triton.next_power_of_2(D))
+        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
+            x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
+            T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
+            SP=triton.next_power_of_2(splits), BD=BD, HEAD=False, num_warps=4)
+    return y, post, comb
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           norm_eps: float, hc_eps: float, iters: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre-mix (spec §3.4): split-K mixes + RMS statistic, then gates, Sinkhorn, collapse.
+
+    x [T, n, D]; fn [(2+n)·n, n·D]; scale [3]; base [(2+n)·n].  Returns y [T, D] (x.dtype),
+    post [T, n] fp32, comb [T, n, n] fp32 (rows j = input stream, columns k = output stream).
+    """
+    return hc_pre_with_plan(x, fn, scale, base, norm_eps, hc_eps, iters, None)
+
+
+def hc_head_with_plan(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                      norm_eps: float, hc_eps: float, plan: HcPlan | None = None
+                      ) -> torch.Tensor:
+    """:func:`hc_head` with an explicit mixes plan (``None``: :func:`pick_hc_plan`)."""
+    n = x.shape[1] if x.dim() == 3 else 0
+    x, part, sq, splits, njp = _hc_mix(x, fn, n, "hc_head", plan)
+    T, n, D = x.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T:
+        BD = min(1024, triton.next_power_of_2(D))
+        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
+            x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, y, y,
+            T, D, splits, float(norm_eps), float(hc_eps), ITERS=1, N=n, NJP=njp,
+            SP=triton.next_power_of_2(splits), BD=BD, HEAD=True, num_warps=4)
+    return y
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j``; x [T, n, D] → [T, D]."""
+    return hc_head_with_plan(x, fn, scale, base, norm_eps, hc_eps, None)
+
+
+@triton.jit
+def _hc_post_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, y_ptr, D,
+                    N: tl.constexpr, BD: tl.constexpr):
+    """new[k, :] = post[k]·out + Σ_j comb[j, k]·x_res[j, :] for one token and D block (fp32)."""
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_mask = rd < D
+    rn = tl.arange(0, N)
+    o = tl.load(out_ptr + t * D + rd, mask=d_mask, other=0.0).to(tl.float32)
+    xr = tl.load(xr_ptr + t * N * D + rn[:, None] * D + rd[None, :], mask=d_mask[None, :],
+                 other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + rn)
+    comb = tl.load(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :])  # [j, k]
+    mixed = tl.sum(comb[:, :, None] * xr[:, None, :], axis=0)  # [k, BD]
+    new = post[:, None] * o[None, :] + mixed
+    store_rne(y_ptr + t * N * D + rn[:, None] * D + rd[None, :], new, d_mask[None, :])
+
+
+def hc_post_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+                      comb: torch.Tensor, plan: HcPlan | None = None) -> torch.Tensor:
+    """:func:`hc_post` with an explicit plan (``None``: :func:`pick_hc_plan`); one token per
+    program (plan.BT must be 1), plan.BD columns of the n streams, plan.num_warps."""
+    _check_post_args("hc_post", out, x_res, post, comb)
+    T, n, D = x_res.shape
+    plan = plan or pick_hc_plan("post", T, n, D, x_res.dtype)
+    if plan.BT != 1:
+        raise ValueError(f"hc_post: the kernel takes one token per program (plan BT 1); "
+                         f"found BT {plan.BT}")
+    y = torch.empty_like(x_res, memory_format=torch.contiguous_format)
+    if T:
+        _hc_post_kernel[(T, triton.cdiv(D, plan.BD))](
+            out.contiguous(), x_res.contiguous(), post.float().contiguous(),
+            comb.float().contiguous(), y, D, N=n, BD=plan.BD, num_warps=plan.num_warps,
+            num_stages=plan.num_stages)
+    return y
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output back to n streams (spec §3.4), fp32 math, x_res.dtype out.
+
+    ``new_k = post_k · out + Σ_j comb[j, k] · x_res_j``; out [T, D]; x_res [T, n, D];
+    post [T, n]; comb [T, n, n].
+    """
+    return hc_post_with_plan(out, x_res, post, comb, None)
+
+
+# ------------------------------------------------------------ mHC post fused with the next pre
+@triton.jit
+def _load_stream(xr_ptr, rt, j: tl.constexpr, N: tl.constexpr, D, rd, m2):
+    """x_res stream j of the BT tokens, columns rd: [BT, BD] fp32."""
+    return tl.load(xr_ptr + rt[:, None] * (N * D) + j * D + rd[None, :], mask=m2,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _comb_col(comb_ptr, rt, t_mask, j: tl.constexpr, k, N: tl.constexpr):
+    """comb[t, j, k] of the BT tokens: [BT, 1]."""
+    return tl.load(comb_ptr + rt * (N * N) + j * N + k, mask=t_mask, other=0.0)[:, None]
+
+
+@triton.jit
+def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, part_ptr, sq_ptr,
+                        T, D, d_per_split, N: tl.constexpr, NJ: tl.constexpr,
+                        NJP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                        PRECISION: tl.constexpr, BF16X3: tl.constexpr):
+    """hc_post for BT tokens and one D range of all n (1, 2 or 4) streams, stored once, plus
+    the next pre's split-K partials (Σ x_new² and x_new @ fn^T over that range) from the
+    stored values.
+
+    Partials go to ``part [splits, T, NJP]`` / ``sq [splits, T]`` exactly as
+    ``_hc_mix_partial_kernel`` writes them, so ``_hc_collapse_kernel`` finishes the pre.
+    Each output stream k is its own 2-D [BT, BD] tile (the n input streams are loaded once per
+    chunk) and its own dot against fn's columns k·D + d: no 3-D tile to reshape into an MMA
+    operand.  Every x_new element is ``post_k·out`` then + comb[j, k]·x_res_j for j = 0..n-1
+    (one fused multiply-add each), whatever the plan: the stored streams are the same bits
+    under every tile plan.  BF16X3 (bf16 streams): the stored bf16 tile is the MMA operand, fn
+    in three exact bf16 parts.
+    """
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    rt = pid_t * BT + tl.arange(0, BT)
+    t_mask = rt < T
+    rj = tl.arange(0, NJP)
+    j_mask = rj < NJ
+    rb = tl.arange(0, BD)
+    acc = tl.zeros((BT, NJP), dtype=tl.float32)
+    sq = tl.zeros((BT,), dtype=tl.float32)
+    d0 = split * d_per_split
+    for dd in range(0, d_per_split, BD):
+        rd = d0 + dd + rb
+        d_mask = (rd < D) & (dd + rb < d_per_split)
+        m2 = t_mask[:, None] & d_mask[None, :]
+        o = tl.load(out_ptr + rt[:, None] * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
+        x0 = _load_stream(xr_ptr, rt, 0, N, D, rd, m2)
+        if N > 1:
+            x1 = _load_stream(xr_ptr, rt, 1, N, D, rd, m2)
+        if N > 2:
+            x2 = _load_stream(xr_ptr, rt, 2, N, D, rd, m2)
+            x3 = _load_stream(xr_ptr, rt, 3, N, D, rd, m2)
+        for k in tl.static_range(N):
+            post_k = tl.load(post_ptr + rt * N + k, mask=t_mask, other=0.0)
+            new = post_k[:, None] * o
+            new += _comb_col(comb_ptr, rt, t_mask, 0, k, N) * x0
+            if N > 1:
+                new += _comb_col(comb_ptr, rt, t_mask, 1, k, N) * x1
+            if N > 2:
+                new += _comb_col(comb_ptr, rt, t_mask, 2, k, N) * x2
+                new += _comb_col(comb_ptr, rt, t_mask, 3, k, N) * x3
+            # The next pre reads the streams as stored: round first (RNE, as store_rne does),
+            # so its statistics see the same values hc_pre(x_new) would.
+            if xnew_ptr.dtype.element_ty == tl.bfloat16:
+                new = round_to_bf16(new)
+            stored = new.to(xnew_ptr.dtype.element_ty)
+            new = stored.to(tl.float32)
+            tl.store(xnew_ptr + rt[:, None] * (N * D) + k * D + rd[None, :], stored, mask=m2)
+            sq += tl.sum(new * new, axis=1)
+            fv = tl.load(fn_ptr + rj[None, :] * (N * D) + (k * D + rd)[:, None],
+                         mask=d_mask[:, None] & j_mask[None, :], other=0.0)
+            if BF16X3:
+                acc = _dot_bf16x3(acc, stored, fv)
+            else:
+                acc += tl.dot(new, fv, input_precision=PRECISION)
+    base = split * T
+    tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
+             mask=t_mask[:, None] & j_mask[None, :])
+    tl.store(sq_ptr + base + rt, sq, mask=t_mask)
+
+
+def _check_post_args(name: str, out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> None:
+    if x_res.dim() != 3 or out.shape != (x_res.shape[0], x_res.shape[2]):
+        raise ValueError(f"{name}: out must be [T, D] and x_res [T, n, D]; found "
+                         f"{tuple(out.shape)} and {tuple(x_res.shape)}")
+    T, n, _ = x_res.shape
+    if tuple(post.shape) != (T, n) or tuple(comb.shape) != (T, n, n):
+        raise ValueError(f"{name}: post must be [{T}, {n}] and comb [{T}, {n}, {n}]; found "
+                         f"{tuple(post.shape)} and {tuple(comb.shape)}")
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{name}: n_hc must be a power of two for the Triton kernel; found {n}")
+
+
+def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
+                          comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                          base: torch.Tensor, norm_eps: float, hc_eps: float, iters: int,
+                          plan: HcPlan | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hc_post_pre` with an explicit plan of the post + mixes kernel (``None``:
+    :func:`pick_hc_plan`).  x_new is the same bits under every plan; the mixes (and through
+    the gates, y) agree to fp32 rounding (other split / dot orders)."""
+    _check_post_args("hc_post_pre", out, x_res, post, comb)
+    if iters < 1:
+        raise ValueError(f"hc_post_pre: iters must be >= 1; found {iters}")
+    T, n, D = x_res.shape
+    rows = (2 + n) * n
+    if tuple(fn.shape) != (rows, n * D):
+        raise ValueError(f"hc_post_pre: fn must be [{rows}, {n * D}] for x_res "
+                         f"{tuple(x_res.shape)}; found {tuple(fn.shape)}")
+    if n > 4:
+        # The fused kernel holds n_hc <= 4 input streams (every V4 model has 4): compose.
+        x_new = hc_post_with_plan(out, x_res, post, comb, None)
+        return (x_new, *hc_pre_with_plan(x_new, fn, scale, base, norm_eps, hc_eps, iters, plan))
+    plan = plan or pick_hc_plan("post_pre", T, n, D, x_res.dtype)
+    _check_plan("hc_post_pre", plan, n, dot=True)
+    dev = x_res.device
+    x_new = torch.empty(T, n, D, dtype=x_res.dtype, device=dev)
+    y = torch.empty(T, D, dtype=x_res.dtype, device=dev)
+    post_n = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb_n = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if not T:
+        return x_new, y, post_n, comb_n
+    njp = max(16, triton.next_power_of_2(rows))
+    tiles = triton.cdiv(T, plan.BT)
+    d_per_split, splits = _splits(D, plan.BD, tiles, plan, dev)
+    part = torch.empty(splits, T, njp, dtype=torch.float32, device=dev)
+    sq = torch.empty(splits, T, dtype=torch.float32, device=dev)
+    args = (out.contiguous(), x_res.contiguous(), post.float().contiguous(),
+            comb.float().contiguous(), fn.float().contiguous(), x_new, part, sq, T, D,
+            d_per_split)
+    _launch_mixes(_hc_post_mix_kernel, (tiles, splits), args, dev, plan,
+                  plan.mix == "bf16x3" and x_res.dtype == torch.bfloat16,
+                  N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD)
+    BDC = min(1024, triton.next_power_of_2(D))
+    _hc_collapse_kernel[(T, triton.cdiv(D, BDC))](
+        x_new, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post_n,
+        comb_n, T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
+        SP=triton.next_power_of_2(splits), BD=BDC, HEAD=False, num_warps=4)
+    return x_new, y, post_n, comb_n
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def hc_post_pre(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                hc_eps: float, iters: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post`` of one sublayer fused with the ``hc_pre`` of the next (spec §3.4, §3.5).
+
+    out [T, D]; x_res [T, n, D]; post [T, n]; comb [T, n, n] (this sublayer's);
+    fn [(2+n)·n, n·D], scale [3], base [(2+n)·n] (the next sublayer's).  Returns
+    ``(x_new [T, n, D] x_res.dtype, y [T, D], post' [T, n] fp32, comb' [T, n, n] fp32)`` =
+    ``(x_new, *hc_pre(x_new, ...))`` with ``x_new = hc_post(out, x_res, post, comb)``.
+
+    Two launches instead of three: one kernel writes x_new and the next pre's split-K partials
+    (RMS statistic and 24-wide projection), then the collapse kernel of hc_pre finishes.
+    """
+    return hc_post_pre_with_plan(out, x_res, post, comb, fn, scale, base, norm_eps, hc_eps,
+                                 iters, None)
