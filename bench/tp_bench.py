@@ -258,6 +258,26 @@ def _stop_profile(prof: Any, path: str, title: str) -> None:
         f.write("\n".join(tabs) + "\n\n")
 
 
+def _host_counters(runner: Any) -> dict[str, float]:
+    """Cumulative host seconds of the step phases around replays (ModelRunner.host_s,
+    DecodeGraphs.stats) and the replay count."""
+    g = runner.decode_graphs.stats if runner.decode_graphs is not None else {}
+    return {**runner.host_s, "fill": g.get("fill_s", 0.0), "launch": g.get("launch_s", 0.0),
+            "replays": g.get("replays", 0)}
+
+
+def _host_ms(before: dict[str, float], after: dict[str, float], steps: int
+             ) -> dict[str, float] | None:
+    """Host ms per step of planning, and per replayed step of the plan broadcast, buffer fill
+    and graph launch (the host work the GPU may wait for between two replays)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = d.pop("replays")
+    if not n or not steps:
+        return None
+    return {"plan_per_step": d.pop("plan") * 1e3 / steps,
+            **{f"{k}_per_replay": v * 1e3 / n for k, v in d.items()}}
+
+
 def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int, seed: int,
                  deadline: float, profile_path: str | None = None, trace: bool = False
                  ) -> dict[str, Any]:
@@ -271,6 +291,7 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    host0 = _host_counters(engine.runner)
     t0 = time.perf_counter()
     ids = []
     for i in range(concurrency):
@@ -317,6 +338,10 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
             last[o.request_id] = now
             counts[o.request_id] = n
     wall = time.perf_counter() - t0
+    host = _host_ms(host0, _host_counters(engine.runner), len(steps))
+    if host is not None:
+        print(f"c={concurrency} host ms: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()),
+              flush=True)
     out_tokens = sum(counts.values())
     tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1]
     ttfts = [first[r] - t0 for r in first]
@@ -337,7 +362,7 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
             "slowest_decode_steps": sorted(((i + 1, st["s"]) for i, st in enumerate(steps)
                                             if st["decode_only"]), key=lambda t: -t[1])[:5],
             "decode_tokens_per_s": dec_tok / dec_s if dec_s > 0 else None,
-            "steps": len(steps)}
+            "host_ms": host, "steps": len(steps)}
 
 
 def _with_floor(r: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
@@ -438,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
                           "num_pages": engine.manager.num_pages})
     if not engine.is_driver:
         engine.run_worker()
+        # This rank's fill / launch per replay: a worker slower to launch holds the driver's
+        # graph at its first all-reduce.
+        host = _host_ms({}, {**_host_counters(engine.runner), "plan": 0.0}, 1)
+        if host is not None:
+            print(f"[rank {par.rank}] host ms per replay: fill {host['fill_per_replay']:.3f}, "
+                  f"launch {host['launch_per_replay']:.3f}", flush=True)
         return 0
 
     cfg = engine.config

@@ -101,9 +101,12 @@ class DecodeGraphs:
         self._arange = torch.arange(B + 1, dtype=torch.int64, device=device)
         self._copied: Any = None    # CUDA event of the last host->device copy
         self.graphs: dict[int, _Captured] = {}
+        # fill_s / launch_s: host seconds spent filling the buffers and launching replays (the
+        # host work of a replayed step besides planning; bench/tp_bench.py reports them).
         self.stats: dict[str, float] = {"replays": 0, "eager_static_steps": 0,
                                         "padded_rows": 0, "capture_s": 0.0,
-                                        "capture_reserved_bytes": 0}
+                                        "capture_reserved_bytes": 0, "fill_s": 0.0,
+                                        "launch_s": 0.0}
         self._pool: Any = None
 
     # ------------------------------------------------------------------ buffers
@@ -229,11 +232,15 @@ class DecodeGraphs:
         if self.use_graphs:
             if B not in self.graphs:
                 self.capture(B)
+            t0 = time.perf_counter()
             with record_function("dsv4.graph_fill"):
                 self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
             captured = self.graphs[B]
+            t1 = time.perf_counter()
             with record_function("dsv4.graph_replay"):
                 captured.graph.replay()
+            self.stats["fill_s"] += t1 - t0
+            self.stats["launch_s"] += time.perf_counter() - t1
             self.stats["replays"] += 1
             return captured.logits[:R]
         self._fill(B, input_ids, start_pos, slots, block_tables, token_types)

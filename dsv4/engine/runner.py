@@ -236,6 +236,10 @@ class ModelRunner:
             raise ValueError("ModelRunner: static_decode needs max_model_len (the block table "
                              "width of static-shape steps)")
         self.decode_graphs: DecodeGraphs | None = None
+        # Host seconds of the step phases before a replay: planning and (driver of a parallel
+        # launch) the static plan's broadcast; the replays' fill / launch are in
+        # decode_graphs.stats (bench/tp_bench.py reports both per decode step).
+        self.host_s: dict[str, float] = {"plan": 0.0, "broadcast": 0.0}
         self.graphs_disabled_reason: str | None = None   # set when a capture failed
         if static_decode:
             static = StaticShape(max_pages=pages_needed(max_model_len, page_size),
@@ -375,7 +379,9 @@ class ModelRunner:
         capturing = graphs.use_graphs and B not in graphs.graphs
         if par.enabled and par.is_driver:
             plan.static = True
+            t0 = time.perf_counter()
             par.broadcast_object(plan)
+            self.host_s["broadcast"] += time.perf_counter() - t0
         if plan.reset_slots and not (par.enabled and capturing):
             self.cache.reset_slots(plan.reset_slots)
         if par.enabled and capturing:
@@ -440,8 +446,10 @@ class ModelRunner:
         if out.is_empty:
             return result
         # Labelled ranges: a torch.profiler trace splits the host's step time by them.
+        t0 = time.perf_counter()
         with record_function("dsv4.plan_step"):
             plan, sample_rows, prompt_positions = self.plan_step(out)
+        self.host_s["plan"] += time.perf_counter() - t0
         logits = None
         if self.static_bucket(plan, sample_rows, prompt_positions) is not None:
             with record_function("dsv4.static_step"):

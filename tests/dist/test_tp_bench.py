@@ -119,3 +119,19 @@ def test_budget_stops_a_workload(monkeypatch) -> None:
     assert not r["partial"] and r["output_tokens"] == 8
     with pytest.raises(SystemExit):
         tb.parse_args(["--tiny", "--output-len", "1"])
+
+
+def test_host_ms_per_step_and_replay() -> None:
+    """The host-phase report: planning per step, broadcast / fill / launch per replayed step,
+    from the deltas of the cumulative counters; nothing without replays."""
+    mod = _load()
+    before = {"plan": 1.0, "broadcast": 0.5, "fill": 0.2, "launch": 0.1, "replays": 10}
+    after = {"plan": 1.004, "broadcast": 0.5008, "fill": 0.2012, "launch": 0.1016,
+             "replays": 14}
+    got = mod._host_ms(before, after, steps=8)
+    want = {"plan_per_step": 0.5, "broadcast_per_replay": 0.2, "fill_per_replay": 0.3,
+            "launch_per_replay": 0.4}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert abs(got[k] - v) < 1e-9, (k, got[k])
+    assert mod._host_ms(before, dict(before), steps=3) is None
