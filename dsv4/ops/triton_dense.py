@@ -375,6 +375,18 @@ def splitk_counters(device: torch.device, tiles: int, op: str = "split-K") -> to
     return buf
 
 
+def splitk_workspace(out: torch.Tensor, split: int, tiles: int, op: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [split, M, N], arrival counters) of a split-K GEMM writing ``out`` [M, N]
+    over ``tiles`` output tiles; with one split neither is touched (``out`` stands in).  The
+    partials come from the caching allocator per call (also inside CUDA graphs)."""
+    if split == 1:
+        return out, out
+    M, N = out.shape
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=out.device)
+    return ws, splitk_counters(out.device, tiles, op)
+
+
 def _check_fp8_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int) -> None:
     if w8.dim() != 2 or w8.dtype != _E4M3:
         raise ValueError(f"fp8_linear: weight must be a 2-D float8_e4m3fn tensor; found "
@@ -429,12 +441,7 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
     split = triton.cdiv(n_kb, kbps)  # every split gets >= 1 K block (the last may get fewer)
     tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    if split == 1:
-        ws, counters = out, out  # unused with one split
-    else:
-        # Per-call workspace: the caching allocator serves it (also inside CUDA graphs).
-        ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        counters = splitk_counters(x.device, tiles, "fp8_linear")
+    ws, counters = splitk_workspace(out, split, tiles, "fp8_linear")
     _fp8_gemm_kernel[(tiles, split)](
         a, sa, w8, sw, out, ws, counters, M, N, K, a.stride(0), w8.stride(0), out.stride(0),
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.triton_dense import (_dot_bf16x3, sm_count, splitk_counters, splitk_reduce,
+from dsv4.ops.triton_dense import (_dot_bf16x3, sm_count, splitk_reduce, splitk_workspace,
                                    torch_twin_off_gpu)
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
@@ -213,13 +213,7 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
     k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.BK
     split = triton.cdiv(K, k_per_split)  # every split gets >= 1 chunk (the last may be short)
     tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
-    if split == 1:
-        ws, counters = out, out  # unused with one split
-    else:
-        # Per-call workspace from the caching allocator (also inside CUDA graphs); the counters
-        # are the FP8 GEMM's persistent per-device buffer (zero between launches).
-        ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        counters = splitk_counters(x.device, tiles, "linear_fp32")
+    ws, counters = splitk_workspace(out, split, tiles, "linear_fp32")
     _linear32_kernel[(tiles, split)](
         x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16,
