@@ -12,6 +12,8 @@ cast mis-rounds values whose mantissa carries into the exponent).
 
 from __future__ import annotations
 
+import math
+
 import functools
 import importlib
 import os
@@ -297,9 +299,12 @@ class Fp8GemmConfig:
     fuse_quant: bool = True  # quantize A inside the GEMM (decode) or in a separate pass
 
 
-# Above this many rows the activation is quantized once in its own pass: re-quantizing it in
-# every N tile would cost CUDA-core time comparable to the FP8 MMA itself.
-_FUSE_QUANT_MAX_M = 64
+# Up to this many rows the activation is quantized inside the GEMM (each N tile re-quantizes
+# its few rows); beyond, once in its own pass (measured faster from 64 rows: the in-GEMM
+# quantization of 64 rows made every tile CUDA-core bound, e.g. wo_b 46.4 vs 20.2 µs).
+_FUSE_QUANT_MAX_M = 16
+# Beyond this many rows the prefill plan (no K split).
+_DECODE_MAX_M = 512
 
 
 @lru_cache(maxsize=8)
@@ -314,31 +319,53 @@ def sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) -> Fp8GemmConfig:
-    """Tile plan by shape (tuned on the H200, docs/PERFORMANCE.md).
+def _pow2_at_least(v: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(v, 1.0))))
 
-    Prefill (M > 64): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
-    Decode: the weight stream must keep ~2 programs per SM busy: the widest N tile that
-    reaches that with at most 8 K splits (each keeping >= 2 K blocks), and the fewest splits
-    that do.  Splitting costs no extra launch (the last split of each tile sums the fp32
-    slices in the kernel), so a wide split tile beats a narrow unsplit one: on the H200 at
-    M = 1, N = 8192, K = 1024, BN 128 × 4 splits took 8.0 µs against 9.3 for BN 32 unsplit,
-    and N = 16384, K = 1024 (wq_b at TP 2) BN 128 × 2 splits 11.1 µs against 12.7 for BN 64.
+
+def _pow2_at_most(v: float) -> int:
+    return 1 << max(0, math.floor(math.log2(max(v, 1.0))))
+
+
+def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) -> Fp8GemmConfig:
+    """Tile plan by shape, from the H200 sweep of ``bench/fp8_decode_sweep.py`` (sixth session,
+    docs/PERFORMANCE.md: the six projections of a V4-Flash step at 1, 16, 64 and 256 rows).
+
+    * M <= 16 (16-row MMA tiles, A quantized in the GEMM, 8 warps): 256-wide N tiles unsplit
+      when they alone give ~one program per SM (wq_b), else 128-wide tiles split over K so
+      that ~2 programs per SM stream the weight (<= 8 splits of >= 2 K blocks each).  Splits
+      cost no launch: the last split of each tile sums the fp32 slices in the kernel.
+    * 16 < M <= 64: A quantized once in its own pass, 64-wide N tiles, 4 warps, 4 stages, the
+      fewest power-of-two K splits that reach ~3/4 of a program per SM (wo_b at 64 rows: 20.2
+      µs against 46.4 for the former in-GEMM quantization with 128-wide tiles).
+    * 64 < M <= 512: 64×128 tiles (64×64 for N <= 2048), split over K while there are fewer
+      than ~2 programs per SM and each split keeps >= 16 K blocks.
+    * Prefill (M > 512): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
     """
     n_kb = triton.cdiv(K, block)
-    stages = 3 if block >= 128 else 6
-    if M > _FUSE_QUANT_MAX_M:
-        return Fp8GemmConfig(BM=64, BN=128, num_warps=4, num_stages=4 if block >= 128 else 6,
+    stages = 4 if block >= 128 else 6
+    sms = sm_count(device)
+    if M > _DECODE_MAX_M:
+        return Fp8GemmConfig(BM=64, BN=128, num_warps=4, num_stages=stages, fuse_quant=False)
+    if M > 64:
+        bn = 64 if N <= 2048 else 128
+        tiles = triton.cdiv(M, 64) * triton.cdiv(N, bn)
+        split = max(1, min(_pow2_at_most(2 * sms / tiles), n_kb // 16))
+        return Fp8GemmConfig(BM=64, BN=bn, split_k=split, num_warps=4, num_stages=stages,
                              fuse_quant=False)
     bm = max(16, triton.next_power_of_2(M))
-    target = int(1.9 * sm_count(device))
-    # 64-row tiles run on a full warpgroup MMA: narrow N tiles measured slower there.
-    widths = (128, 64, 32) if bm < 64 else (128, 64)
-    tiles = {bn: triton.cdiv(M, bm) * triton.cdiv(N, bn) for bn in widths}
     max_split = max(1, min(8, n_kb // 2))
-    bn = next((b for b in widths if tiles[b] * max_split >= target), widths[-1])
-    split = max(1, min(max_split, triton.cdiv(target, tiles[bn])))
-    return Fp8GemmConfig(BM=bm, BN=bn, split_k=split, num_warps=4, num_stages=stages)
+    if M > _FUSE_QUANT_MAX_M:
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, 64)
+        split = min(max_split, _pow2_at_least(0.72 * sms / tiles))
+        return Fp8GemmConfig(BM=bm, BN=64, split_k=split, num_warps=4, num_stages=stages,
+                             fuse_quant=False)
+    if triton.cdiv(N, 256) >= 0.9 * sms:
+        return Fp8GemmConfig(BM=bm, BN=256, split_k=1, num_warps=8, num_stages=3)
+    tiles = triton.cdiv(N, 128)
+    split = min(max_split, _pow2_at_least(2 * sms / tiles))
+    return Fp8GemmConfig(BM=bm, BN=128, split_k=split, num_warps=8,
+                         num_stages=3 if block >= 128 else 6)
 
 
 # Split-K arrival counters, one int32 per output tile, per device.  Every launch leaves them at

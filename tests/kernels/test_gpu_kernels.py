@@ -248,9 +248,11 @@ def test_fp8_linear_gpu_plans(plan: dict) -> None:
 
 
 # Decode shapes whose K is split (V4-Flash wo_b, wq_a and indexer wq_b at M = 1, wkv at
-# M = 16): the picked plan, 5 splits (of 32 / 64 K blocks the last split is short) and 16.
+# M = 16, wq_a+wkv and wo_b at the 64- and 256-row plans, which quantize A in their own pass):
+# the picked plan, 5 splits (of 32 / 64 K blocks the last split is short) and 16.
 @pytest.mark.parametrize("M,N,K", [(1, 4096, 8192), (1, 1024, 4096), (1, 8192, 1024),
-                                   (16, 512, 4096)])
+                                   (16, 512, 4096), (64, 1536, 4096), (64, 4096, 8192),
+                                   (256, 1536, 4096), (256, 4096, 8192)])
 def test_fp8_linear_gpu_split_k_reproducible(M: int, N: int, K: int) -> None:
     """Split-K reduced in the kernel: bit-identical across calls and CUDA-graph replays (fixed
     summation order, counters reset by every launch), within fp32 rounding of one split."""
