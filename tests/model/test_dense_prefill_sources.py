@@ -260,17 +260,30 @@ def _flash_bench():
 @cuda
 def test_gpu_flash_prefill_dense_equals_records(monkeypatch) -> None:
     """4 V4-Flash-width layers (window, window, CSA, HCA; Triton, official numerics, fp8 cache),
-    one 2,048-token prefill then a 1,024-token continuation: logits identical with the dense
-    path on and off; prints both times."""
+    one 2,048-token prefill then a 1,024-token continuation: the records path twice (the model is
+    deterministic), the dense path under the records path's attention plan (identical logits:
+    the same values in the same order), and the dense path under its own plan (4 warps instead
+    of 8 may order the softmax sums differently; that rounding then passes through four layers
+    of FP8 fake quantization: close, not identical); prints the times."""
+    from dsv4.ops import triton_attn as ta
+
     fb = _flash_bench()
     model = fb.build_model(4)
     S, S2 = 2048, 1024
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model.cfg.vocab_size, (S + S2,), generator=gen, device="cuda")
     pages = list(range(-(-(S + S2) // fb.PAGE)))
+    default_plan = ta.pick_attn_config
+
+    def records_plan(*args, records: bool = False, **kw):
+        return default_plan(*args, records=True, **kw)
+
     results, times = {}, {}
-    for dense in (False, True):
+    runs = (("records", False, False), ("records again", False, False),
+            ("dense, records plan", True, True), ("dense", True, False))
+    for name, dense, same_plan in runs:
         monkeypatch.setattr(attn_mod, "DENSE_PREFILL_MIN_TOKENS", 0 if dense else 10 ** 9)
+        monkeypatch.setattr(ta, "pick_attn_config", records_plan if same_plan else default_plan)
         cache = HybridCache.allocate(model.cfg, num_pages=len(pages), num_slots=1,
                                      page_size=fb.PAGE, dtype=RECORD_DTYPE, device="cuda")
         with torch.no_grad():
@@ -286,16 +299,25 @@ def test_gpu_flash_prefill_dense_equals_records(monkeypatch) -> None:
                 cache.reset_slots([0])
                 out1 = first()
             torch.cuda.synchronize()
-            times[dense] = (time.perf_counter() - t0) / 3
+            times[name] = (time.perf_counter() - t0) / 3
             ctx2 = StepContext.build(ids[S:], [S2], [S], [0], [pages], device="cuda",
                                      logits_indices=list(range(S2 - 8, S2)))
             out2 = model.compute_logits(model.forward(ctx2, cache))
-        results[dense] = (out1.clone(), out2.clone())
-    print(f"\n4-layer V4-Flash prefill of {S} tokens, fp8 cache: records "
-          f"{times[False] * 1e3:.2f} ms, dense copies {times[True] * 1e3:.2f} ms")
-    for k, (a, b) in enumerate(zip(results[True], results[False])):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b), f"step {k}: max diff {(a - b).abs().max()}"
+        results[name] = (out1.clone(), out2.clone())
+    print("\n4-layer V4-Flash prefill of %d tokens, fp8 cache: %s" % (S, ", ".join(
+        f"{n} {t * 1e3:.2f} ms" for n, t in times.items())))
+    ref = results["records"]
+    for name in ("records again", "dense, records plan", "dense"):
+        for k, (a, b) in enumerate(zip(results[name], ref)):
+            assert torch.isfinite(a).all(), name
+            rel = ((a - b).norm() / b.norm()).item()
+            print(f"{name} vs records, step {k}: rel {rel:.2e}, max diff "
+                  f"{(a - b).abs().max().item():.3e}, argmax agree "
+                  f"{(a.argmax(-1) == b.argmax(-1)).float().mean().item():.2f}")
+            if name == "dense":
+                assert rel < 5e-2, f"{name} step {k}: relative difference {rel:.2e}"
+            else:
+                assert torch.equal(a, b), f"{name} step {k}: max diff {(a - b).abs().max()}"
 
 
 @cuda
