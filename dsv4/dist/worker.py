@@ -44,7 +44,14 @@ def run_worker(runner: Any) -> int:
                          "parallel launch run the worker loop")
     steps = 0
     while True:
-        msg = par.broadcast_object(None)
+        kind, msg = par.receive()
+        if kind == "static":
+            try:
+                runner.run_worker_static(msg)
+            except Exception:  # noqa: BLE001 - the driver reports the same error to its caller
+                log.exception("dsv4 worker rank %d: static step failed", par.rank)
+            steps += 1
+            continue
         if isinstance(msg, Stop):
             log.info("dsv4 worker rank %d: %s after %d steps", par.rank, msg.reason, steps)
             return steps
@@ -61,4 +68,4 @@ def run_worker(runner: Any) -> int:
 def stop_workers(parallel: Any, reason: str = "shutdown") -> None:
     """Driver side: tell every worker to leave :func:`run_worker` (no-op on one process)."""
     if parallel.enabled and parallel.is_driver:
-        parallel.broadcast_object(Stop(reason))
+        parallel.send(Stop(reason))

@@ -114,12 +114,19 @@ class DecodeGraphs:
         """The bucket of a decode step of ``num_requests`` requests (None: too many)."""
         return bucket_for(num_requests, self.buckets)
 
+    def check_tables(self, block_tables: Sequence[Sequence[int]]) -> None:
+        """ValueError when a block table is wider than the static width."""
+        P = self.static.max_pages
+        for i, row in enumerate(block_tables):
+            if len(row) > P:
+                raise ValueError(f"DecodeGraphs: block table {i} has {len(row)} pages; the "
+                                 f"static width is max_pages={P}")
+
     def _fill(self, B: int, input_ids: Sequence[int], start_pos: Sequence[int],
               slots: Sequence[int], block_tables: Sequence[Sequence[int]],
               token_types: Sequence[int] | None) -> None:
         """Write one step (rows 0..R−1) and its padding rows (R..B−1) into the buffers."""
         R = len(input_ids)
-        P = self.static.max_pages
         if self._copied is not None:
             # The previous transfer must have left the staging copy before it is rewritten.
             self._copied.synchronize()
@@ -133,11 +140,9 @@ class DecodeGraphs:
         small[_POS, R:B] = 0
         small[_SLOT, R:B] = self.static.scratch_slot
         small[_TYPE, R:B] = -1
+        self.check_tables(block_tables)
         tables[:B] = -1
         for i, row in enumerate(block_tables):
-            if len(row) > P:
-                raise ValueError(f"DecodeGraphs: block table {i} has {len(row)} pages; the "
-                                 f"static width is max_pages={P}")
             tables[i, :len(row)] = row
         tables[R:B, 0] = self.static.scratch_page
         nb = self.device.type == "cuda"
@@ -221,32 +226,59 @@ class DecodeGraphs:
         Raises ValueError when R exceeds the largest bucket.
         """
         R = len(input_ids)
-        B = self.bucket(R)
-        if R == 0 or B is None:
-            raise ValueError(f"DecodeGraphs.run: {R} requests; expected 1..{self.max_batch}")
+        B = self._bucket_of(R)
         if not (len(start_pos) == len(slots) == len(block_tables) == R):
             raise ValueError(f"DecodeGraphs.run: input_ids, start_pos, slots and block_tables "
                              f"must have one entry per request; got {R}, {len(start_pos)}, "
                              f"{len(slots)}, {len(block_tables)}")
+        if self.use_graphs and B not in self.graphs:
+            self.capture(B)
+        self.fill(B, input_ids, start_pos, slots, block_tables, token_types)
+        host = None
+        if not self.use_graphs:
+            pad = B - R
+            host = (list(start_pos) + [0] * pad, list(slots) + [self.static.scratch_slot] * pad,
+                    [list(b) for b in block_tables] + [self.static.pad_table()] * pad)
+        return self.launch(B, R, host)
+
+    def _bucket_of(self, R: int) -> int:
+        B = self.bucket(R)
+        if R == 0 or B is None:
+            raise ValueError(f"DecodeGraphs: {R} requests; expected 1..{self.max_batch}")
+        return B
+
+    def fill(self, B: int, input_ids: Sequence[int], start_pos: Sequence[int],
+             slots: Sequence[int], block_tables: Sequence[Sequence[int]],
+             token_types: Sequence[int] | None = None) -> None:
+        """Write one step of R <= B requests and its padding rows into the buffers."""
+        t0 = time.perf_counter()
+        with record_function("dsv4.graph_fill"):
+            self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
+        self.stats["fill_s"] += time.perf_counter() - t0
+
+    def share(self, parallel: Any, B: int) -> None:
+        """Tensor / expert parallelism: rank 0's filled buffers of bucket B into every rank's
+        (tensor broadcasts on the stream, before the replay that reads them)."""
+        parallel.broadcast_tensor(self.small)
+        parallel.broadcast_tensor(self.block_tables[:B])
+
+    def launch(self, B: int, R: int,
+               host: tuple[list[int], list[int], list[list[int]]] | None = None) -> Tensor:
+        """The step of bucket B over the filled buffers (R real rows): the graph's replay, or
+        (graphs off) the static-shape forward; ``host`` (start_pos, slots, block_tables of the
+        B rows) for the eager forward's validation (None: read back from the buffers)."""
         self.stats["padded_rows"] += B - R
         if self.use_graphs:
-            if B not in self.graphs:
-                self.capture(B)
-            t0 = time.perf_counter()
-            with record_function("dsv4.graph_fill"):
-                self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
             captured = self.graphs[B]
             t1 = time.perf_counter()
             with record_function("dsv4.graph_replay"):
                 captured.graph.replay()
-            self.stats["fill_s"] += t1 - t0
             self.stats["launch_s"] += time.perf_counter() - t1
             self.stats["replays"] += 1
             return captured.logits[:R]
-        self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
-        pad = B - R
-        host = (list(start_pos) + [0] * pad, list(slots) + [self.static.scratch_slot] * pad,
-                [list(b) for b in block_tables] + [self.static.pad_table()] * pad)
+        if host is None:
+            host = (self.small[_POS, :B].tolist(), self.small[_SLOT, :B].tolist(),
+                    self.block_tables[:B].tolist())
         self.stats["eager_static_steps"] += 1
         return self._forward(self._context(B, host))[:R]
 

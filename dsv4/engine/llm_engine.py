@@ -410,6 +410,13 @@ class LLMEngine:
             for seq in req.seqs:
                 self.runner.release(seq.key)
             self._totals["requests_aborted"] += 1
+        self._park_if_idle()
+
+    def _park_if_idle(self) -> None:
+        """With no request left, send the parallel workers back to the control group: a server
+        may now stay idle for longer than a collective may wait (dsv4.dist.parallel)."""
+        if not self._requests and self.parallel.enabled and not self._shut_down:
+            self.parallel.park()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -426,6 +433,12 @@ class LLMEngine:
                                "rank 0 runs the engine (the others call run_worker())")
         if self._shut_down:
             raise RuntimeError("LLMEngine.step: the engine was shut down (its workers are gone)")
+        try:
+            return self._step()
+        finally:
+            self._park_if_idle()
+
+    def _step(self) -> list[RequestOutput]:
         with record_function("dsv4.schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:

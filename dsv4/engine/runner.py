@@ -56,8 +56,8 @@ class StepResult:
 class StepPlan:
     """One forward step in plain Python lists: what rank 0 broadcasts to the tensor / expert
     parallel workers (pickled), and what every rank turns into the same :class:`StepContext`.
-    ``reset_slots``: state slots cleared before the step (sequences (re)admitted).
-    ``static``: every rank runs it as the static-shape decode step of its bucket (graphs)."""
+    ``reset_slots``: state slots cleared before the step (sequences (re)admitted).  (Static
+    decode steps go to the workers as a step-channel header and tensors instead.)"""
 
     input_ids: list[int]
     seqlens: list[int]
@@ -67,7 +67,6 @@ class StepPlan:
     logits_indices: list[int]
     token_types: list[int] | None = None
     reset_slots: list[int] = field(default_factory=list)
-    static: bool = False
 
 
 def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
@@ -328,26 +327,28 @@ class ModelRunner:
         """Reset the plan's slots and run the model forward: hidden [N, D] of its logits rows.
         The driver of a parallel launch first broadcasts the plan to the workers."""
         if self.parallel.enabled and self.parallel.is_driver:
-            plan.static = False
-            self.parallel.broadcast_object(plan)
+            self.parallel.send(plan)
         if plan.reset_slots:
             self.cache.reset_slots(plan.reset_slots)
         return self.model.forward(self.context(plan), self.cache)
 
     @torch.no_grad()
     def run_worker_step(self, plan: StepPlan) -> None:
-        """A worker (rank > 0) runs the driver's ``plan`` the way the driver runs it: the
-        static-shape decode step (graph capture / replay) when ``plan.static``, else the
-        dynamic forward.  A static step whose capture failed on some rank runs eagerly."""
-        if plan.static:
-            if self.decode_graphs is None or self.decode_graphs.bucket(len(plan.seqlens)) is None:
-                raise ValueError(f"rank {self.parallel.rank}: the driver ran a static decode "
-                                 f"step of {len(plan.seqlens)} sequences but this rank has no "
-                                 f"such bucket; every rank needs the same engine options")
-            # None (a capture failed on some rank): the driver sends the step again, dynamic.
-            self._run_static(plan)
-            return
+        """A worker (rank > 0) runs the driver's dynamic ``plan``."""
         self.run_plan(plan)
+
+    @torch.no_grad()
+    def run_worker_static(self, header: list[int]) -> None:
+        """A worker runs the driver's static decode step announced by ``header`` (bucket,
+        rows, reset slots; the inputs arrive as tensors): graph capture / replay, or eagerly
+        when graphs are off.  A capture that failed on some rank leaves the step to the
+        driver's dynamic rerun, which follows."""
+        graphs = self.decode_graphs
+        if graphs is None or graphs.bucket(header[1]) != header[0]:
+            raise ValueError(f"rank {self.parallel.rank}: the driver ran a static decode step "
+                             f"of {header[1]} sequences (bucket {header[0]}) but this rank has "
+                             f"no such bucket; every rank needs the same engine options")
+        self._run_static(None, header)
 
     def static_bucket(self, plan: StepPlan, sample_rows: list[int],
                       prompt_positions: list[list[int]]) -> int | None:
@@ -364,32 +365,53 @@ class ModelRunner:
             return None
         return graphs.bucket(R)
 
-    def _run_static(self, plan: StepPlan) -> torch.Tensor | None:
+    def _run_static(self, plan: StepPlan | None, header: list[int] | None = None
+                    ) -> torch.Tensor | None:
         """Logits [R, vocab] of a static-shape decode step (graph replay on CUDA; hidden
         states on a worker); None when its graph could not be captured (graphs are then off
-        for good: eager from here).
+        for good: eager from here).  The driver passes its ``plan``, a worker the step-channel
+        ``header`` [bucket, rows, number of reset slots, the slots...].
 
-        Under parallelism the driver first broadcasts the plan marked static; a capture is
-        followed by a vote over the control group (host side, outside any graph), so that if
-        any rank failed every rank turns graphs off and the step is rerun eagerly by all."""
+        Under parallelism the driver announces the step on the step channel, every rank
+        captures the bucket's graph if it has none yet (then a vote over the control group:
+        if any rank failed, every rank turns graphs off and the step is rerun dynamically),
+        the driver fills its buffers and they are broadcast into the workers' (NCCL on GPUs:
+        no pickling, no host round trip on the workers)."""
         graphs = self.decode_graphs
         assert graphs is not None
         par = self.parallel
-        B = graphs.bucket(len(plan.seqlens))
-        capturing = graphs.use_graphs and B not in graphs.graphs
-        if par.enabled and par.is_driver:
-            plan.static = True
+        if plan is not None:
+            R, resets = len(plan.seqlens), plan.reset_slots
+            B = graphs.bucket(R)
+            assert B is not None
+        else:
+            assert header is not None
+            B, R = header[0], header[1]
+            resets = header[3:3 + header[2]]
+        if not par.enabled:
+            assert plan is not None
+            capturing = graphs.use_graphs and B not in graphs.graphs
+            if resets:
+                self.cache.reset_slots(resets)
+            try:
+                return graphs.run(plan.input_ids, plan.start_pos, plan.slots,
+                                  plan.block_tables, plan.token_types)
+            except Exception as e:  # noqa: BLE001 - a failed capture must not stop serving
+                if not capturing:
+                    raise
+                self._graphs_off(e)
+                return None
+        if plan is not None:
+            # A bad plan raises here, before the workers hear of the step.
+            graphs.check_tables(plan.block_tables)
             t0 = time.perf_counter()
-            par.broadcast_object(plan)
+            par.send_static([B, R, len(resets), *resets], 3 + graphs.max_batch)
             self.host_s["broadcast"] += time.perf_counter() - t0
-        if plan.reset_slots and not (par.enabled and capturing):
-            self.cache.reset_slots(plan.reset_slots)
-        if par.enabled and capturing:
-            # Capture first (padding rows only: nothing of the plan is touched), agree, then
-            # run the step: a failed capture on any rank leaves the step to the eager rerun.
+        if graphs.use_graphs and B not in graphs.graphs:
+            # Capture first (padding rows only: nothing of the step is touched), agree, then
+            # run the step: a failed capture on any rank leaves the step to the dynamic rerun.
             error: Exception | None = None
             try:
-                assert B is not None
                 graphs.capture(B)
             except Exception as e:  # noqa: BLE001 - reported below, on every rank
                 error = e
@@ -397,17 +419,15 @@ class ModelRunner:
                 self._graphs_off(error or RuntimeError(
                     "the CUDA-graph capture failed on another rank"))
                 return None
-            if plan.reset_slots:
-                self.cache.reset_slots(plan.reset_slots)
-            capturing = False
-        try:
-            return graphs.run(plan.input_ids, plan.start_pos, plan.slots, plan.block_tables,
-                              plan.token_types)
-        except Exception as e:  # noqa: BLE001 - a failed capture must not stop serving
-            if not capturing:
-                raise
-            self._graphs_off(e)
-            return None
+        if resets:
+            self.cache.reset_slots(resets)
+        if plan is not None:
+            graphs.fill(B, plan.input_ids, plan.start_pos, plan.slots, plan.block_tables,
+                        plan.token_types)
+        t0 = time.perf_counter()
+        graphs.share(par, B)
+        self.host_s["broadcast"] += time.perf_counter() - t0
+        return graphs.launch(B, R)
 
     def capture_graphs(self) -> None:
         """Capture every decode bucket now (engine start; on every rank, in the same order).

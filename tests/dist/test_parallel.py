@@ -65,3 +65,23 @@ def test_expert_slices_must_hold_whole_scale_blocks(tiny_paths: dict[str, str]) 
     ParallelConfig(8, expert_parallel=True).check_model(cfg.replace(n_heads=8, o_groups=8))
     with pytest.raises(ValueError, match="expert_parallel=1 is invalid"):
         ParallelConfig(2, expert_parallel=1)  # type: ignore[arg-type]
+
+
+def test_step_channel_messages_arrive_in_order(tmp_path) -> None:
+    """The driver's objects, static-step headers (+ a tensor each), park and a re-opened channel
+    reach the worker in order (two gloo processes)."""
+    import json
+    import os
+
+    from test_tp_static_decode import HERE, torchrun
+
+    out = tmp_path / "got.json"
+    torchrun(os.path.join(HERE, "channel_child.py"), ["--out", str(out)], timeout=120)
+    got = json.loads(out.read_text())
+    assert got == [["object", {"n": 1}],
+                   ["static", [4, 3, 1, 5], [7, 8, 9]],
+                   ["object", ["on", "the", "channel"]],
+                   ["static", [2, 1, 0, 0], [1, 2, 3]],
+                   ["object", "parked"],
+                   ["static", [1, 1, 0, 0], [1, 2, 3]],
+                   ["object", None]]
