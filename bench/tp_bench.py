@@ -290,7 +290,6 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     vocab = engine.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     host0 = _host_counters(engine.runner)
     t0 = time.perf_counter()
     ids = []
@@ -318,8 +317,9 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
         if profile_path and prof is None and n_decode == 8:
             prof = _start_profile()
         s0 = time.perf_counter()
+        # No device sync here: a pipelined engine returns step N's tokens while step N+1 runs
+        # (a sync would serialize them); each call still waits for its step's samples.
         outs = engine.step()
-        sync()
         now = time.perf_counter()
         decode_only = (idle_queue and len(outs) == running > 0
                        and all(len(o.outputs[0].token_ids) > 1 for o in outs))
@@ -340,7 +340,8 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     wall = time.perf_counter() - t0
     host = _host_ms(host0, _host_counters(engine.runner), len(steps))
     if host is not None:
-        print(f"c={concurrency} host ms: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items()),
+        print(f"c={concurrency} host ms: " + ", ".join(f"{k} {v:.3f}" for k, v in host.items())
+              + f"; pipelined launches so far {getattr(engine, '_pipelined_launches', 0)}",
               flush=True)
     out_tokens = sum(counts.values())
     tpots = [(last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1]

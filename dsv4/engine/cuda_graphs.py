@@ -218,12 +218,14 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ one step
     def run(self, input_ids: Sequence[int], start_pos: Sequence[int], slots: Sequence[int],
-            block_tables: Sequence[Sequence[int]], token_types: Sequence[int] | None = None
-            ) -> Tensor:
+            block_tables: Sequence[Sequence[int]], token_types: Sequence[int] | None = None,
+            ids_device: Tensor | None = None) -> Tensor:
         """Run one decode step of R requests (one token each); logits [R, vocab] fp32.
 
         With graphs the result is a view of the graph's output, valid until the next step.
-        Raises ValueError when R exceeds the largest bucket.
+        ``ids_device``: the R input tokens as a device tensor (the previous step's samples, not
+        yet on the host), replacing ``input_ids``.  Raises ValueError when R exceeds the
+        largest bucket.
         """
         R = len(input_ids)
         B = self._bucket_of(R)
@@ -234,6 +236,8 @@ class DecodeGraphs:
         if self.use_graphs and B not in self.graphs:
             self.capture(B)
         self.fill(B, input_ids, start_pos, slots, block_tables, token_types)
+        if ids_device is not None:
+            self.set_input_ids(ids_device)
         host = None
         if not self.use_graphs:
             pad = B - R
@@ -255,6 +259,11 @@ class DecodeGraphs:
         with record_function("dsv4.graph_fill"):
             self._fill(B, input_ids, start_pos, slots, block_tables, token_types)
         self.stats["fill_s"] += time.perf_counter() - t0
+
+    def set_input_ids(self, ids: Tensor) -> None:
+        """Overwrite the filled rows' input tokens with ``ids`` [R] (a device copy, in stream
+        order: a pipelined step feeds the previous step's samples without a host round trip)."""
+        self.small[_IDS, :ids.shape[0]].copy_(ids)
 
     def share(self, parallel: Any, B: int) -> None:
         """Tensor / expert parallelism: rank 0's filled buffers of bucket B into every rank's

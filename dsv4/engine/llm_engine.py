@@ -29,13 +29,13 @@ from dsv4.cache.manager import CacheManager
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from dsv4.engine.runner import (ModelRunner, StepResult, profile_decode_graph_bytes,
+from dsv4.engine.runner import (InFlight, ModelRunner, StepResult, profile_decode_graph_bytes,
                                profile_peak_bytes, resolve_cache_dtype, size_cache)
 from dsv4.engine.sampler import RowLogprobs
 from dsv4.engine.sampling_params import (CompletionOutput, Logprob, PositionLogprobs,
                                          RequestMetrics, RequestOutput, SamplingParams)
-from dsv4.engine.scheduler import Scheduler
-from dsv4.engine.sequence import Sequence
+from dsv4.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from dsv4.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("dsv4")
 
@@ -67,6 +67,13 @@ class EngineOptions:
     expert parallelism (every rank captures and replays the same graphs, NCCL collectives
     inside; the step broadcast stays outside; tests/dist/test_tp_graphs_gpu.py passed on two
     H200s).  False runs such decode steps eagerly.
+    ``pipeline_decode`` (default None: on when decode steps run as CUDA graphs): while a decode
+    step runs on the device, the next one of the same sequences (each assumed to go on) is
+    launched with the samples still on the device, before the host reads them — the host's
+    work of a step (outputs, scheduling, planning, the graph launch) hides behind the device's.
+    A sequence that stops at a step has its speculative next token discarded; only steps whose
+    rows need no logprobs and no penalties, with nothing waiting to be admitted, pipeline.
+    Greedy and seeded outputs are unchanged.
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
     ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
     loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:
@@ -93,6 +100,7 @@ class EngineOptions:
     cuda_graph_max_batch: int | None = None
     cuda_graph_capture: str = "startup"
     cuda_graphs_under_tp: bool = True
+    pipeline_decode: bool | None = None
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
@@ -113,6 +121,9 @@ class EngineOptions:
         if self.cuda_graph_capture not in ("startup", "lazy"):
             raise ValueError(f"engine option cuda_graph_capture={self.cuda_graph_capture!r} is "
                              "invalid; allowed: 'startup', 'lazy'")
+        if self.pipeline_decode not in (None, True, False):
+            raise ValueError(f"engine option pipeline_decode={self.pipeline_decode!r} is "
+                             "invalid; allowed: None, True, False")
         if not isinstance(self.cuda_graphs_under_tp, bool):
             raise ValueError(f"engine option cuda_graphs_under_tp={self.cuda_graphs_under_tp!r} "
                              "is invalid; allowed: True, False")
@@ -284,6 +295,9 @@ class LLMEngine:
             # Every rank captures here, in the same order (the graphs hold the collectives).
             self.runner.capture_graphs()
         self.eos_token_id = cfg.eos_token_id
+        self.pipeline_decode = use_graphs if opts.pipeline_decode is None else opts.pipeline_decode
+        self._inflight: InFlight | None = None   # a launched decode step not yet collected
+        self._pipelined_launches = 0
         self._token_text = TokenTextCache(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         # add/abort may come from other threads than the one calling step(); they wait for the
@@ -439,17 +453,21 @@ class LLMEngine:
             self._park_if_idle()
 
     def _step(self) -> list[RequestOutput]:
+        if self._inflight is not None:
+            return self._pipelined_step(self._inflight)
         with record_function("dsv4.schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        now = time.monotonic()
-        for s in out.scheduled:
-            req = self._requests[s.seq.request_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        for seq in out.preempted:
-            self._requests[seq.request_id].metrics.num_preemptions += 1
+        if self.pipeline_decode and self.runner.pipelinable(out):
+            self._note_scheduled(out)
+            try:
+                step = self.runner.launch(out)
+            except Exception:
+                self._fail_step(out)
+                raise
+            return self._pipelined_step(step)
+        self._note_scheduled(out)
         try:
             result = self.runner.execute(out)
         except torch.OutOfMemoryError:
@@ -480,6 +498,72 @@ class LLMEngine:
             self._totals["steps"] += 1
             return self._process(out, result)
 
+    def _note_scheduled(self, out: Any) -> None:
+        now = time.monotonic()
+        for s in out.scheduled:
+            req = self._requests[s.seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        for seq in out.preempted:
+            self._requests[seq.request_id].metrics.num_preemptions += 1
+
+    def _pipelined_step(self, step: InFlight) -> list[RequestOutput]:
+        """Collect the in-flight decode step ``step``, after launching the next one of the same
+        sequences when it can be (:meth:`_speculate`): the device runs it while the host reads
+        ``step``'s samples and makes its outputs."""
+        self._inflight = None
+        nxt_out = self._speculate(step.out)
+        nxt = None
+        if nxt_out is not None:
+            try:
+                nxt = self.runner.launch(nxt_out, after=step)
+            except Exception:
+                self._fail_step(step.out)
+                raise
+            self._pipelined_launches += 1
+        result = self.runner.collect(step)
+        with record_function("dsv4.process_outputs"):
+            self.scheduler.note_step_done()
+            self.scheduler.update(step.out, result.sampled, self.eos_token_id)
+            self._totals["steps"] += 1
+            outputs = self._process(step.out, result)
+        if nxt is not None and any(s.seq.status is SequenceStatus.RUNNING
+                                   for s in nxt.out.scheduled):
+            self._inflight = nxt
+        # (else every sequence of nxt stopped: its results are dropped unread; the device
+        # finishes it before any later step, in stream order, so the pages and slots its
+        # sequences freed are safe to reuse.)
+        return outputs
+
+    def _speculate(self, out: Any) -> Any:
+        """The decode step after the in-flight ``out``, assuming each of its sequences goes on,
+        or None: when anything waits for admission, another sequence runs, a row may not
+        pipeline, a sequence stops at ``out`` whatever its token (length limits), or a page is
+        missing.  Takes the page the next position needs."""
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(out.scheduled):
+            return None
+        nxt = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                return None
+            p = seq.params
+            # After out: num_tokens + 1 tokens and num_output_tokens + 1 outputs.
+            if p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens:
+                return None
+            if seq.num_tokens + 1 >= sched.max_model_len:
+                return None
+            nxt.append(ScheduledSeq(seq=seq, start_pos=s.start_pos + 1, num_new_tokens=1,
+                                    sample=True, prompt_logprobs=False, reset_slot=False,
+                                    slot=s.slot, block_table=[]))
+        for n in nxt:
+            if not self.manager.ensure(n.seq.key, n.start_pos + 1):
+                return None
+            n.block_table = self.manager.block_table(n.seq.key)
+        spec = SchedulerOutput(scheduled=nxt)
+        return spec if self.runner.pipelinable(spec) else None
+
     def _fail_step(self, out: Any) -> None:
         failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
         log.exception("dsv4 engine: step failed; aborting requests %s", list(failed))
@@ -490,7 +574,9 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         for s in out.scheduled:
             seq = s.seq
-            req = self._requests[seq.request_id]
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue   # finished or aborted while a pipelined step ran
             for pos, info in result.prompt_logprobs.get(seq.key, ()):
                 if pos == len(req.prompt_logprobs):  # a recompute does not add them twice
                     req.prompt_logprobs.append(self._logprob_dict(info))

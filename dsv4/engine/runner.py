@@ -33,7 +33,7 @@ from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.engine.cuda_graphs import DecodeGraphs
 from dsv4.engine.sampler import RowLogprobs, Sampler, SamplingRow
 from dsv4.engine.scheduler import SchedulerOutput
-from dsv4.engine.sequence import SeqKey, Sequence
+from dsv4.engine.sequence import SeqKey, Sequence, SequenceStatus
 from dsv4.model.context import StaticShape, StepContext, decode_buckets, pages_needed
 
 log = logging.getLogger("dsv4")
@@ -50,6 +50,15 @@ class StepResult:
     logprobs: dict[SeqKey, RowLogprobs] = field(default_factory=dict)
     # (prompt position, logprob info of the prompt token at that position)
     prompt_logprobs: dict[SeqKey, list[tuple[int, RowLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class InFlight:
+    """A pipelined decode step whose samples are still on the device: ``tokens`` [R] in the
+    order of ``out.scheduled`` (read by :meth:`ModelRunner.collect`)."""
+
+    out: SchedulerOutput
+    tokens: torch.Tensor
 
 
 @dataclass
@@ -277,10 +286,12 @@ class ModelRunner:
                                  plan.block_tables, logits_indices=plan.logits_indices,
                                  token_types=plan.token_types, device=self.device)
 
-    def plan_step(self, out: SchedulerOutput) -> tuple[StepPlan, list[int], list[list[int]]]:
+    def plan_step(self, out: SchedulerOutput, pending: bool = False
+                  ) -> tuple[StepPlan, list[int], list[list[int]]]:
         """The step's :class:`StepPlan`, plus per scheduled sequence the logits row it samples
         from (−1 when it does not sample) and the chunk positions whose prompt logprobs it
-        wants."""
+        wants.  ``pending``: a pipelined step whose input tokens are still on the device (the
+        plan holds 0 in their place)."""
         ids: list[int] = []
         types: list[int] = []
         seqlens, starts, slots, tables = [], [], [], []
@@ -290,7 +301,13 @@ class ModelRunner:
         for s in out.scheduled:
             seq, start, n = s.seq, s.start_pos, s.num_new_tokens
             base = len(ids)
-            ids += seq.token_ids[start:start + n]
+            chunk = seq.token_ids[start:start + n]
+            if len(chunk) < n:
+                if not pending:
+                    raise RuntimeError(f"plan_step: sequence {seq.key} has no token at "
+                                       f"positions {start}..{start + n - 1}")
+                chunk = chunk + [0] * (n - len(chunk))
+            ids += chunk
             if self.cfg.is_v41:
                 types += seq.token_types_at(start, start + n)
             seqlens.append(n)
@@ -365,8 +382,8 @@ class ModelRunner:
             return None
         return graphs.bucket(R)
 
-    def _run_static(self, plan: StepPlan | None, header: list[int] | None = None
-                    ) -> torch.Tensor | None:
+    def _run_static(self, plan: StepPlan | None, header: list[int] | None = None,
+                    ids_device: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [R, vocab] of a static-shape decode step (graph replay on CUDA; hidden
         states on a worker); None when its graph could not be captured (graphs are then off
         for good: eager from here).  The driver passes its ``plan``, a worker the step-channel
@@ -395,7 +412,7 @@ class ModelRunner:
                 self.cache.reset_slots(resets)
             try:
                 return graphs.run(plan.input_ids, plan.start_pos, plan.slots,
-                                  plan.block_tables, plan.token_types)
+                                  plan.block_tables, plan.token_types, ids_device)
             except Exception as e:  # noqa: BLE001 - a failed capture must not stop serving
                 if not capturing:
                     raise
@@ -424,6 +441,8 @@ class ModelRunner:
         if plan is not None:
             graphs.fill(B, plan.input_ids, plan.start_pos, plan.slots, plan.block_tables,
                         plan.token_types)
+            if ids_device is not None:
+                graphs.set_input_ids(ids_device)
         t0 = time.perf_counter()
         graphs.share(par, B)
         self.host_s["broadcast"] += time.perf_counter() - t0
@@ -458,6 +477,59 @@ class ModelRunner:
                   "now", type(e).__name__, e, exc_info=e)
         self.graphs_disabled_reason = f"{type(e).__name__}: {e}"
         self.decode_graphs = None
+
+    # ------------------------------------------------------------------ pipelined decode
+    def pipelinable(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` can run as a pipelined decode step: a static-shape decode step of a
+        bucket whose graph exists (or eager static steps), every row sampling without
+        logprobs or penalties (their host side needs the token of the step before)."""
+        graphs = self.decode_graphs
+        if graphs is None or out.is_empty:
+            return False
+        R = len(out.scheduled)
+        B = graphs.bucket(R)
+        if B is None or (graphs.use_graphs and B not in graphs.graphs):
+            return False
+        for s in out.scheduled:
+            p = s.seq.params
+            if (s.num_new_tokens != 1 or not s.sample or s.prompt_logprobs
+                    or p.logprobs is not None or p.has_penalties):
+                return False
+        return True
+
+    @torch.no_grad()
+    def launch(self, out: SchedulerOutput, after: InFlight | None = None) -> InFlight:
+        """Enqueue a pipelinable decode step (:meth:`pipelinable`) and its sampling, without
+        waiting for the device.  ``after``: the in-flight step whose samples are this step's
+        input tokens (same sequences, same order), fed on the device."""
+        t0 = time.perf_counter()
+        plan, _, _ = self.plan_step(out, pending=after is not None)
+        self.host_s["plan"] += time.perf_counter() - t0
+        ids = None
+        if after is not None:
+            if [s.seq.key for s in after.out.scheduled] != [s.seq.key for s in out.scheduled]:
+                raise ValueError("ModelRunner.launch: a pipelined step must follow a step of the "
+                                 "same sequences")
+            ids = after.tokens
+        with record_function("dsv4.static_step"):
+            logits = self._run_static(plan, ids_device=ids)
+        assert logits is not None   # the bucket's graph exists (pipelinable): no capture here
+        rows = [SamplingRow(params=s.seq.params, generator=self.generator_for(s.seq))
+                for s in out.scheduled]
+        with record_function("dsv4.sample"):
+            tokens = self.sampler.sample_tokens(logits, rows)
+        return InFlight(out, tokens)
+
+    def collect(self, step: InFlight) -> StepResult:
+        """Wait for an in-flight step's samples: the result of its sequences that still run
+        (one that finished or was aborted after the launch is left out)."""
+        result = StepResult()
+        with record_function("dsv4.collect"):
+            tokens = step.tokens.tolist()
+        for s, tok in zip(step.out.scheduled, tokens):
+            if s.seq.status is SequenceStatus.RUNNING:
+                result.sampled[s.seq.key] = tok
+        return result
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> StepResult:

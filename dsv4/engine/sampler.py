@@ -73,6 +73,22 @@ class Sampler:
             raise ValueError(f"sampler: logits of shape {tuple(logits.shape)} for {len(rows)} rows; "
                              "expected [rows, vocab]")
         raw = logits.float()
+        token_list = self.sample_tokens(raw, rows).tolist()
+        want = [r.params.logprobs for r in rows]
+        logprobs: list[RowLogprobs | None] = [None] * len(rows)
+        if any(k is not None for k in want):
+            idx = [i for i, k in enumerate(want) if k is not None]
+            got = token_logprobs(raw[torch.tensor(idx, device=raw.device)],
+                                 [token_list[i] for i in idx], [want[i] for i in idx])
+            for i, lp in zip(idx, got):
+                logprobs[i] = lp
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    @torch.no_grad()
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The sampled token ids [R] (int64, on the logits' device; no host sync): the part of
+        :meth:`sample` a pipelined decode step enqueues before the next step."""
+        raw = logits.float()
         processed = self._apply_penalties(raw, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
 
@@ -87,16 +103,7 @@ class Sampler:
             probs = self._filtered_probs(processed[r_idx], sub_rows)
             tokens[r_idx] = self._exponential_race(probs, sub_rows)
 
-        token_list = tokens.tolist()
-        want = [r.params.logprobs for r in rows]
-        logprobs: list[RowLogprobs | None] = [None] * len(rows)
-        if any(k is not None for k in want):
-            idx = [i for i, k in enumerate(want) if k is not None]
-            got = token_logprobs(raw[torch.tensor(idx, device=raw.device)],
-                                 [token_list[i] for i in idx], [want[i] for i in idx])
-            for i, lp in zip(idx, got):
-                logprobs[i] = lp
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+        return tokens
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rows_with = [i for i, r in enumerate(rows) if r.params.has_penalties]

@@ -46,8 +46,10 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
                     expert_parallel=ep, max_model_len=256, max_num_seqs=4,
                     max_num_batched_tokens=32, num_pages=8, enforce_eager=mode != "graphs",
                     cuda_graphs_under_tp=mode == "graphs")
-    if mode in ("static", "failcapture", "failstartup"):
+    if mode in ("static", "failcapture", "failstartup", "pipeline"):
         force_static_decode(eng)
+    if mode == "pipeline":
+        eng.pipeline_decode = True   # pipelined static decode steps (no logprobs asked)
     if mode in ("failcapture", "failstartup"):
         # Pretend graphs are on and the capture fails on rank 1 only: every rank must turn
         # graphs off together (no hang) and the steps run eagerly.
@@ -64,13 +66,15 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
     return eng
 
 
-def workload(eng: LLMEngine) -> dict[str, list]:
-    """Greedy run to completion: tokens and chosen-token logprobs per request."""
+def workload(eng: LLMEngine, logprobs: bool = True) -> dict[str, list]:
+    """Greedy run to completion: tokens and chosen-token logprobs per request (an empty list
+    without ``logprobs``)."""
     g = torch.Generator().manual_seed(11)
     for i, (n, m) in enumerate(REQUESTS):
         prompt = torch.randint(3, 500, (n,), generator=g).tolist()
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=m,
-                                                        ignore_eos=True, logprobs=1))
+                                                        ignore_eos=True,
+                                                        logprobs=1 if logprobs else None))
     done: dict[str, list] = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -78,7 +82,7 @@ def workload(eng: LLMEngine) -> dict[str, list]:
                 c = out.outputs[0]
                 done[out.request_id] = [list(c.token_ids),
                                         [c.logprobs[k][t].logprob for k, t in
-                                         enumerate(c.token_ids)]]
+                                         enumerate(c.token_ids)] if logprobs else []]
     eng.check_idle()
     return done
 
@@ -87,7 +91,8 @@ def stats(eng: LLMEngine) -> dict:
     graphs = eng.runner.decode_graphs
     return {"stats": dict(graphs.stats) if graphs is not None else None,
             "buckets": sorted(graphs.graphs) if graphs is not None else [],
-            "disabled": eng.runner.graphs_disabled_reason}
+            "disabled": eng.runner.graphs_disabled_reason,
+            "pipelined": getattr(eng, "_pipelined_launches", 0)}
 
 
 def main() -> int:
@@ -97,7 +102,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--tag", required=True)
-    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture or failstartup (one engine each)")
+    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture, failstartup or pipeline (one "
+                    "engine each)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
@@ -106,7 +112,7 @@ def main() -> int:
         rank = eng.parallel.rank
         result: dict = {}
         if eng.is_driver:
-            result["outputs"] = workload(eng)
+            result["outputs"] = workload(eng, logprobs=mode != "pipeline")
             result.update(stats(eng))
             eng.shutdown()
         else:

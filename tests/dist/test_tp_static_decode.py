@@ -81,6 +81,22 @@ def test_static_decode_under_parallelism_matches_one_process(tiny_paths: dict[st
     assert worker["steps"] > d["eager_static_steps"]  # plus the dynamic prefill steps
 
 
+@pytest.mark.parametrize("variant,ep", [("v4", False), ("v41", True)])
+def test_pipelined_static_decode_under_parallelism(tiny_paths: dict[str, str], tmp_path,
+                                                   variant: str, ep: bool) -> None:
+    """Pipelined decode (the next step launched before the samples reach the host; its input
+    tokens reach the worker in the broadcast buffers): the greedy tokens of one process."""
+    path = tiny_paths[variant]
+    torchrun(os.path.join(HERE, "static_child.py"),
+             ["--out", str(tmp_path), "--path", path, "--tag", variant, "pipeline"]
+             + (["--ep"] if ep else []))
+    driver = json.loads((tmp_path / f"{variant}-pipeline-rank0.json").read_text())
+    want, _ = _one_process(path, ep)
+    assert {r: t for r, (t, _) in driver["outputs"].items()} == {
+        r: t for r, (t, _) in want.items()}
+    assert driver["pipelined"] > 0
+
+
 @pytest.mark.parametrize("mode", ["failcapture", "failstartup"])
 def test_a_capture_failing_on_one_rank_turns_graphs_off_on_every_rank(
         tiny_paths: dict[str, str], tmp_path, mode: str) -> None:
