@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="capture the decode graphs at start (default) or on first use")
     p.add_argument("--cuda-graphs-under-tp", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs also with --tensor-parallel-size > 1 (default on)")
+    p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before the host has read the previous one's "
+                        "tokens (default on with CUDA graphs)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("device", "dtype", "numerics", "kv_cache_dtype", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "seed", "tensor_parallel_size",
              "expert_parallel", "gpu_memory_utilization", "enforce_eager",
-             "cuda_graph_max_batch", "cuda_graph_capture", "cuda_graphs_under_tp")
+             "cuda_graph_max_batch", "cuda_graph_capture", "cuda_graphs_under_tp",
+             "pipeline_decode")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

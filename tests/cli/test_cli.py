@@ -60,8 +60,10 @@ def test_engine_flags_reach_the_engine_options():
     kw = engine_kwargs(args)
     assert kw["enforce_eager"] is True and kw["cuda_graph_capture"] == "lazy"
     assert kw["gpu_memory_utilization"] == 0.8 and kw["cuda_graph_max_batch"] == 16
-    assert "cuda_graphs_under_tp" not in kw
+    assert "cuda_graphs_under_tp" not in kw and "pipeline_decode" not in kw
     opts = EngineOptions(**kw)
+    off = engine_kwargs(build_parser().parse_args(["generate", "--no-pipeline-decode", "hi"]))
+    assert off["pipeline_decode"] is False and EngineOptions(**off).pipeline_decode is False
     assert opts.enforce_eager and opts.cuda_graph_capture == "lazy"
     assert "enforce_eager" not in engine_kwargs(build_parser().parse_args(["generate", "hi"]))
     with pytest.raises(SystemExit):
