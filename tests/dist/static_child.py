@@ -44,8 +44,9 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     eng = LLMEngine(path, device=device, dtype=dtype, tensor_parallel_size=world,
                     expert_parallel=ep, max_model_len=256, max_num_seqs=4,
-                    max_num_batched_tokens=32, num_pages=8, enforce_eager=mode != "graphs",
-                    cuda_graphs_under_tp=mode == "graphs")
+                    max_num_batched_tokens=32, num_pages=8,
+                    enforce_eager=mode not in ("graphs", "graphspipe"),
+                    cuda_graphs_under_tp=mode in ("graphs", "graphspipe"))
     if mode in ("static", "failcapture", "failstartup", "pipeline"):
         force_static_decode(eng)
     if mode == "pipeline":
@@ -102,8 +103,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--tag", required=True)
-    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture, failstartup or pipeline (one "
-                    "engine each)")
+    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture, failstartup, pipeline or graphspipe "
+                    "(graphs, pipelined: no logprobs asked) (one engine each)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
@@ -112,7 +113,7 @@ def main() -> int:
         rank = eng.parallel.rank
         result: dict = {}
         if eng.is_driver:
-            result["outputs"] = workload(eng, logprobs=mode != "pipeline")
+            result["outputs"] = workload(eng, logprobs=mode not in ("pipeline", "graphspipe"))
             result.update(stats(eng))
             eng.shutdown()
         else:

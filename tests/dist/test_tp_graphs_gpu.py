@@ -42,6 +42,21 @@ def test_graphs_under_tp_match_static_eager(tiny_paths: dict[str, str], tmp_path
         assert max(abs(a - b) for a, b in zip(graphs["outputs"][rid][1], lps)) <= 1e-3, rid
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_pipelined_graphs_under_tp(tiny_paths: dict[str, str], tmp_path, ep: bool) -> None:
+    """Pipelined decode over the graphs (the default): the greedy tokens of the same static
+    steps run eagerly, unpipelined."""
+    tag = "v4ep" if ep else "v4"
+    torchrun(os.path.join(HERE, "static_child.py"),
+             ["--out", str(tmp_path), "--path", tiny_paths["v4"], "--device", "cuda", "--tag",
+              tag, "graphspipe", "static"] + (["--ep"] if ep else []), timeout=600)
+    got = json.loads((tmp_path / f"{tag}-graphspipe-rank0.json").read_text())
+    want = json.loads((tmp_path / f"{tag}-static-rank0.json").read_text())
+    assert got["disabled"] is None and got["pipelined"] > 0
+    assert {r: t for r, (t, _) in got["outputs"].items()} == {
+        r: t for r, (t, _) in want["outputs"].items()}
+
+
 def test_tp_bench_tiny_on_two_gpus_with_graphs(tmp_path) -> None:
     out = tmp_path / "tp.json"
     torchrun(os.path.join(ROOT, "bench", "tp_bench.py"),
