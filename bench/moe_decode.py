@@ -58,6 +58,7 @@ SMALL_TILES = [(64, 128), (128, 128), (64, 64), (32, 64)]
 # the default's split): the up and down kernels add up, so each axis finds its best split.
 SPLIT_SWEEP_MAX_TOKENS = 16
 SPLITS = (1, 2, 4, 8)
+DECODE_STAGES = (2, 4)
 SMALL_WIDE_WARPS8 = [(64, 128), (128, 128)]
 # Prefill (BN 128/128): (BM, warps, stages).  BM 128 only with 8 warps: the up GEMM's fp32
 # accumulator (128 rows x 2·128 columns) over 4 warps would be 256 registers a thread.
@@ -91,7 +92,8 @@ def expert_bytes(D: int, inter: int) -> int:
 def sweep_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.MoeConfig]:
     """The plans timed at ``T`` tokens: ``base`` (the default plan) first, then the alternatives
     of its regime (decode <= ``SMALL_MAX_TOKENS`` tokens, prefill beyond) that fit the widths,
-    without duplicates.  BK and (decode) stages follow ``base``.  Up to
+    without duplicates.  BK and (decode, but for ``DECODE_STAGES`` on its tiles) stages follow
+    ``base``.  Up to
     ``SPLIT_SWEEP_MAX_TOKENS`` tokens, right after ``base``: its tiles with the up GEMM's K
     split in ``SPLITS`` (the down's as in ``base``), then the same for the down GEMM (splits
     above the K steps left out); the tile alternatives are unsplit."""
@@ -104,6 +106,9 @@ def sweep_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.M
         alts += [dataclasses.replace(base, split_down=s) for s in SPLITS
                  if s <= inter // base.BK]
     if T <= SMALL_MAX_TOKENS:
+        # Pipeline depth: 3 stages of the up kernel's w1 + w3 tiles hold its occupancy to 3
+        # programs per SM (Nsight Compute, 64 tokens: shared-memory limited, 66% issue busy).
+        alts += [dataclasses.replace(base, stages=s) for s in DECODE_STAGES if s != base.stages]
         for up, down in SMALL_TILES:
             for warps in (4, 8) if (up, down) in SMALL_WIDE_WARPS8 else (4,):
                 alts.append(tri.MoeConfig(16, up, down, base.BK, warps, warps, base.stages))
