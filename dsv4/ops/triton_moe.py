@@ -36,10 +36,12 @@ of the GEMMs repeated the quantization of its rows (16× at the up GEMM, 32× at
 read them with stride-2 loads.
 
 On the GPU with bf16 compute, an MXFP4 byte pair is decoded by a few bit operations in inline
-PTX (:data:`FP4_DECODE` "asm"): four bytes -> eight bf16 values (code × 2^-126, the e2m1
-subnormal landing on bf16's), then two packed bf16 multiplies by powers of two (2^63, then the
-group's 2^(s-64)); every step is exact for scales up to 2^64.  The interpreter and fp32 compute
-take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
+PTX (:data:`FP4_DECODE` "asm", :func:`_fp4_decode_asm`): four bytes -> eight bf16 values (code ×
+2^-126, the e2m1 subnormal landing on bf16's; 3 integer operations per pair of values), then
+one packed bf16 multiply by the group's 2^(s-1) when every scale byte of the stacks is <= 128
+(``SCALE_LE_128``: checked once per scale tensor, :func:`_fold_ok`; real checkpoints' scales
+are far below 2^1), else two (2^63, then 2^(s-64)); every step is exact.  The interpreter and
+fp32 compute take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
@@ -113,36 +116,59 @@ def _mxfp4_planes(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, OUT: tl.cons
     return (lo * f).to(OUT), (hi * f).to(OUT)
 
 
-# Four MXFP4 bytes (one 32-bit register, 8 codes) -> their low-nibble codes as two bf16x2
-# registers ($0, $1) and their high-nibble codes as two more ($2, $3), times the group scales
-# ($5, $6: bf16x2 of 2^(s-64)).  prmt spreads bytes 0,1 (2,3) into the two 16-bit halves; a
-# code's magnitude bits go to bf16 bits 8..6 (value = e2m1 × 2^-126; the e2m1 subnormal 0.5 is
-# bf16's subnormal 2^-127) and its sign to bit 15; the products by 2^63 and 2^(s-64) are exact.
-_FP4_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 z, c, t0, t1, a, b;
-mov.b32 z, 0;
-mov.b32 c, 0x5F005F00;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-shl.b32 a, t0, 6;  and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 12; and.b32 b, b, 0x80008000;
-or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $0, a, $5;
-shl.b32 a, t1, 6;  and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 12; and.b32 b, b, 0x80008000;
-or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $1, a, $6;
-shl.b32 a, t0, 2;  and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 8;  and.b32 b, b, 0x80008000;
-or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $2, a, $5;
-shl.b32 a, t1, 2;  and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 8;  and.b32 b, b, 0x80008000;
-or.b32 a, a, b; mul.rn.bf16x2 a, a, c; mul.rn.bf16x2 $3, a, $6;
-}""")
+def _fp4_decode_asm(fold: bool) -> str:
+    """Inline PTX of the MXFP4 -> bf16 decode: four bytes (one 32-bit register $4, 8 codes) ->
+    their low-nibble codes as two bf16x2 registers ($0: bytes 0, 1; $1: bytes 2, 3) and their
+    high-nibble codes as two more ($2, $3), times the group scales ($5: bytes 0, 1; $6: 2, 3).
+
+    prmt puts bytes 0, 1 (2, 3) in the high bytes of the two 16-bit halves of t0 (t1), zeros
+    below; a code's magnitude bits then go to bf16 bits 8..6 (value = e2m1 × 2^-126: the e2m1
+    subnormal 0.5 is bf16's subnormal 2^-127) and its sign to bit 15.  Low nibble: t >> 2 holds
+    the magnitude bits in place and zeros at bit 15, t << 4 the sign in place and zeros at bits
+    8..6, so one or and one mask merge them; high nibble: the sign is in place in t.  Then
+    ``fold``: one exact multiply by the bf16x2 2^(s-1) (s <= 128); else two, by 2^63 then by
+    2^(s-64) (s <= 191)."""
+    if fold:
+        mul = ["mul.rn.bf16x2 {d}, a, {s};"]
+    else:
+        mul = ["mul.rn.bf16x2 a, a, c;", "mul.rn.bf16x2 {d}, a, {s};"]
+    lines = [".reg .b32 z, c, t0, t1, a, b;", "mov.b32 z, 0;"]
+    if not fold:
+        lines.append("mov.b32 c, 0x5F005F00;")          # 2^63 in both halves
+    lines += ["prmt.b32 t0, $4, z, 0x1404;", "prmt.b32 t1, $4, z, 0x3424;"]
+    for d, t, sc in (("$0", "t0", "$5"), ("$1", "t1", "$6")):
+        lines += [f"shr.b32 a, {t}, 2;", f"shl.b32 b, {t}, 4;", "or.b32 a, a, b;",
+                  "and.b32 a, a, 0x81C081C0;"] + [m.format(d=d, s=sc) for m in mul]
+    for d, t, sc in (("$2", "t0", "$5"), ("$3", "t1", "$6")):
+        lines += [f"shr.b32 a, {t}, 6;", "and.b32 a, a, 0x01C001C0;",
+                  f"and.b32 b, {t}, 0x80008000;", "or.b32 a, a, b;"]
+        lines += [m.format(d=d, s=sc) for m in mul]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_FP4_TO_BF16_ASM = tl.constexpr(_fp4_decode_asm(False))
+# The one-multiply variant, for stacks whose scale bytes are all <= 128 (:func:`_fold_ok`).
+_FP4_TO_BF16_FOLD_ASM = tl.constexpr(_fp4_decode_asm(True))
 
 
 @triton.jit
-def _mxfp4_planes_bf16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr):
+def _mxfp4_planes_bf16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr):
     """:func:`_mxfp4_planes` for bf16 compute on the GPU, in packed bit operations (inline PTX,
-    module docstring): exact for scales up to 2^64 (e8m0 byte <= 191)."""
-    f = ((scale.to(tl.int32) + 63) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    module docstring): exact for scales up to 2^64 (e8m0 byte <= 191); FOLD: one multiply per
+    pair instead of two, exact for scales up to 2^1 (byte <= 128)."""
+    if FOLD:
+        f = ((scale.to(tl.int32) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        f = ((scale.to(tl.int32) + 63) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-    lo, hi = tl.inline_asm_elementwise(_FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [byte, f],
-                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    if FOLD:
+        lo, hi = tl.inline_asm_elementwise(_FP4_TO_BF16_FOLD_ASM, "=r,=r,=r,=r,r,r,r",
+                                           [byte, f], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r", [byte, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
     return lo, hi
 
 
@@ -172,12 +198,12 @@ def _to_compute(v, OUT: tl.constexpr):
 def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
                       stride_sn, FMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, OUT: tl.constexpr, SW_E8M0: tl.constexpr,
-                      FAST_FP4: tl.constexpr):
+                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr):
     """One [BN, BK] weight tile of expert e at K offset k0, dequantized into ``OUT``.
 
     FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2] (FAST_FP4: the inline-PTX
-    decode, bf16 only); FMT 2 (fp8) and 0 (dense): returns the tile twice (the second value
-    unused)."""
+    decode, bf16 only; SCALE_LE_128: its one-multiply variant); FMT 2 (fp8) and 0 (dense):
+    returns the tile twice (the second value unused)."""
     # 64-bit expert offsets: E × (N·K) passes 2^31 elements for V4-Pro stacks and for the
     # bf16 w1|w3 scratch of V4-Flash (255 × 16.8M).
     e = e.to(tl.int64)
@@ -186,11 +212,13 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
         byte = tl.load(w_ptr + e * stride_we + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
                        mask=n_mask[:, None], other=0)
         rs = tl.arange(0, BK // 32)
+        # Masked rows decode byte 0 to +0 whatever the scale: other=0 spares a select per group
+        # (the async copy already zero-fills).
         sc = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (k0 // 32 + rs)[None, :],
-                     mask=n_mask[:, None], other=127)
+                     mask=n_mask[:, None], other=0)
         # The interpreter cannot run inline PTX: it takes the fp32 decode.
         if FAST_FP4 and not INTERPRET:
-            lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2)
+            lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2, SCALE_LE_128)
         else:
             lo, hi = _mxfp4_planes(byte, sc, BN, BK // 2, OUT)
         return lo, hi
@@ -401,8 +429,8 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    P, N, K, E, stride_xm, stride_actm, stride_part_s, stride_part_m,
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SPLIT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
+                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
@@ -425,11 +453,11 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
             x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
             g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0, FAST_FP4)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
             acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
             u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0, FAST_FP4)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
             acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         if SPLIT:
             tile = blk * tl.num_programs(1) + pid_n
@@ -454,8 +482,8 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      P, N, K, E, stride_actm, stride_ym, stride_part_s, stride_part_m,
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
-                     FAST_FP4: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
+                     FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
@@ -473,7 +501,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
             a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
             w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0, FAST_FP4)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
             acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
@@ -517,7 +545,7 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     e = e.to(tl.int64)
     ev, od = _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
-                               stride_sn, FMT, SB, BR, BK, OUT, SW_E8M0, FAST_FP4)
+                               stride_sn, FMT, SB, BR, BK, OUT, SW_E8M0, FAST_FP4, False)
     base = out_ptr + e * stride_oe + rn[:, None] * stride_on
     if FMT == 1:
         rj = tl.arange(0, BK // 2)
@@ -529,13 +557,17 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
 
 # ------------------------------------------------------------------------------ host side
 # How the kernels decode MXFP4 weights for bf16 compute on the GPU: "asm" (packed bit operations
-# in inline PTX, ~3 operations per weight) or "alu" (the fp32 decode of the interpreter, ~9).
+# in inline PTX, ~2 operations per weight) or "alu" (the fp32 decode of the interpreter, ~9).
 # Both are exact.  (A third variant, fp16 MMAs per 32-wide group with the scales on the partial
 # sums, measured 2x slower than "alu" on the H200 at every size and was removed.)
 # DSV4_FP4_DECODE=alu picks the other one (benchmarks compare them).
 FP4_DECODE = os.environ.get("DSV4_FP4_DECODE", "asm")
 if FP4_DECODE not in ("asm", "alu"):
     raise ValueError(f"DSV4_FP4_DECODE={FP4_DECODE!r}: expected 'asm' or 'alu'")
+# Whether the "asm" decode may take its one-multiply variant when every scale byte of the stack
+# is <= FOLD_MAX_SCALE_BYTE (bit-identical results; DSV4_FP4_FOLD=0 keeps two multiplies, for
+# the benchmarks and the equality test).
+FP4_FOLD = os.environ.get("DSV4_FP4_FOLD", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -632,6 +664,51 @@ def _fast_fp4(experts: ExpertWeights, dtype: torch.dtype) -> bool:
     """Whether the kernels decode MXFP4 with the inline-PTX path (bf16 compute; the kernels
     ignore it in the interpreter)."""
     return FP4_DECODE == "asm" and experts.fmt == "fp4" and dtype == torch.bfloat16
+
+
+# Largest e8m0 byte for which the one-multiply decode (SCALE_LE_128) is exact: 2^(s-1) must be
+# a bf16 normal.  Real checkpoints' expert scales are far below 2^1.
+FOLD_MAX_SCALE_BYTE = 128
+
+# scale tensor -> (its version when checked, its largest byte)
+_SCALE_MAX: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:      # inference tensors keep no version counter (and cannot change)
+        return None
+
+
+def _scale_max(s: torch.Tensor) -> int | None:
+    """Largest byte of an e8m0 (or uint8) scale tensor, cached per tensor and its version (one
+    reduction and one host sync the first time); None when not cached and not computable now
+    (inside a CUDA-graph capture)."""
+    ver = _version(s)
+    entry = _SCALE_MAX.get(s)
+    if entry is not None and entry[0] == ver:
+        return entry[1]
+    if s.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    u = s.view(torch.uint8) if s.dtype == _E8M0 else s
+    val = int(u.max().item()) if u.numel() else 0
+    _SCALE_MAX[s] = (ver, val)
+    return val
+
+
+def _fold_ok(experts: ExpertWeights) -> bool:
+    """Whether every MXFP4 scale byte of the three stacks is <= :data:`FOLD_MAX_SCALE_BYTE`, so
+    the kernels may take the one-multiply decode; False when unknown (first call inside a
+    CUDA-graph capture: the two-multiply decode is exact for every scale)."""
+    for name in ("s1", "s3", "s2"):
+        s = getattr(experts, name)
+        if s is None or s.dtype not in (_E8M0, torch.uint8):
+            return False
+        m = _scale_max(s)
+        if m is None or m > FOLD_MAX_SCALE_BYTE:
+            return False
+    return True
 
 
 def _check_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -801,6 +878,8 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     w2, s2, _ = _weight_args(experts, "w2")
     sb = experts.block if experts.fmt == "fp8" else 32
     fast = _fast_fp4(experts, x.dtype)
+    # Only CUDA launches run the inline PTX (elsewhere: the interpreter, or the sm_90 recorder).
+    fold = fast and FP4_FOLD and x.is_cuda and _fold_ok(experts)
     stages_up, stages_down = cfg.stages, cfg.stages
     if experts.fmt == "dense":
         size = experts.w1.element_size()
@@ -826,8 +905,8 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
-        SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up,
-        num_stages=stages_up)
+        SCALE_LE_128=fold, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
+        num_warps=cfg.warps_up, num_stages=stages_up)
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
@@ -842,7 +921,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
         act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SPLIT=split_down > 1,
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold, SPLIT=split_down > 1,
         BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
         num_stages=stages_down)
     del part_down

@@ -575,6 +575,17 @@ scenario("moe_experts/v4_flash/fp8_fp32_scales")(
     lambda: (_moe(V4_FLASH, "fp8", "decode", True), _moe(V4_FLASH, "fp8", "prefill", True)))
 
 
+@scenario("moe_experts/v4_flash/fp4_fold")
+def _moe_fold() -> None:
+    """The one-multiply MXFP4 decode (SCALE_LE_128: every scale byte <= 128, checked on CUDA
+    tensors only) of the expert kernels at the decode and prefill plans."""
+    from dsv4.ops import triton_moe as tm
+    with RECORDER.override(tm._moe_up_kernel, SCALE_LE_128=True), \
+            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True):
+        _moe(V4_FLASH, "fp4", "decode")
+        _moe(V4_FLASH, "fp4", "prefill")
+
+
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch

@@ -221,3 +221,60 @@ def test_split_k_in_a_cuda_graph() -> None:
         eager = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
         assert torch.equal(y, eager), seed
     assert _counters_clean()
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 8192])
+def test_fold_decode_bit_identical_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-multiply MXFP4 decode (every scale byte <= 128) against the two-multiply one, at
+    V4-Flash widths under the default plan of T tokens (split-K at 1 token, 16-row blocks at
+    16 and 64, 64-row blocks at 8192) and under a 128-row / 8-warp plan: bit for bit, both
+    numerics (plain and the FP8 act block)."""
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(500 + T)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    plans = [None, tri.MoeConfig(128, 128, 128, warps_up=8, warps_down=8)] if T >= 64 else [None]
+    for act_block in (None, 128):
+        ex = _stacks(gen, act_block)
+        # Scales from the smallest byte to the largest the fold takes (rows of expert 0..).
+        s2 = ex.s2.view(torch.uint8)
+        s2[:, :, 0] = torch.arange(0, 129, device=DEV, dtype=torch.uint8).repeat(D // 129 + 1)[:D]
+        assert tri._fold_ok(ex)
+        for cfg in plans:
+            monkeypatch.setattr(tri, "FP4_FOLD", False)
+            y_two = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+            monkeypatch.setattr(tri, "FP4_FOLD", True)
+            _poison()
+            y_one = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+            assert torch.equal(y_one, y_two), (act_block, cfg)
+            assert bool(torch.isfinite(y_one).all())
+
+
+def test_fold_check_large_scales_and_capture_gpu() -> None:
+    """A stack with a scale byte above 128 takes the two-multiply decode (still the twin); a
+    stack first seen inside a CUDA-graph capture takes it too (no host sync in the capture),
+    and its replay equals the eager call."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(600)
+    ex = _stacks(gen, 128)
+    ex.s1.view(torch.uint8)[3, 5, 7] = 150
+    assert not tri._fold_ok(ex)
+    x = torch.randn(16, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(16, gen)
+    ids[0, 0] = 3
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
+    fresh = _stacks(torch.Generator(device=DEV).manual_seed(601), 128)
+    cfg = tri.pick_moe_config(16 * TOPK, E, D, INTER, 128)
+    # Compile both variants outside the capture, on another stack with the same layout.
+    other = _stacks(torch.Generator(device=DEV).manual_seed(602), 128)
+    tri.moe_experts_with_config(x, ids, w, other, 10.0, cfg)
+    tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = tri.moe_experts_with_config(x, ids, w, fresh, 10.0, cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, tri.moe_experts_with_config(x, ids, w, fresh, 10.0, cfg))

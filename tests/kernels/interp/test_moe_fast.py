@@ -287,11 +287,13 @@ def test_bench_sweep_plans_and_dry_run(capsys) -> None:
                                                             base.warps_up) for p in split)
         else:
             assert split == [], T
+        if small:   # the decode pipeline depths on the default tiles
+            assert {p.stages for p in plans} >= {base.stages, *mod.DECODE_STAGES}, T
     with pytest.raises(ValueError, match="token count"):
         mod.sweep_plans(0, base, D, inter)
     out = mod.main(["--dry-run", "--sweep"])
     assert sorted(out["plans"]) == [1, 16, 64, 256, 8192]
-    assert 22 <= out["distinct"] <= 28
+    assert 22 <= out["distinct"] <= 32
     assert any("split 4/2" in name for name in out["plans"][1])
     assert f"{out['distinct']} distinct plans" in capsys.readouterr().out
     # Without --sweep only the default plan per token count; tiles wider than I are dropped.
