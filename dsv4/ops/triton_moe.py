@@ -47,6 +47,7 @@ fp32 compute take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -670,8 +671,8 @@ def _fast_fp4(experts: ExpertWeights, dtype: torch.dtype) -> bool:
 # a bf16 normal.  Real checkpoints' expert scales are far below 2^1.
 FOLD_MAX_SCALE_BYTE = 128
 
-# scale tensor -> (its version when checked, its largest byte)
-_SCALE_MAX: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# scale tensor -> {statistic name: (the tensor's version when computed, the value)}
+_SCALE_STATS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -681,20 +682,30 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _scale_max(s: torch.Tensor) -> int | None:
-    """Largest byte of an e8m0 (or uint8) scale tensor, cached per tensor and its version (one
-    reduction and one host sync the first time); None when not cached and not computable now
-    (inside a CUDA-graph capture)."""
+def cached_scale_stat(s: torch.Tensor, name: str,
+                      compute: Callable[[torch.Tensor], int]) -> int | None:
+    """``compute(s)`` (a host int, typically one reduction and one host sync), cached per scale
+    tensor, ``name`` and the tensor's version; None when not cached and not computable now
+    (inside a CUDA-graph capture, where a sync is not allowed)."""
     ver = _version(s)
-    entry = _SCALE_MAX.get(s)
-    if entry is not None and entry[0] == ver:
-        return entry[1]
+    entry = _SCALE_STATS.get(s)
+    if entry is not None and name in entry and entry[name][0] == ver:
+        return entry[name][1]
     if s.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    u = s.view(torch.uint8) if s.dtype == _E8M0 else s
-    val = int(u.max().item()) if u.numel() else 0
-    _SCALE_MAX[s] = (ver, val)
+    val = int(compute(s))
+    if entry is None:
+        entry = _SCALE_STATS[s] = {}
+    entry[name] = (ver, val)
     return val
+
+
+def _scale_max(s: torch.Tensor) -> int | None:
+    """Largest byte of an e8m0 (or uint8) scale tensor (:func:`cached_scale_stat`)."""
+    def largest(t: torch.Tensor) -> int:
+        u = t.view(torch.uint8) if t.dtype == _E8M0 else t
+        return int(u.max().item()) if u.numel() else 0
+    return cached_scale_stat(s, "max", largest)
 
 
 def _fold_ok(experts: ExpertWeights) -> bool:

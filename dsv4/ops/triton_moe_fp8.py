@@ -71,7 +71,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakIdKeyDictionary
 
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
@@ -82,6 +81,7 @@ from dsv4.ops.triton_dense import (
 )
 from dsv4.ops.triton_moe import (
     _check_experts,
+    cached_scale_stat,
     _moe_combine_kernel,
     _up_epilogue,
     _weight_args,
@@ -370,28 +370,11 @@ def pick_fp8mma_config(num_pairs: int, num_experts: int) -> MoeFp8Config:
 
 
 # ------------------------------------------------------------------------------ spread check
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:      # inference tensors keep no version counter (and cannot change)
-        return None
-
-
-# scale tensor -> {K step: (its version when checked, its largest spread)}
-_SPREADS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 def scale_spread(s: torch.Tensor, ks: int) -> int | None:
     """The largest spread max - min of the e8m0 exponents of an MXFP4 scale tensor
     [..., K/32] within each (row, ``ks``-wide K step), 255 if any byte is the e8m0 NaN; cached
     per tensor (and its version), computed with one reduction and one host sync.  None when it
     is not cached and cannot be computed now (inside a CUDA-graph capture)."""
-    ver = _version(s)
-    entry = _SPREADS.get(s)
-    if entry is not None and ks in entry and entry[ks][0] == ver:
-        return entry[ks][1]
-    if s.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
     u = s.view(torch.uint8) if s.dtype == _E8M0 else s
     if u.dtype != torch.uint8:
         raise ValueError(f"scale_spread: needs e8m0 or uint8 scales; found {s.dtype}")
@@ -399,14 +382,13 @@ def scale_spread(s: torch.Tensor, ks: int) -> int | None:
     if u.shape[-1] % g:
         raise ValueError(f"scale_spread: {u.shape[-1]} groups per row are not whole steps of "
                          f"{ks}")
-    r = u.reshape(*u.shape[:-1], u.shape[-1] // g, g)
-    spread = (r.amax(-1).to(torch.int16) - r.amin(-1).to(torch.int16)).amax()
-    spread = torch.where((u == 255).any(), torch.full_like(spread, 255), spread)
-    val = int(spread.item())
-    if entry is None:
-        entry = _SPREADS[s] = {}
-    entry[ks] = (ver, val)
-    return val
+
+    def spread_of(_: torch.Tensor) -> int:
+        r = u.reshape(*u.shape[:-1], u.shape[-1] // g, g)
+        spread = (r.amax(-1).to(torch.int16) - r.amin(-1).to(torch.int16)).amax()
+        return int(torch.where((u == 255).any(), torch.full_like(spread, 255), spread).item())
+
+    return cached_scale_stat(s, f"spread{ks}", spread_of)
 
 
 def fold_spread_ok(experts: ExpertWeights, ks: int) -> bool:
