@@ -131,7 +131,7 @@ class Parallel:
         self.group = group
         self.control_group = control_group
         self.closed = False
-        # The step channel (None until open_step_channel): the header tensor on the main
+        # The step channel (None until first used): the header tensor on the main
         # group's device, its pinned host staging copy (driver) and whether the workers listen.
         self._header: Tensor | None = None
         self._header_host: Tensor | None = None
