@@ -65,7 +65,7 @@ class EngineOptions:
     Triton compiles, seconds each) or on each bucket's first use (``"lazy"``: quicker start).
     ``cuda_graphs_under_tp`` (default True): also replay decode CUDA graphs under tensor /
     expert parallelism (every rank captures and replays the same graphs, NCCL collectives
-    inside; the step broadcast stays outside; tests/dist/test_tp_graphs_gpu.py passed on two
+    inside; the step announcement stays outside; tests/dist/test_tp_graphs_gpu.py passed on two
     H200s).  False runs such decode steps eagerly.
     ``pipeline_decode`` (default None: on when decode steps run as CUDA graphs): while a decode
     step runs on the device, the next one of the same sequences (each assumed to go on) is

@@ -9,9 +9,12 @@ Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
 ``enforce_eager`` run eagerly.  Under tensor / expert parallelism graphs need
-``graphs_under_tp``: the driver marks the plan it broadcasts as static (``StepPlan.static``)
-and every rank then fills the same buffers and captures / replays the same bucket's graph, so
-the NCCL collectives inside the graphs meet; the broadcast itself stays outside the graphs.
+``graphs_under_tp``: the driver announces a static step on the step channel
+(``Parallel.send_static``), its filled input buffers are broadcast into the workers', and every
+rank captures / replays the same bucket's graph, so the NCCL collectives inside the graphs
+meet; the announcement and the buffer broadcasts stay outside the graphs.  Pipelined decode
+(:meth:`ModelRunner.launch` / :meth:`ModelRunner.collect`) enqueues a static step and its
+sampling without waiting, the next one taking the samples as input tokens on the device.
 The cache holds one slot and one page more than the cache manager hands out: the scratch slot
 and page of the padding rows of those steps.
 """
@@ -245,7 +248,8 @@ class ModelRunner:
                              "width of static-shape steps)")
         self.decode_graphs: DecodeGraphs | None = None
         # Host seconds of the step phases before a replay: planning and (driver of a parallel
-        # launch) the static plan's broadcast; the replays' fill / launch are in
+        # launch) the step-channel announcement and the input buffers' broadcast; the replays'
+        # fill / launch are in
         # decode_graphs.stats (bench/tp_bench.py reports both per decode step).
         self.host_s: dict[str, float] = {"plan": 0.0, "broadcast": 0.0}
         self.graphs_disabled_reason: str | None = None   # set when a capture failed
