@@ -249,8 +249,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Host seconds of the step phases before a replay: planning and (driver of a parallel
         # launch) the step-channel announcement and the input buffers' broadcast; the replays'
-        # fill / launch are in
-        # decode_graphs.stats (bench/tp_bench.py reports both per decode step).
+        # fill / launch are in decode_graphs.stats (bench/tp_bench.py reports both per step).
         self.host_s: dict[str, float] = {"plan": 0.0, "broadcast": 0.0}
         self.graphs_disabled_reason: str | None = None   # set when a capture failed
         if static_decode:
