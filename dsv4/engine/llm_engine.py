@@ -71,9 +71,11 @@ class EngineOptions:
     step runs on the device, the next one of the same sequences (each assumed to go on) is
     launched with the samples still on the device, before the host reads them — the host's
     work of a step (outputs, scheduling, planning, the graph launch) hides behind the device's.
-    A sequence that stops at a step has its speculative next token discarded; only steps whose
-    rows need no logprobs and no penalties, with nothing waiting to be admitted, pipeline.
-    Greedy and seeded outputs are unchanged.
+    A sequence that stops at a step has its speculative next token discarded; only decode steps
+    whose rows need no penalties and no prompt logprobs, with nothing waiting to be admitted,
+    pipeline.  Each step computes what the unpipelined engine computes, except that the step
+    after a sequence stops still carries its row (a larger batch bucket may round other rows
+    differently, as any change of batch does).
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
     ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
     loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:

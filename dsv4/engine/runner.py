@@ -34,7 +34,8 @@ from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.engine.cuda_graphs import DecodeGraphs
-from dsv4.engine.sampler import RowLogprobs, Sampler, SamplingRow
+from dsv4.engine.sampler import (RowLogprobs, Sampler, SamplingRow, logprob_rows,
+                                 logprob_tensors)
 from dsv4.engine.scheduler import SchedulerOutput
 from dsv4.engine.sequence import SeqKey, Sequence, SequenceStatus
 from dsv4.model.context import StaticShape, StepContext, decode_buckets, pages_needed
@@ -58,10 +59,14 @@ class StepResult:
 @dataclass
 class InFlight:
     """A pipelined decode step whose samples are still on the device: ``tokens`` [R] in the
-    order of ``out.scheduled`` (read by :meth:`ModelRunner.collect`)."""
+    order of ``out.scheduled``, and for the rows ``logprob_rows`` that asked for logprobs their
+    device tensors (``sampler.logprob_tensors``) and top-N (read by :meth:`ModelRunner.collect`)."""
 
     out: SchedulerOutput
     tokens: torch.Tensor
+    logprob_rows: list[int] = field(default_factory=list)
+    logprobs: Any = None
+    num_top: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -485,7 +490,7 @@ class ModelRunner:
     def pipelinable(self, out: SchedulerOutput) -> bool:
         """Whether ``out`` can run as a pipelined decode step: a static-shape decode step of a
         bucket whose graph exists (or eager static steps), every row sampling without
-        logprobs or penalties (their host side needs the token of the step before)."""
+        penalties (they need the output tokens on the host, the step before's included)."""
         graphs = self.decode_graphs
         if graphs is None or out.is_empty:
             return False
@@ -496,7 +501,7 @@ class ModelRunner:
         for s in out.scheduled:
             p = s.seq.params
             if (s.num_new_tokens != 1 or not s.sample or s.prompt_logprobs
-                    or p.logprobs is not None or p.has_penalties):
+                    or p.has_penalties):
                 return False
         return True
 
@@ -521,7 +526,15 @@ class ModelRunner:
                 for s in out.scheduled]
         with record_function("dsv4.sample"):
             tokens = self.sampler.sample_tokens(logits, rows)
-        return InFlight(out, tokens)
+            step = InFlight(out, tokens)
+            want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            if want:
+                # Enqueued now: the next step's replay rewrites the logits buffer.
+                idx = torch.tensor(want, device=logits.device)
+                step.logprob_rows = want
+                step.num_top = [rows[i].params.logprobs for i in want]
+                step.logprobs = logprob_tensors(logits[idx], tokens[idx], max(step.num_top))
+        return step
 
     def collect(self, step: InFlight) -> StepResult:
         """Wait for an in-flight step's samples: the result of its sequences that still run
@@ -532,6 +545,13 @@ class ModelRunner:
         for s, tok in zip(step.out.scheduled, tokens):
             if s.seq.status is SequenceStatus.RUNNING:
                 result.sampled[s.seq.key] = tok
+        if step.logprob_rows:
+            got = logprob_rows([tokens[i] for i in step.logprob_rows], step.logprobs,
+                               step.num_top)
+            for i, lp in zip(step.logprob_rows, got):
+                key = step.out.scheduled[i].seq.key
+                if key in result.sampled:
+                    result.logprobs[key] = lp
         return result
 
     @torch.no_grad()

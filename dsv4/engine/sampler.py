@@ -192,15 +192,34 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int],
                    num_top: list[int]) -> list[RowLogprobs]:
     """Per row: log_softmax of the fp32 logits; the given token's logprob and 1-based rank
     (1 + the number of tokens with a strictly larger logprob) and the top ``num_top[i]``."""
+    tok = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    return logprob_rows(token_ids, logprob_tensors(logits, tok, max(num_top, default=0)),
+                        num_top)
+
+
+LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> LogprobTensors:
+    """The device half of :func:`token_logprobs` (no host sync): per row the logprob of
+    ``tokens[i]`` [R], its rank [R], and the top-``num_top`` logprobs and ids [R, k] (None for
+    k = 0)."""
     logp = logits.float().log_softmax(dim=-1)
-    tok = torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
-    tok_lp = logp.gather(1, tok)
+    tok_lp = logp.gather(1, tokens.view(-1, 1))
     ranks = (logp > tok_lp).sum(dim=-1) + 1
-    k_max = min(max(num_top, default=0), logp.shape[1])
+    k_max = min(num_top, logp.shape[1])
     top_vals, top_ids = (logp.topk(k_max, dim=-1) if k_max > 0 else (None, None))
-    tok_lp_l, ranks_l = tok_lp.squeeze(1).tolist(), ranks.tolist()
+    return tok_lp.squeeze(1), ranks, top_vals, top_ids
+
+
+def logprob_rows(token_ids: list[int], tensors: LogprobTensors,
+                 num_top: list[int]) -> list[RowLogprobs]:
+    """The host half of :func:`token_logprobs`: the rows of :func:`logprob_tensors`."""
+    tok_lp, ranks, top_vals, top_ids = tensors
+    tok_lp_l, ranks_l = tok_lp.tolist(), ranks.tolist()
     top_vals_l = top_vals.tolist() if top_vals is not None else None
     top_ids_l = top_ids.tolist() if top_ids is not None else None
+    k_max = len(top_ids_l[0]) if top_ids_l else 0
     out = []
     for i, t in enumerate(token_ids):
         k = min(num_top[i], k_max)

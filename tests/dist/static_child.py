@@ -51,6 +51,8 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
         force_static_decode(eng)
     if mode == "pipeline":
         eng.pipeline_decode = True   # pipelined static decode steps (no logprobs asked)
+    if mode == "graphs":
+        eng.pipeline_decode = False  # graphs against static eager steps of the same batches
     if mode in ("failcapture", "failstartup"):
         # Pretend graphs are on and the capture fails on rank 1 only: every rank must turn
         # graphs off together (no hang) and the steps run eagerly.

@@ -21,9 +21,10 @@ def engine(path, model, tok, pipeline: bool, **kw) -> LLMEngine:
 
 def drive(eng: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
           late: dict[int, dict[str, tuple[list[int], SamplingParams]]] | None = None,
-          abort_at: dict[int, str] | None = None) -> dict[str, list[list[int]]]:
+          abort_at: dict[int, str] | None = None) -> dict[str, list]:
     """Add ``requests``, step to the end (adding ``late[k]`` / aborting ``abort_at[k]`` before
-    step k); the token ids of every sequence of every request that finished."""
+    step k); the token ids of every sequence of every request that finished (with their
+    logprobs when asked)."""
     for rid, (p, sp) in requests.items():
         eng.add_request(rid, p, sp)
     done: dict[str, list[list[int]]] = {}
@@ -35,11 +36,16 @@ def drive(eng: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
             eng.abort_request(abort_at[k])
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
+                done[out.request_id] = [c.token_ids if c.logprobs is None
+                                        else (c.token_ids, c.logprobs) for c in out.outputs]
         k += 1
     eng.check_idle()
     eng.scheduler.check_invariants()
     return done
+
+
+def _tokens(done: dict[str, list]) -> dict[str, list]:
+    return {r: [c[0] if isinstance(c, tuple) else c for c in seqs] for r, seqs in done.items()}
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -58,13 +64,27 @@ def test_pipelined_equals_plain(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer) 
                                     ignore_eos=True)),
         "d": (ps[0], greedy(30, stop_token_ids=[stop])),
         "e": (ps[3], greedy(3)),
+        "g": (ps[2], greedy(12, logprobs=2)),
+        "h": (ps[1], SamplingParams(temperature=1.0, seed=5, max_tokens=9, ignore_eos=True,
+                                    logprobs=1)),
     }
     late = {6: {"f": (ps[1][:20], greedy(10))}}
     plain_eng = engine(*args, False)
     plain = drive(plain_eng, reqs, late)
     eng = engine(*args, True)
     piped = drive(eng, reqs, late)
-    assert piped == plain
+    # Tokens equal; logprobs to fp32 rounding (a speculative step may run a larger batch
+    # bucket, whose CPU matmuls block differently).
+    assert _tokens(piped) == _tokens(plain)
+    for rid in ("g", "h"):
+        (toks, lps), = piped[rid]
+        (_, want), = plain[rid]
+        assert len(lps) == len(toks)
+        for got_pos, want_pos in zip(lps, want):
+            assert got_pos.keys() == want_pos.keys(), rid
+            for tok, lp in got_pos.items():
+                assert abs(lp.logprob - want_pos[tok].logprob) < 1e-4, rid
+                assert lp.rank == want_pos[tok].rank, rid
     assert len(piped["d"][0]) < 30 and piped["d"][0][-1] == stop
     assert eng._totals["steps"] >= plain_eng._totals["steps"] - 1
     assert eng._pipelined_launches > 10 and plain_eng._pipelined_launches == 0
