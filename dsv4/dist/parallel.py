@@ -228,8 +228,9 @@ class Parallel:
         if self._header_sent is not None:
             self._header_sent.synchronize()   # the staging copy is free again
         host = self._header_host
-        host.zero_()
-        host[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        h = host.numpy()    # (no tensor made per step)
+        h[:] = 0
+        h[:len(values)] = values
         if self._header.device.type == "cuda":
             self._header.copy_(host, non_blocking=True)
             self._header_sent = torch.cuda.Event()

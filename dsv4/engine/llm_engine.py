@@ -34,7 +34,7 @@ from dsv4.engine.runner import (InFlight, ModelRunner, StepResult, profile_decod
 from dsv4.engine.sampler import RowLogprobs
 from dsv4.engine.sampling_params import (CompletionOutput, Logprob, PositionLogprobs,
                                          RequestMetrics, RequestOutput, SamplingParams)
-from dsv4.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("dsv4")
@@ -538,33 +538,10 @@ class LLMEngine:
         return outputs
 
     def _speculate(self, out: Any) -> Any:
-        """The decode step after the in-flight ``out``, assuming each of its sequences goes on,
-        or None: when anything waits for admission, another sequence runs, a row may not
-        pipeline, a sequence stops at ``out`` whatever its token (length limits), or a page is
-        missing.  Takes the page the next position needs."""
-        sched = self.scheduler
-        if sched.waiting or len(sched.running) != len(out.scheduled):
-            return None
-        nxt = []
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                return None
-            p = seq.params
-            # After out: num_tokens + 1 tokens and num_output_tokens + 1 outputs.
-            if p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens:
-                return None
-            if seq.num_tokens + 1 >= sched.max_model_len:
-                return None
-            nxt.append(ScheduledSeq(seq=seq, start_pos=s.start_pos + 1, num_new_tokens=1,
-                                    sample=True, prompt_logprobs=False, reset_slot=False,
-                                    slot=s.slot, block_table=[]))
-        for n in nxt:
-            if not self.manager.ensure(n.seq.key, n.start_pos + 1):
-                return None
-            n.block_table = self.manager.block_table(n.seq.key)
-        spec = SchedulerOutput(scheduled=nxt)
-        return spec if self.runner.pipelinable(spec) else None
+        """The pipelined step after the in-flight ``out`` (:meth:`Scheduler.next_decode`), or
+        None when there is none or it cannot run pipelined."""
+        spec = self.scheduler.next_decode(out)
+        return spec if spec is not None and self.runner.pipelinable(spec) else None
 
     def _fail_step(self, out: Any) -> None:
         failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)

@@ -298,11 +298,39 @@ class Scheduler:
                 return ("stop", None)
             if token in p.stop_token_ids:
                 return ("stop", token)
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return ("length", None)
-        if seq.num_tokens >= self.max_model_len:
+        if self._length_stop(seq, 0):
             return ("length", None)
         return None
+
+    def _length_stop(self, seq: Sequence, more: int) -> bool:
+        """Whether ``seq`` is at a length limit (max_tokens, max_model_len) once it holds
+        ``more`` tokens beyond its current ones."""
+        p = seq.params
+        if p.max_tokens is not None and seq.num_output_tokens + more >= p.max_tokens:
+            return True
+        return seq.num_tokens + more >= self.max_model_len
+
+    def next_decode(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after the in-flight decode step ``out`` (pipelined decode: its tokens
+        are not sampled yet), assuming each of its sequences goes on; takes the page the next
+        position needs.  None when anything waits for admission, another sequence runs, a
+        sequence stops at ``out`` whatever its token (length limits), or a page is missing:
+        the step after ``out`` is then scheduled the normal way."""
+        if self.waiting or len(self.running) != len(out.scheduled):
+            return None
+        nxt = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING or self._length_stop(seq, 1):
+                return None
+            nxt.append(ScheduledSeq(seq=seq, start_pos=s.start_pos + 1, num_new_tokens=1,
+                                    sample=True, prompt_logprobs=False, reset_slot=False,
+                                    slot=s.slot, block_table=[]))
+        for n in nxt:
+            if not self.manager.ensure(n.seq.key, n.start_pos + 1):
+                return None
+            n.block_table = self.manager.block_table(n.seq.key)
+        return SchedulerOutput(scheduled=nxt)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError when queues, statuses and cache holdings disagree (for tests)."""

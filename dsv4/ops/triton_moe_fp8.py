@@ -383,7 +383,8 @@ def scale_spread(s: torch.Tensor, ks: int) -> int | None:
         raise ValueError(f"scale_spread: {u.shape[-1]} groups per row are not whole steps of "
                          f"{ks}")
 
-    def spread_of(_: torch.Tensor) -> int:
+    def spread_of(t: torch.Tensor) -> int:
+        u = t.view(torch.uint8) if t.dtype == _E8M0 else t
         r = u.reshape(*u.shape[:-1], u.shape[-1] // g, g)
         spread = (r.amax(-1).to(torch.int16) - r.amin(-1).to(torch.int16)).amax()
         return int(torch.where((u == 255).any(), torch.full_like(spread, 255), spread).item())
