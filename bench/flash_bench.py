@@ -254,9 +254,10 @@ def sync_time(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def graph_time(fn: Callable[[], Any], replays: int = 20) -> float:
+def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = None) -> float:
     """Median seconds of one replay of ``fn`` captured in a CUDA graph (fn already warmed);
-    off the GPU (smoke runs) the median of plain calls."""
+    off the GPU (smoke runs) the median of plain calls.  ``timeline``: append the graph's
+    kernel timeline (``bench/timeline.py``) to that file."""
     if DEV != "cuda":
         return statistics.median(sync_time(fn, 2))
     s = torch.cuda.Stream()
@@ -278,6 +279,11 @@ def graph_time(fn: Callable[[], Any], replays: int = 20) -> float:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    if timeline:
+        from bench.timeline import graph_timeline
+        with open(timeline, "a") as f:
+            f.write(f"===== graph step, median {statistics.median(times) * 1e6:.1f} us\n")
+            f.write(graph_timeline(g))
     del g
     return statistics.median(times)
 
@@ -329,7 +335,7 @@ def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int) -> 
 
 
 def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, steps: int,
-                 pages_per_req: int, graphs: bool) -> dict:
+                 pages_per_req: int, graphs: bool, timeline: str | None = None) -> dict:
     cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(B)
     tables = [request_pages(r, pages_per_req) for r in range(B)]
@@ -368,7 +374,11 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
         try:
             c = decode_ctx(pos[0])
             model.compute_logits(model.forward(c, cache))            # fills c.memo
-            g = graph_time(lambda: model.compute_logits(model.forward(c, cache)))
+            if timeline:
+                with open(timeline, "a") as f:
+                    f.write(f"##### decode B={B}, ctx {ctx_len}\n")
+            g = graph_time(lambda: model.compute_logits(model.forward(c, cache)),
+                           timeline=timeline)
             out.update({"graph_step_s": g, "ratio_graph": g / floor, "graph_tokens_per_s": B / g})
         except Exception as e:  # report, keep the eager number
             out["graph_error"] = f"{type(e).__name__}: {e}"[:400]
@@ -582,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                     "timing (prefill chunks), e.g. 2048,8192")
     ap.add_argument("--sweep-prefill", type=int, default=8192, help="prefill tokens swept")
     ap.add_argument("--profile", default=None, help="write torch.profiler tables here")
+    ap.add_argument("--timeline", default=None,
+                    help="append each decode graph's kernel timeline (bench/timeline.py) here")
     ap.add_argument("--hf", default=None,
                     help="also run transformers: 'S;B:ctx,B:ctx' e.g. '4096;1:4096,16:1024'")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny (smoke test)")
@@ -608,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     prefills = [int(s) for s in args.prefill.split(",") if s]
     ppr = pages_needed(args.ctx + args.steps + 4, PAGE)
-    num_pages = max(max(batches) * ppr, pages_needed(max(prefills), PAGE))
+    num_pages = max(max(batches) * ppr, pages_needed(max(prefills, default=1), PAGE))
     cache_dtype = RECORD_DTYPE if args.kv_cache_dtype == "fp8" else torch.bfloat16
     cache = HybridCache.allocate(model.cfg, num_pages=num_pages, num_slots=max(batches),
                                  page_size=PAGE, dtype=cache_dtype, device=DEV)
@@ -675,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"budget reached: decode B={B} skipped")
             break
         try:
-            r = bench_decode(model, cache, B, args.ctx, args.steps, ppr, not args.no_graphs)
+            r = bench_decode(model, cache, B, args.ctx, args.steps, ppr, not args.no_graphs,
+                             args.timeline)
             results["decode"].append(r)
             g = (f", graph {r['graph_step_s'] * 1e3:.2f} ms (x{r['ratio_graph']:.2f})"
                  if "graph_step_s" in r else f", graph failed: {r.get('graph_error', 'off')}")
