@@ -28,8 +28,8 @@ from dsv4.cache.formats import RecordFormat, encode_rows
 from dsv4.cache.tensors import CompressorSpec, CompressorState
 from dsv4.config import ModelConfig
 from dsv4.model.context import StepContext
-from dsv4.model.layers import (Linear, RMSNorm, check_numerics, rope_cos_sin, rope_params,
-                               stacked_weight)
+from dsv4.model.layers import (Linear, RMSNorm, check_numerics, fp32_math_dtype, rope_cos_sin,
+                               rope_params, stacked_weight)
 from dsv4.ops import torch_compress
 
 __all__ = ["Compressor", "CompressorV2", "EntryPlan", "entry_plan", "entry_pool_rows",
@@ -240,8 +240,10 @@ class Compressor(nn.Module):
         self.dtype = dtype
         self.rotate = rotate
         d, w = spec.dim, spec.state_width
-        self.wkv = Linear(cfg.dim, w, fmt="bf16", numerics=numerics, dtype=torch.float32)
-        self.wgate = Linear(cfg.dim, w, fmt="bf16", numerics=numerics, dtype=torch.float32)
+        # fp32 math on the checkpoint's bf16 values (held in bf16 on the GPU: fp32_math_dtype).
+        wdtype = fp32_math_dtype(dtype)
+        self.wkv = Linear(cfg.dim, w, fmt="bf16", numerics=numerics, dtype=wdtype)
+        self.wgate = Linear(cfg.dim, w, fmt="bf16", numerics=numerics, dtype=wdtype)
         self.ape = nn.Parameter(torch.zeros(spec.ratio, w, dtype=torch.float32),
                                 requires_grad=False)
         self.norm = RMSNorm(d, cfg.norm_eps, ops)
@@ -349,9 +351,11 @@ class CompressorV2(nn.Module):
         hd = cfg.head_dim
         self.spec: CompressorSpec | None = CompressorSpec("attn", r, hd, False) if r > 1 else None
         if r > 1:
-            # The reference promotes the pooling weights to fp32 (spec §4.3).
-            self.wkv = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=torch.float32)
-            self.wgate = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=torch.float32)
+            # The reference promotes the pooling weights to fp32 (spec §4.3): fp32 math on the
+            # checkpoint's bf16 values (held in bf16 on the GPU: fp32_math_dtype).
+            wdtype = fp32_math_dtype(dtype)
+            self.wkv = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=wdtype)
+            self.wgate = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=wdtype)
         else:
             self.wkv = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=dtype)
         self.norm = RMSNorm(hd, cfg.norm_eps, ops)

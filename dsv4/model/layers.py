@@ -59,6 +59,15 @@ def keeps_quantized(flag: bool | None = None) -> bool:
     return torch.get_default_device().type == "cuda"
 
 
+def fp32_math_dtype(compute_dtype: torch.dtype, flag: bool | None = None) -> torch.dtype:
+    """Storage dtype of a bf16 checkpoint weight the reference promotes to fp32 (the
+    compressors' ``wkv`` / ``wgate``, the MoE gate): the checkpoint's bf16 with quantized (GPU)
+    storage and a bf16 / fp16 compute dtype — ``linear_fp32`` widens it exactly, so the math is
+    the same at half the bytes — else fp32 (the CPU path, bit for bit as before)."""
+    narrow = compute_dtype in (torch.bfloat16, torch.float16)
+    return torch.bfloat16 if narrow and keeps_quantized(flag) else torch.float32
+
+
 def load_device(current: Tensor, value_device: torch.device) -> torch.device:
     """Where a loaded value goes: the value's own device when ``current`` is a ``meta``
     placeholder (the model was built without storage), else ``current``'s device."""

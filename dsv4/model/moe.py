@@ -24,8 +24,8 @@ from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.dist.sharding import splits_shared_expert
 from dsv4.formats import FP4_BLOCK
-from dsv4.model.layers import (Linear, check_numerics, fused_linears, keeps_quantized,
-                               set_parameter)
+from dsv4.model.layers import (Linear, check_numerics, fp32_math_dtype, fused_linears,
+                               keeps_quantized, set_parameter)
 from dsv4.ops import get_ops
 from dsv4.ops.torch_dense import ExpertWeights
 
@@ -49,8 +49,8 @@ class Gate(nn.Module):
     ``ops``: the op table whose ``moe_route`` routes the V4 gate logits (default: the torch
     twins)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, ops: SimpleNamespace | None = None
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, ops: SimpleNamespace | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.ops = ops if ops is not None else get_ops("torch")
         self.top_k = cfg.n_activated_experts
@@ -60,8 +60,10 @@ class Gate(nn.Module):
         self.is_v41 = cfg.is_v41
         self.gate_temp = cfg.gate_temp
         self.norm_topk_prob = cfg.norm_topk_prob
-        # Stored bf16 in the checkpoint; held in fp32 since the reference computes the gate in fp32.
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.dim, dtype=torch.float32),
+        # Stored bf16 in the checkpoint; the reference computes the gate in fp32: held in fp32,
+        # or in its exact bf16 on the GPU with a bf16 compute ``dtype`` (fp32_math_dtype).
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.dim,
+                                               dtype=fp32_math_dtype(dtype)),
                                    requires_grad=False)
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k,
@@ -279,7 +281,7 @@ class MoE(nn.Module):
         expert_quantized = cfg.quantized and cfg.expert_dtype in ("fp4", "fp8")
         # Under official numerics a quantized expert GEMM sees FP8 fake-quantized inputs (§2.5).
         act_block = cfg.weight_block_size if numerics == "official" and expert_quantized else None
-        self.gate = Gate(cfg, layer_id, ops)
+        self.gate = Gate(cfg, layer_id, ops, dtype)
         self.experts = Experts(cfg, act_block, dtype, parallel=self.parallel)
         # Several ranks: the shared expert is split, or held whole by rank 0 when its slices
         # would cut FP8 scale blocks (None on the other ranks; dsv4.dist.sharding).

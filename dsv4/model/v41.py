@@ -300,8 +300,10 @@ def route_v41(x: Tensor, gate_w: Tensor, bias: Tensor, bias_vl: Tensor | None,
         raise ValueError(f"route_v41: top_k must be in 1..{E}, got {top_k}")
     if gate_temp <= 0:
         raise ValueError(f"route_v41: gate_temp must be positive, got {gate_temp}")
+    # linear_fp32 takes a bf16 gate_w as it is (exact widening inside, no per-call copy).
     logits = (F.linear(x.float(), gate_w.float()) if ops is None
-              else ops.linear_fp32(x, gate_w.float()))
+              else ops.linear_fp32(x, gate_w if gate_w.dtype == torch.bfloat16
+                                   else gate_w.float()))
     scores = F.softplus(logits / gate_temp).sqrt()
     sel_bias = bias.float()[None, :]
     if image_mask is not None and bias_vl is not None:

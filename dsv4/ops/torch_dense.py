@@ -158,9 +158,9 @@ def check_linear_fp32_args(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"linear_fp32: x must be a 2-D float tensor [T, K]; found {x.dtype} of "
                          f"shape {tuple(x.shape)}")
-    if w.dim() != 2 or w.dtype != torch.float32:
-        raise ValueError(f"linear_fp32: w must be a 2-D float32 tensor [N, K]; found {w.dtype} "
-                         f"of shape {tuple(w.shape)}")
+    if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"linear_fp32: w must be a 2-D float32 or bfloat16 tensor [N, K]; "
+                         f"found {w.dtype} of shape {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"linear_fp32: x has {x.shape[1]} input features, w [N, K] expects "
                          f"K = {w.shape[1]}")
@@ -170,7 +170,8 @@ def check_linear_fp32_args(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 GEMM ``x.float() @ w.T``: x [T, K] any float dtype, w [N, K] float32 -> [T, N] fp32.
+    """fp32 GEMM ``x.float() @ w.float().T``: x [T, K] any float dtype, w [N, K] float32 or
+    bfloat16 (bf16 checkpoint values held compactly: widened exactly) -> [T, N] fp32.
 
     The compressors' ``wkv`` / ``wgate`` projections and the MoE gate (the reference computes
     them in fp32).  ``F.linear`` (no TF32 unless the caller enabled it); on CPU, fewer than 4
@@ -178,7 +179,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     one summation order for every batch size.
     """
     check_linear_fp32_args(x, w)
-    return batch_invariant_linear(x.float(), w)
+    return batch_invariant_linear(x.float(), w.float())
 
 
 # ------------------------------------------------------------------------------ routed experts

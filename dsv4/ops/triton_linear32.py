@@ -22,11 +22,11 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.triton_dense import (_dot_bf16x3, sm_count, splitk_reduce, splitk_workspace,
-                                   torch_twin_off_gpu)
+from dsv4.ops.triton_dense import (_dot_bf16x3, mma, sm_count, splitk_reduce,
+                                   splitk_workspace, torch_twin_off_gpu)
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
-           "pick_prefill_config", "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS", "PREFILL_BF16X3",
+           "pick_prefill_config", "pick_bf16w_config", "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS", "PREFILL_BF16X3",
            "PREFILL_MIN_ROWS"]
 
 # Rows for which the kernel runs; others go to the twin (cuBLAS on the GPU).  Measured bounds:
@@ -49,10 +49,25 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _dot_split_a(acc, a, b):
+    """acc += a @ b for an fp32 tile ``a`` and a bf16 tile ``b``: a is split into three bf16
+    parts summing to it exactly, so each bf16 product is exact and only fp32 sums round."""
+    a1 = a.to(tl.bfloat16)
+    r = a - a1.to(tl.float32)
+    a2 = r.to(tl.bfloat16)
+    a3 = (r - a2.to(tl.float32)).to(tl.bfloat16)
+    acc += mma(a3, b, "ieee")
+    acc += mma(a2, b, "ieee")
+    acc += mma(a1, b, "ieee")
+    return acc
+
+
+@triton.jit
 def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
                      stride_ws, k_per_split,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SPLITS: tl.constexpr, DOT: tl.constexpr, BF16X3: tl.constexpr = False):
+                     SPLITS: tl.constexpr, DOT: tl.constexpr, BF16X3: tl.constexpr = False,
+                     W_BF16: tl.constexpr = False):
     """out[M, N] (fp32) = x[M, K] @ w[N, K]^T with fp32 products and sums.
 
     Grid: (M tiles × N tiles, SPLITS); split s covers K ``[s·k_per_split, (s+1)·k_per_split)``
@@ -60,6 +75,10 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
 
     BF16X3 (bf16 x, dot path): x stays bf16 and each fp32 weight tile is split into three bf16
     parts summing to it exactly; three bf16 tensor-core dots then give exact products.
+
+    W_BF16 (a bf16 weight, the checkpoint's values held compactly): the broadcast path upcasts
+    the tile (exact); the dot path multiplies on bf16 MMAs — one dot for a bf16 x, three for an
+    fp32 x split exactly into bf16 parts — so products stay exact with half the weight bytes.
 
     DOT: the tile product is ``tl.dot(..., input_precision="ieee")`` (FMA, BM >= 16); else it
     is a broadcast multiply accumulated per (row, column, k lane) in a [BM, BN, BK] register
@@ -92,18 +111,25 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
         k_mask = rk < k1
         a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if not BF16X3:
+        if not BF16X3 and not (W_BF16 and DOT):
             a = a.to(tl.float32)
         # The weight is read once per launch: stream it past L1.
         w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        if BF16X3:
+        if W_BF16 and DOT:
+            # bf16-valued weights: bf16 MMAs give exact products (a bf16 x in one dot, an
+            # fp32 x split exactly into three bf16 parts).
+            if a.dtype == tl.bfloat16:
+                acc += mma(a, tl.trans(w), "ieee")
+            else:
+                acc = _dot_split_a(acc, a.to(tl.float32), tl.trans(w))
+        elif BF16X3:
             acc = _dot_bf16x3(acc, a, tl.trans(w))
         elif DOT:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+            acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            acc3 += a[:, None, :] * w[None, :, :]
+            acc3 += a[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
     mask = m_mask[:, None] & n_mask[None, :]
@@ -217,21 +243,39 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
     _linear32_kernel[(tiles, split)](
         x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16,
-        BF16X3=cfg.bf16x3 and x.dtype == torch.bfloat16,
+        BF16X3=cfg.bf16x3 and x.dtype == torch.bfloat16, W_BF16=w.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
+def pick_bf16w_config(M: int, N: int, K: int, device: torch.device) -> Linear32Config:
+    """Plan for a bf16 weight between the decode rows and the prefill plan (bf16 MMAs on
+    64-row tiles, split over K until ~2 programs per SM); a first guess, not yet swept."""
+    bn = 64 if N >= 64 else max(16, triton.next_power_of_2(N))
+    tiles = triton.cdiv(M, 64) * triton.cdiv(N, bn)
+    split = max(1, min(MAX_SPLITS, triton.cdiv(K, 64), triton.cdiv(2 * sm_count(device), tiles)))
+    return Linear32Config(BM=64, BN=bn, BK=64, split_k=split, num_warps=4, num_stages=3)
+
+
 @torch_twin_off_gpu("dsv4.ops.torch_dense")
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 GEMM ``x.float() @ w.T``: x [T, K] any float dtype, w [N, K] float32 -> [T, N] fp32.
+    """fp32 GEMM ``x.float() @ w.float().T``: x [T, K] any float dtype, w [N, K] float32 or
+    bfloat16 (bf16 checkpoint values held compactly; the math is the same) -> [T, N] fp32.
 
-    Exact fp32 products and fp32 sums (FMA; no TF32).  :data:`MIN_KERNEL_ROWS` <= T <=
+    Exact products and fp32 sums (no TF32).  An fp32 w: :data:`MIN_KERNEL_ROWS` <= T <=
     :data:`MAX_KERNEL_ROWS`: the split-K kernel; T >= :data:`PREFILL_MIN_ROWS` with a bf16 x:
-    the bf16x3 tensor-core path (exact products); other T: the twin (cuBLAS).
+    the bf16x3 tensor-core path (exact products); other T: the twin (cuBLAS).  A bf16 w: the
+    kernel at every T (half the weight bytes; its twin would widen w on every call).
     """
     torch_dense.check_linear_fp32_args(x, w)
     M = x.shape[0]
+    if w.dtype == torch.bfloat16:
+        if M <= MAX_KERNEL_ROWS:
+            return linear_fp32_with_config(x, w, None)
+        if M < PREFILL_MIN_ROWS:
+            return linear_fp32_with_config(x, w, pick_bf16w_config(M, w.shape[0], x.shape[1],
+                                                                   x.device))
+        return linear_fp32_with_config(x, w, pick_prefill_config(M, w.shape[0], x.shape[1]))
     if M >= PREFILL_MIN_ROWS and PREFILL_BF16X3 and x.dtype == torch.bfloat16:
         return linear_fp32_with_config(x, w, pick_prefill_config(M, w.shape[0], x.shape[1]))
     if not MIN_KERNEL_ROWS <= M <= MAX_KERNEL_ROWS:

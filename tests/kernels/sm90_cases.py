@@ -888,6 +888,12 @@ def _linear32() -> None:
         wp = _empty(N, 4096, dtype=torch.float32)
         tl32.linear_fp32_with_config(_empty(8192, 4096, dtype=torch.bfloat16), wp,
                                      tl32.pick_prefill_config(8192, N, 4096))
+    # bf16-held weights (the GPU default): the kernel at every T, bf16 and fp32 x.
+    for N in (2048, 1024, 512, 256):
+        wb = _empty(N, 4096, dtype=torch.bfloat16)
+        for T in (1, 2, 4, 16, 64, 8192):
+            tl32.linear_fp32(_empty(T, 4096, dtype=torch.bfloat16), wb)
+        tl32.linear_fp32(_empty(16, 4096, dtype=torch.float32), wb)
 
 
 scenario("linear_fp32/v4_flash")(_linear32)

@@ -152,8 +152,8 @@ def test_linear32_rejects_bad_inputs(fn) -> None:
         fn(torch.randn(2, 3, 64), w)
     with pytest.raises(ValueError, match="linear_fp32: x must be a 2-D float"):
         fn(torch.ones(2, 64, dtype=torch.int32), w)
-    with pytest.raises(ValueError, match="linear_fp32: w must be a 2-D float32"):
-        fn(torch.randn(2, 64), w.bfloat16())
+    with pytest.raises(ValueError, match="linear_fp32: w must be a 2-D float32 or bfloat16"):
+        fn(torch.randn(2, 64), w.half())
     with pytest.raises(ValueError, match="64 input features.*K = 48"):
         fn(torch.randn(2, 64), torch.randn(16, 48))
 
@@ -186,3 +186,44 @@ def test_linear32_prefill_bf16x3(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rel_err(tl32.linear_fp32(x, w), ref.linear_fp32(x, w)) < 2e-6
     with pytest.raises(ValueError, match="bf16x3"):
         tl32.Linear32Config(BM=8, BN=16, BK=32, bf16x3=True)
+
+
+@pytest.mark.parametrize("T,N,K", [(1, 48, 256), (3, 300, 512), (17, 100, 320), (70, 40, 192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear32_bf16_weight(T: int, N: int, K: int, dtype: torch.dtype) -> None:
+    """A bf16 weight (checkpoint values held compactly): the same fp32 math as its fp32 widening
+    — the broadcast path upcasts the tile, the dot path takes bf16 MMAs (one for a bf16 x, three
+    for an fp32 x split exactly) — every plan, every split, and the public op at every T."""
+    gen = torch.Generator().manual_seed(T * 7 + N + K)
+    x = (torch.randn(T, K, generator=gen) * 2).to(dtype)
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(torch.bfloat16)
+    twin = ref.linear_fp32(x, w)
+    assert torch.equal(twin, ref.linear_fp32(x, w.float()))
+    exact, magnitude = _fp64_ref(x, w.float())
+    bound = 2 * K * 2.0 ** -24 * magnitude
+    plans = _plans(T) + [tl32.pick_bf16w_config(T, N, K, CPU)]
+    for base in plans:
+        for split in (1, 3):
+            cfg = tl32.Linear32Config(BM=base.BM, BN=base.BN, BK=base.BK, split_k=split)
+            y = tl32.linear_fp32_with_config(x, w, cfg)
+            assert y.dtype == torch.float32 and y.shape == (T, N) and torch.isfinite(y).all()
+            assert ((y.double() - exact).abs() <= bound).all(), cfg
+            assert rel_err(y, twin) < 2e-6, (cfg, rel_err(y, twin))
+            assert _counters_idle()
+    y = tl32.linear_fp32(x, w)     # the picked plan: the kernel at every T for a bf16 w
+    assert rel_err(y, twin) < 2e-6 and ((y.double() - exact).abs() <= bound).all()
+
+
+def test_linear32_bf16_weight_never_runs_the_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 w goes to the kernel at 1 row, decode rows, mid rows and prefill rows (the twin
+    would widen the whole weight on every call)."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(ref, "linear_fp32", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("twin ran")))
+    monkeypatch.setattr(tl32, "PREFILL_MIN_ROWS", 48)
+    for T in (1, 2, 16, 17, 40, 50):
+        x = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
+        y = tl32.linear_fp32(x, w)
+        assert y.shape == (T, 32)
+        assert rel_err(y, x.float() @ w.float().T) < 2e-6
