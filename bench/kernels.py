@@ -269,6 +269,47 @@ def bench_linear32(T: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict
     return r, tried
 
 
+# The GPU model holds these weights in their checkpoint bf16 (fp32 math on exact bf16 values):
+# stacked wkv + wgate widths and the gate, bf16 x as in the model.
+LINEAR_BF16W_SHAPES = [("cmp_r4_kv_gate", 2048, 4096), ("cmp_r128_kv_gate", 1024, 4096),
+                       ("cmp_indexer_kv_gate", 512, 4096), ("moe_gate", 256, 4096)]
+
+
+def bench_linear_bf16w(T: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict, list]:
+    """``linear_fp32`` on a bf16 weight (the kernel at every T) against the former fp32-weight
+    path of the same math (``linear_fp32(x, w.float())``: x.float() + cuBLAS at 1 and 64 rows,
+    the kernel at 2..16, bf16x3 at prefill rows)."""
+    from dsv4.ops import triton_linear32 as tl32
+    # Several weight copies so the replays stream from DRAM, not L2.
+    n = copies_for(N * K * 4)
+    ws = [(torch.randn(N, K, device=DEV) * 0.02).to(torch.bfloat16) for _ in range(n)]
+    w32s = [w.float() for w in ws]
+    x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+    t = time_graph([lambda w=w: tl32.linear_fp32(x, w) for w in ws])
+    base = time_graph([lambda w=w: tl32.linear_fp32(x, w) for w in w32s])
+    w, w32 = ws[0], w32s[0]
+    want = x.double() @ w32.double().T
+    err = float((tl32.linear_fp32(x, w) - want).norm() / want.norm())
+    r = row("linear_bf16w", f"{name} T={T} N={N} K={K}", t, None, base,
+            N * K * 2 + T * K * 2 + T * N * 4, 2 * T * N * K, "bf16",
+            f"rel err vs fp64 {err:.1e}; torch = the fp32-weight path (linear_fp32 on w.float())")
+    tried = []
+    if sweep and T <= tl32.MAX_KERNEL_ROWS:
+        bm = 1 << max(0, (T - 1).bit_length())
+        bm = bm if bm <= 4 else max(16, bm)
+        for bn in (32, 64, 128):
+            for sp in (2, 4, 8, 16, 32):
+                bk = max(8, min(256, 8192 // (bm * bn))) if bm < 16 else 64
+                cfg = tl32.Linear32Config(BM=bm, BN=bn, BK=bk, split_k=sp, num_warps=4,
+                                          num_stages=3 if bm >= 16 else 2)
+                try:
+                    tried.append((time_graph([lambda c=cfg, w=w: tl32.linear_fp32_with_config(
+                        x, w, c) for w in ws], 1.5), asdict(cfg)))
+                except Exception as e:
+                    tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+    return r, tried
+
+
 # Prefill (8,192 rows, bf16 x as in the model): the compressors' stacked wkv + wgate and the
 # gate, through the bf16x3 tensor-core path against cuBLAS's fp32 GEMM.
 LINEAR32_PREFILL = [("cmp_r4_overlap_kv_gate", 2048, 4096), ("cmp_r128_kv_gate", 1024, 4096),
@@ -409,6 +450,10 @@ def main() -> int:
                 add(*bench_linear32(T, name, N, K, args.sweep and name != "moe_gate"))
         for name, N, K in LINEAR32_PREFILL:
             add(*bench_linear32_prefill(8192, name, N, K, True))
+    if want("linear_bf16w"):
+        for T in (1, 4, 16, 64, 8192):
+            for name, N, K in LINEAR_BF16W_SHAPES:
+                add(*bench_linear_bf16w(T, name, N, K, args.sweep and T in (1, 16)))
     print("\n" + hdr)
     for r in rows:
         print(fmt(r))
