@@ -27,6 +27,7 @@ from dsv4.formats import FP4_BLOCK
 from dsv4.model.layers import (Linear, check_numerics, fp32_math_dtype, fused_linears,
                                keeps_quantized, set_parameter)
 from dsv4.ops import get_ops
+from dsv4.ops.streams import join_side_lane, side_lane
 from dsv4.ops.torch_dense import ExpertWeights
 
 _EXPERT_NAME = re.compile(r"^(\d+)\.(w1|w2|w3)\.weight$")
@@ -298,14 +299,21 @@ class MoE(nn.Module):
         if x.dim() != 2 or input_ids.shape != (x.shape[0],):
             raise ValueError(f"MoE: expected x [T, D] and input_ids [T]; found {tuple(x.shape)} "
                              f"and {tuple(input_ids.shape)}")
+        shared = None
+        if self.shared_experts is not None:
+            # Independent of the routing: on the GPU a second stream runs it next to the gate
+            # and the routed experts (dsv4.ops.streams; joined below before any use).
+            with side_lane(x.device):
+                shared = self.shared_experts(x)
         weights, ids = self.gate(x, input_ids, image_mask)
         if self.experts.expert_offset:
             ids = ids - self.experts.expert_offset  # local ids; other ranks' experts are skipped
         routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
-        if self.shared_experts is not None and not self.parallel.enabled:
+        join_side_lane(x.device)
+        if shared is not None and not self.parallel.enabled:
             # One rank: the fp32 sum and the rounding to x's dtype in one op.
-            return self.ops.moe_combine(routed, self.shared_experts(x), x.dtype)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x).float()
+            return self.ops.moe_combine(routed, shared, x.dtype)
+        if shared is not None:
+            routed = routed + shared.float()
         # Several ranks: fp32 partial sums (routed + shared) are summed over the ranks.
         return self.parallel.all_reduce(routed).to(x.dtype)

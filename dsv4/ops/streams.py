@@ -1,0 +1,85 @@
+"""Independent work of one step on a second CUDA stream ("side lane").
+
+A decode step at small batch is a chain of latency-bound kernels (a few µs each, most of the GPU
+idle): branches that do not depend on each other — the shared expert next to the routed
+experts — run concurrently when one of them is issued on a second stream.  Captured in a CUDA
+graph, the fork / join become graph edges: a replay runs the two branches side by side.
+
+    with side_lane(x.device) as lane:       # forks: the side stream waits for the main one
+        shared = shared_expert(x)           # issued on the side stream (if lane is not None)
+    routed = experts(x)                     # main stream, concurrently
+    join_side_lane(x.device)                # the main stream waits for the side branch
+
+Rules that keep the caching allocator safe without ``record_stream``: the side branch reads
+tensors made on the main stream before the fork, and the main stream joins before it frees
+them or reads what the branch made (the branch's tensors belong to the side stream's pool:
+their blocks are reused only by later side work, which starts after a later fork).
+
+Kernels that keep state across launches in shared buffers (the split-K arrival counters of
+``triton_dense.splitk_counters``) key it by :func:`current_lane`, so two launches running
+concurrently on the two lanes never share counters.
+
+Off CUDA, or with ``DSV4_SIDE_STREAM=0``, everything runs in order on the current stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["side_lane", "join_side_lane", "current_lane", "side_stream_enabled"]
+
+_lane = 0
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+# Per device: the main stream of the open fork (the join waits on the side stream there).
+_forked: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream_enabled() -> bool:
+    """False when ``DSV4_SIDE_STREAM=0`` (every branch then runs on the current stream)."""
+    return os.environ.get("DSV4_SIDE_STREAM", "1") != "0"
+
+
+def current_lane() -> int:
+    """0 on the main stream, 1 inside :func:`side_lane`: the key of per-lane kernel state."""
+    return _lane
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _streams.get(device)
+    if s is None:
+        s = _streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+@contextlib.contextmanager
+def side_lane(device: torch.device) -> Iterator[torch.cuda.Stream | None]:
+    """Issue the body on the side stream of ``device`` after it waits for the current stream;
+    yields that stream, or None (the body runs in order) off CUDA / when disabled / when already
+    on the side lane.  Pair with :func:`join_side_lane` before the main stream uses or frees
+    anything the body touches."""
+    global _lane
+    if device.type != "cuda" or not side_stream_enabled() or _lane:
+        yield None
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    _forked[device] = main
+    _lane = 1
+    try:
+        with torch.cuda.stream(side):
+            yield side
+    finally:
+        _lane = 0
+
+
+def join_side_lane(device: torch.device) -> None:
+    """Make the main stream of the last :func:`side_lane` fork wait for the side branch (no-op
+    when nothing was forked)."""
+    main = _forked.pop(device, None)
+    if main is not None:
+        main.wait_stream(_side_stream(device))

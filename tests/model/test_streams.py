@@ -1,0 +1,39 @@
+"""``dsv4.ops.streams`` on the CPU: the side lane is a no-op off CUDA, and the split-K counters
+of the two lanes are separate buffers (two concurrently running launches never share one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops import streams
+from dsv4.ops import triton_dense as td
+
+
+def test_side_lane_off_cuda_runs_in_order() -> None:
+    with streams.side_lane(torch.device("cpu")) as lane:
+        assert lane is None
+        assert streams.current_lane() == 0
+    streams.join_side_lane(torch.device("cpu"))      # nothing forked: no-op
+    assert streams.current_lane() == 0
+
+
+def test_split_k_counters_are_per_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(td, "_splitk_counter_cache", {})
+    cpu = torch.device("cpu")
+    main = td.splitk_counters(cpu, 8)
+    assert td.splitk_counters(cpu, 8) is main
+    monkeypatch.setattr(streams, "_lane", 1)
+    side = td.splitk_counters(cpu, 8)
+    assert side is not main and not side.any()
+    assert td.splitk_counters(cpu, 8) is side
+    monkeypatch.setattr(streams, "_lane", 0)
+    assert td.splitk_counters(cpu, 8) is main
+    assert set(td._splitk_counter_cache) == {cpu, (cpu, 1)}
+
+
+def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSV4_SIDE_STREAM", "0")
+    assert not streams.side_stream_enabled()
+    monkeypatch.setenv("DSV4_SIDE_STREAM", "1")
+    assert streams.side_stream_enabled()
