@@ -158,7 +158,8 @@ def test_moe_runs_the_ops_of_its_table() -> None:
         calls.clear()
         x = torch.randn(3, cfg.dim)
         out = moe(x, torch.tensor([1, 2, 3]))
-        assert calls == ["moe_route", "swiglu_act", "moe_combine"] and out.shape == x.shape
+        # The shared expert (swiglu_act) is issued first: on the GPU it forks onto a side stream.
+        assert calls == ["swiglu_act", "moe_route", "moe_combine"] and out.shape == x.shape
 
 
 def _tiny_cfg() -> dict:
