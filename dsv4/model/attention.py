@@ -46,6 +46,7 @@ from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
 from dsv4.model.layers import (Linear, RMSNorm, check_numerics, fused_linears, rope_cos_sin,
                                rope_params)
 from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
+from dsv4.ops.streams import join_side_lane, side_lane
 
 __all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_TOKENS"]
 
@@ -240,9 +241,11 @@ class Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, H * hd, fmt=qfmt, **lin)
         self.wkv = Linear(cfg.dim, hd, fmt=qfmt, **lin)
         self.kv_norm = RMSNorm(hd, cfg.norm_eps, ops)
-        # wo_a is dequantized by the loader (spec §2.4 item 1): a dense GEMM, no act quant.
+        # wo_a's GEMM uses the bf16 dequantized weight (spec §2.4 item 1): no act quant, hence
+        # numerics "bf16" whatever the model's.  Quantized storage keeps it FP8 (the grouped
+        # op dequantizes in registers); dense storage holds the loader's bf16 dequantization.
         self.wo_a = Linear(cfg.n_heads * hd // cfg.o_groups, self.n_groups * self.o_lora,
-                           fmt="bf16", **lin)
+                           fmt=qfmt, block=cfg.weight_block_size, numerics="bf16", dtype=dtype)
         self.wo_b = Linear(self.n_groups * self.o_lora, cfg.dim, fmt=qfmt, **lin)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | CompressorV2 | None = None
@@ -399,6 +402,14 @@ class Attention(nn.Module):
         # wq_a and wkv read the same x: one FP8 GEMM on the GPU (column slices of its output).
         q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
         qr = self.q_norm(q_lat)
+        kv_b = idx_b = None
+        overlap = self.ratio > 0 and not self.cfg.is_v41
+        if overlap:
+            # V4: the compressed branch (compressor, indexer, picked rows) reads only x, qr and
+            # its own pools; on the GPU it runs on a side stream next to wq_b and the window
+            # write (dsv4.ops.streams), joined before the attention reads its output.
+            with side_lane(x.device):
+                kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, x.dtype)
         # V4: per-head unweighted renorm (in q's dtype); V4.1 has none.  Then RoPE of each head's
         # tail.  One fused op, in place on wq_b's fresh output.
         q = self.ops.head_norm_rope(self.wq_b(qr).view(T, H, hd), cos, sin, self.cfg.norm_eps,
@@ -415,8 +426,9 @@ class Attention(nn.Module):
             kv = quant_window_kv(kv, self.numerics)
 
         kv_a, idx_a = self._window_source(kv, ctx, cache, q.dtype)
-        kv_b = idx_b = None
-        if self.ratio > 0:
+        if overlap:
+            join_side_lane(x.device)
+        elif self.ratio > 0:
             kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
         if self.numerics == "official":
             # bf16 P before P·V, as the reference kernel (spec §3.6.5)
@@ -428,6 +440,11 @@ class Attention(nn.Module):
 
         # Grouped low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major.
         G = self.n_groups
-        wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
-        u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
+        if self.wo_a.holds_quantized:
+            qw = self.wo_a.qweight
+            u = self.ops.grouped_dequant_linear(o.reshape(T, G, -1).to(self.dtype), qw.weight,
+                                                qw.scale, qw.block, G)
+        else:
+            wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
+            u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
         return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype)))
