@@ -25,8 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.streams import current_lane
+
 __all__ = ["fp8_linear", "fp8_linear_with_config", "act_quant", "Fp8GemmConfig",
-           "pick_fp8_config", "mma", "round_to_bf16", "store_rne"]
+           "pick_fp8_config", "pick_fp8_gemv_config", "GEMV_MAX_M", "mma", "round_to_bf16",
+           "store_rne"]
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _E4M3 = torch.float8_e4m3fn
@@ -286,6 +289,139 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
         store_rne(out, acc, mask)
 
 
+@triton.jit
+def _gemv_x_row(x_ptr, m, M, stride_xm, k0, k_hi, sw_row,
+                SW_E8M0: tl.constexpr, B: tl.constexpr, BK: tl.constexpr):
+    """Activation row m's step [k0, k0 + BK) as the [BK/16, 16] fp32 tile x8·sx·sw, quantized
+    on its own (:func:`quantize_block_rows` on [BK/B, B]): the ``SPLIT_ROWS=False`` form of
+    :func:`_fp8_gemv_kernel` (zero past the split and for rows m >= M)."""
+    NB: tl.constexpr = BK // B
+    rb = tl.arange(0, NB)
+    b_ok = (k0 + rb * B) < k_hi
+    x = tl.load(x_ptr + m * stride_xm + k0 + rb[:, None] * B + tl.arange(0, B)[None, :],
+                mask=(b_ok & (m < M))[:, None], other=0.0)
+    q, sx = quantize_block_rows(x.to(tl.float32))
+    if SW_E8M0:
+        sw = e8m0_to_f32(tl.load(sw_row + k0 // B + rb, mask=b_ok, other=127))
+    else:
+        sw = tl.load(sw_row + k0 // B + rb, mask=b_ok, other=1.0)
+    return tl.reshape(q * (sx * sw)[:, None], (BK // 16, 16))
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
+                     M, N, K, stride_xm, stride_wn, stride_om, stride_ws, stride_wm, n_kb,
+                     k_blocks_per_split,
+                     SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+                     SPLIT_ROWS: tl.constexpr):
+    """out[M, N] for M <= MP (1, 2 or 4 rows) on the CUDA cores: the numerics of the QUANT_A
+    path of :func:`_fp8_gemm_kernel` (activation quantized per row and B-block as
+    ``act_quant``; fp32 sums; bf16 out rounded to nearest-even), the sums in another order.
+
+    Grid (N tiles of BN rows, SPLITS); BN divides B, so one weight-scale row serves the tile.
+    Split s covers the K blocks ``[s·k_blocks_per_split, min((s+1)·k_blocks_per_split, n_kb))``
+    in steps of BK columns (B·2^i); per step:
+
+    * W as [BK/16, BN, 16] e4m3: one 16-byte vector per (16-column group, row), streamed
+      evict-first; lanes run along K (the compiler orders the tile's dims so);
+    * the activation step of all rows quantized once per program (not per N row) by
+      :func:`quantize_block_rows` (a row per token and B-block) and scaled by sx·sw: x8·sx·sw
+      is exact for e8m0 sw (powers of two; with fp32 sw one fp32 rounding per activation
+      element, as in the twin's dequantized weight);
+    * each thread multiply-adds its 16 columns per (group, row) (e4m3 -> fp32 converts; a
+      product of two e4m3 values times powers of two is exact in fp32) into an fp32 partial per
+      (token, group, row) kept across the steps: per block, Σ x8·w8·sx·sw equals
+      (Σ x8·w8)·sx·sw up to the order of the fp32 sums.
+
+    SPLIT_ROWS=False (MP > 1): each row's step quantized on its own (:func:`_gemv_x_row`), one
+    layout change per row, no reshape across rows / tl.split (the fallback if the split form
+    miscompiles: a reshape + split of a small tile once gave wrong results on the H200, issue
+    #5 of the expert GEMV).
+
+    The partials are summed across lanes once, at the end; splits are reduced in the launch by
+    :func:`splitk_reduce` (fixed order, deterministic) as in the MMA kernel."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    G: tl.constexpr = BK // 16
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    kcol = tl.arange(0, G)[:, None, None] * 16 + tl.arange(0, 16)[None, None, :]  # [G, 1, 16]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + kcol
+    # BN divides B: the whole tile reads one row of weight scales.
+    sw_row = sw_ptr + ((pid_n * BN) // B) * n_kb
+
+    acc0 = tl.zeros((G, BN), dtype=tl.float32)
+    acc1 = tl.zeros((G, BN), dtype=tl.float32)
+    acc2 = tl.zeros((G, BN), dtype=tl.float32)
+    acc3 = tl.zeros((G, BN), dtype=tl.float32)
+    k_lo = split * k_blocks_per_split * B
+    k_hi = tl.minimum(k_lo + k_blocks_per_split * B, n_kb * B)
+    # The activation step as the [MP·NB, B] tile the quantizer takes: row r = (token r // NB,
+    # block r % NB of the step).
+    NB: tl.constexpr = BK // B
+    rr = tl.arange(0, MP * NB)
+    xm = rr // NB
+    xb = rr % NB
+    x_ptrs = x_ptr + xm[:, None] * stride_xm + xb[:, None] * B + tl.arange(0, B)[None, :]
+    for k0 in range(k_lo, k_hi, BK):
+        w = tl.load(w_ptrs + k0, mask=n_mask[None, :, None] & ((k0 + kcol) < k_hi), other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        if MP > 1 and not SPLIT_ROWS:
+            xs = _gemv_x_row(x_ptr, 0, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+            acc0 += tl.sum(w * xs[:, None, :], axis=2)
+            xs = _gemv_x_row(x_ptr, 1, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+            acc1 += tl.sum(w * xs[:, None, :], axis=2)
+            if MP > 2:
+                xs = _gemv_x_row(x_ptr, 2, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+                acc2 += tl.sum(w * xs[:, None, :], axis=2)
+                xs = _gemv_x_row(x_ptr, 3, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+                acc3 += tl.sum(w * xs[:, None, :], axis=2)
+        else:
+            b_ok = (k0 + xb * B) < k_hi
+            x = tl.load(x_ptrs + k0, mask=(b_ok & (xm < M))[:, None], other=0.0)
+            q, sx = quantize_block_rows(x.to(tl.float32))
+            if SW_E8M0:
+                sw = e8m0_to_f32(tl.load(sw_row + k0 // B + xb, mask=b_ok, other=127))
+            else:
+                sw = tl.load(sw_row + k0 // B + xb, mask=b_ok, other=1.0)
+            xs = q * (sx * sw)[:, None]
+            # Rows split off with tl.split (in registers): one layout change of the whole step
+            # to the lanes of W (SASS: a quarter of the barriers of one quantization per row).
+            if MP == 1:
+                acc0 += tl.sum(w * tl.reshape(xs, (G, 16))[:, None, :], axis=2)
+            elif MP == 2:
+                x0, x1 = tl.split(tl.permute(tl.reshape(xs, (2, G, 16)), (1, 2, 0)))
+                acc0 += tl.sum(w * x0[:, None, :], axis=2)
+                acc1 += tl.sum(w * x1[:, None, :], axis=2)
+            else:
+                # [G, 16, m % 2, m // 2]: the first split takes m // 2, the second m % 2.
+                lo, hi = tl.split(tl.permute(tl.reshape(xs, (2, 2, G, 16)), (2, 3, 1, 0)))
+                x0, x1 = tl.split(lo)
+                x2, x3 = tl.split(hi)
+                acc0 += tl.sum(w * x0[:, None, :], axis=2)
+                acc1 += tl.sum(w * x1[:, None, :], axis=2)
+                acc2 += tl.sum(w * x2[:, None, :], axis=2)
+                acc3 += tl.sum(w * x3[:, None, :], axis=2)
+    rm = tl.arange(0, MP)[:, None]
+    total = tl.where(rm == 0, tl.sum(acc0, axis=0)[None, :], 0.0)                # [MP, BN]
+    if MP > 1:
+        total = tl.where(rm == 1, tl.sum(acc1, axis=0)[None, :], total)
+    if MP > 2:
+        total = tl.where(rm == 2, tl.sum(acc2, axis=0)[None, :], total)
+        total = tl.where(rm == 3, tl.sum(acc3, axis=0)[None, :], total)
+    mask = (rm < M) & n_mask[None, :]
+    out = out_ptr + rm * stride_om + rn[None, :]
+    if SPLITS > 1:
+        part = ws_ptr + rm * stride_wm + rn[None, :]
+        last, total = splitk_reduce(total, part, mask, split, stride_ws,
+                                    count_ptr + pid_n, SPLITS)
+        if last:
+            store_rne(out, total, mask)
+    else:
+        store_rne(out, total, mask)
+
+
 @dataclass(frozen=True)
 class Fp8GemmConfig:
     """Tile plan of one FP8 GEMM launch."""
@@ -297,6 +433,11 @@ class Fp8GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     fuse_quant: bool = True  # quantize A inside the GEMM (decode) or in a separate pass
+    # The CUDA-core GEMV kernel (``_fp8_gemv_kernel``, 1-4 rows) instead of the MMA kernel: BN
+    # rows per N tile (a divisor of the block), BK columns per K step (a power-of-two multiple
+    # of the block); BM, group_m and fuse_quant do not apply (A is always quantized in it).
+    gemv: bool = False
+    BK: int = 512
 
 
 # Up to this many rows the activation is quantized inside the GEMM (each N tile re-quantizes
@@ -305,6 +446,15 @@ class Fp8GemmConfig:
 _FUSE_QUANT_MAX_M = 16
 # Beyond this many rows the prefill plan (no K split).
 _DECODE_MAX_M = 512
+# Up to this many rows (at most GEMV_LIMIT) pick_fp8_config plans the CUDA-core GEMV kernel;
+# 0 (off) until it is timed against the MMA kernel on the H200 (bench/fp8_decode_sweep.py).
+# DSV4_FP8_GEMV_MAX_M overrides it (benchmarks, end-to-end trials).
+GEMV_MAX_M = int(os.environ.get("DSV4_FP8_GEMV_MAX_M", "0"))
+# Rows the GEMV kernel holds (its accumulators are unrolled per row: MP = 1, 2 or 4).
+GEMV_LIMIT = 4
+# 2-4 rows: quantize the rows' activation step together and split the rows off in registers
+# (True), or quantize each row on its own (False: the fallback form, see _fp8_gemv_kernel).
+GEMV_SPLIT_ROWS = os.environ.get("DSV4_FP8_GEMV_SPLIT_ROWS", "1") == "1"
 
 
 @lru_cache(maxsize=8)
@@ -341,7 +491,11 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
     * 64 < M <= 512: 64×128 tiles (64×64 for N <= 2048), split over K while there are fewer
       than ~2 programs per SM and each split keeps >= 16 K blocks.
     * Prefill (M > 512): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
+    * 0 < M <= GEMV_MAX_M (off by default): the CUDA-core GEMV plan of
+      :func:`pick_fp8_gemv_config` (1-4 rows).
     """
+    if 0 < M <= min(GEMV_MAX_M, GEMV_LIMIT):
+        return pick_fp8_gemv_config(M, N, K, block, device)
     n_kb = triton.cdiv(K, block)
     stages = 4 if block >= 128 else 6
     sms = sm_count(device)
@@ -368,6 +522,45 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
                          num_stages=3 if block >= 128 else 6)
 
 
+# GEMV plans: programs per SM the K split aims at (each streams a [BN, BK] slab per step), and
+# the most splits (each split costs an fp32 partial per output and a share of the reduction).
+_GEMV_PROGRAMS_PER_SM = 3
+_GEMV_MAX_SPLIT = 16
+
+
+def pick_fp8_gemv_config(M: int, N: int, K: int, block: int, device: torch.device
+                         ) -> Fp8GemmConfig:
+    """GEMV plan for 1-4 rows (a first rule, to be tuned by ``bench/fp8_decode_sweep.py``):
+    K steps of 512 columns (one warp's lanes × 16 bytes; the block when it is wider, the K
+    extent when it is narrower), 8 weight rows per thread (BN = 8 × warps: 64 rows and 8 warps
+    when that still gives ~3 programs per SM after the K split, else 32 and 4 warps; at most
+    the block), and the fewest power-of-two K splits (<= 16, <= the K steps) that reach ~3
+    programs per SM.  V4-Flash at 1 row on the H200: wq_a+wkv 48 tiles × 8 splits, wq_b 512 ×
+    1, wo_b 64 × 8, shared w1+w3 64 × 8, w2 128 × 4."""
+    bk = max(block, min(512, triton.next_power_of_2(max(K, 16))))
+    steps = triton.cdiv(K, bk)
+    want = _GEMV_PROGRAMS_PER_SM * sm_count(device)
+    max_split = max(1, min(_GEMV_MAX_SPLIT, steps))
+    bn = min(64, block)
+    if bn == 64 and triton.cdiv(N, 64) * max_split < want:
+        bn = 32
+    tiles = triton.cdiv(N, bn)
+    split = min(max_split, _pow2_at_least(want / tiles))
+    return Fp8GemmConfig(BM=triton.next_power_of_2(M), BN=bn, split_k=split,
+                         num_warps=max(1, min(8, bn // 8)), num_stages=1, gemv=True, BK=bk)
+
+
+def _check_gemv_plan(cfg: Fp8GemmConfig, M: int, block: int) -> None:
+    if M > GEMV_LIMIT:
+        raise ValueError(f"fp8_linear: the GEMV plan serves at most {GEMV_LIMIT} rows; found {M}")
+    if cfg.BN < 1 or cfg.BN & (cfg.BN - 1) or block % cfg.BN:
+        raise ValueError(f"fp8_linear: GEMV BN must be a power of two dividing the block "
+                         f"{block}; found {cfg.BN}")
+    if cfg.BK < 16 or cfg.BK & (cfg.BK - 1) or cfg.BK % block:
+        raise ValueError(f"fp8_linear: GEMV BK must be a power-of-two multiple of the block "
+                         f"{block}; found {cfg.BK}")
+
+
 # Split-K arrival counters, one int32 per output tile, per device.  Every launch leaves them at
 # zero (the last split of each tile resets its counter), so they are zeroed once, at allocation,
 # and never per call.  Growing allocates: the first call of each shape must happen before any
@@ -376,7 +569,8 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
 # SM, well under the initial size.  Launches that could run concurrently on two streams of one
 # device would share these counters: the ops run a device's kernels on one stream.
 _SPLITK_MIN_COUNTERS = 4096
-_splitk_counter_cache: dict[torch.device, torch.Tensor] = {}
+# Keyed by the device (main lane) or (device, lane) (dsv4.ops.streams).
+_splitk_counter_cache: dict[Any, torch.Tensor] = {}
 # Outgrown buffers are kept alive: a captured CUDA graph still holds their addresses.
 _splitk_retired: list[torch.Tensor] = []
 
@@ -386,7 +580,10 @@ def splitk_counters(device: torch.device, tiles: int, op: str = "split-K") -> to
     per device shared by every split-K kernel (FP8 GEMM, experts, ``linear_fp32``), whose
     launches are stream-ordered and each leave their counters at zero.  ``op`` names the caller
     in the error raised when the buffer would have to grow inside a CUDA-graph capture."""
-    buf = _splitk_counter_cache.get(device)
+    # One buffer per stream lane (dsv4.ops.streams): launches of the two lanes may overlap.
+    lane = current_lane()
+    key: Any = device if lane == 0 else (device, lane)
+    buf = _splitk_counter_cache.get(key)
     if buf is not None and buf.numel() >= tiles:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -398,7 +595,7 @@ def splitk_counters(device: torch.device, tiles: int, op: str = "split-K") -> to
         _splitk_retired.append(buf)
     size = max(_SPLITK_MIN_COUNTERS, triton.next_power_of_2(tiles))
     buf = torch.zeros(size, dtype=torch.int32, device=device)
-    _splitk_counter_cache[device] = buf
+    _splitk_counter_cache[key] = buf
     return buf
 
 
@@ -459,6 +656,8 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
         sw, sw_e8m0 = w_scale.contiguous(), False
     else:
         sw, sw_e8m0 = w_scale.contiguous().view(torch.uint8), True
+    if cfg.gemv:
+        return _fp8_gemv(x2, w8, sw, sw_e8m0, block, out_dtype, cfg).view(*lead, N)
     if cfg.fuse_quant:
         a, sa = x2, x2  # sa unused when QUANT_A
     else:
@@ -476,6 +675,28 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
         GROUP_M=cfg.group_m, SPLITS=split, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out.view(*lead, N)
+
+
+def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: bool, block: int,
+              out_dtype: torch.dtype, cfg: Fp8GemmConfig) -> torch.Tensor:
+    """Launch ``_fp8_gemv_kernel`` for x2 [M <= 4, K] (contiguous rows): out [M, N]."""
+    M, K = x2.shape
+    N = w8.shape[0]
+    _check_gemv_plan(cfg, M, block)
+    n_kb = K // block
+    split = max(1, min(cfg.split_k, n_kb))
+    kbps = triton.cdiv(n_kb, split)
+    split = triton.cdiv(n_kb, kbps)  # every split gets >= 1 K block (the last may get fewer)
+    tiles = triton.cdiv(N, cfg.BN)
+    out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
+    ws, counters = splitk_workspace(out, split, tiles, "fp8_linear")
+    _fp8_gemv_kernel[(tiles, split)](
+        x2, w8, sw, out, ws, counters, M, N, K, x2.stride(0), w8.stride(0), out.stride(0),
+        ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
+        SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK,
+        SPLITS=split, SPLIT_ROWS=GEMV_SPLIT_ROWS or M == 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")
