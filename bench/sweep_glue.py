@@ -9,7 +9,9 @@ mixes post / comb by relative error) and prints a markdown table: T, op, plan, Â
 floor (bytes / 4.29 TB/s), ratio, same output; ``*`` marks the fastest plan with the same
 output per (op, T).  Ops: ``hc_post_pre`` (D 4096, n 4, 24 mixes, fn fp32 [24, 16384]),
 ``hc_pre``, ``hc_post``, ``prep_up`` / ``prep_down`` (``_moe_prep_kernel``: E 256, top-6, MXFP4
-experts, official numerics: act_block 128).  Candidates that fail to compile are skipped with
+experts, official numerics: act_block 128), and ``norm``: the mHC collapse before / after the
+n = 4 rewrite (scalar Sinkhorn) and the sublayer input norm fused into it, against the old
+collapse + ``rms_norm`` (:func:`sweep_norm`; e.g. ``--ops norm --tokens 1,64,8192``).  Candidates that fail to compile are skipped with
 the reason; past ``--budget`` seconds the rest are skipped.
 """
 
@@ -36,7 +38,11 @@ BW = 4.29e12
 EPS = (1e-6, 1e-6, 20)
 P = triton_mhc.HcPlan
 # Candidates besides the default: decode token counts (< triton_mhc.HC_PREFILL_T) and prefill.
-POST_PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2), P(16, 32, 4, 2, 4)],
+# (Decode, T = 1: 16-, 32-, 64-column chunks give 256 / 128 / 64 D splits of ~1 program per
+# SM; fewer splits also shorten the collapse's split-K sum.)
+POST_PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2), P(16, 32, 4, 2, 4),
+                       P(16, 16, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2, "bf16x3"),
+                       P(16, 32, 2, 3, 2, "bf16x3")],
             "prefill": [P(64, 32, 4, 3, 2), P(64, 32, 4, 2, 2, "bf16x3"),
                         P(64, 32, 8, 3, 2, "bf16x3"), P(128, 32, 8, 2, 2, "bf16x3"),
                         P(64, 64, 8, 2, 2, "bf16x3"), P(32, 32, 4, 2, 4, "bf16x3"),
@@ -141,6 +147,129 @@ def sweep_hc(op: str, T: int, n: int, D: int, dev: str, reps: int, plans: list,
     return rows
 
 
+def _old_collapse(x: torch.Tensor, mixes: tuple, scale: torch.Tensor, base: torch.Tensor,
+                  head: bool) -> tuple[torch.Tensor, ...]:
+    """The collapse as it ran before the n = 4 kernel (``_hc_collapse_kernel``: the Sinkhorn
+    on a 4x4 tile with cross-thread sums, grid (T, D / 1024)) on the mixes' partials."""
+    import triton
+    _, part, sq, splits, njp = mixes
+    T, n, D = x.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    post = torch.empty(T, n, dtype=torch.float32, device=x.device)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
+    BD = min(1024, triton.next_power_of_2(D))
+    triton_mhc._hc_collapse_kernel[(T, triton.cdiv(D, BD))](
+        x, part, sq, scale, base, y, y if head else post, y if head else comb, T, D, splits,
+        *EPS[:2], ITERS=1 if head else EPS[2], N=n, NJP=njp, SP=triton.next_power_of_2(splits),
+        BD=BD, HEAD=head, num_warps=4)
+    return (y,) if head else (y, post, comb)
+
+
+def _new_collapse(x: torch.Tensor, mixes: tuple, scale: torch.Tensor, base: torch.Tensor,
+                  head: bool, w: torch.Tensor | None, fuse: bool | None) -> tuple[torch.Tensor, ...]:
+    """The n = 4 collapse (``_collapse``: scalar Sinkhorn; with ``w`` the input norm, fused or
+    not) on the mixes' partials."""
+    xc, part, sq, splits, njp = mixes
+    T, n, D = x.shape
+    post = None if head else torch.empty(T, n, dtype=torch.float32, device=x.device)
+    comb = None if head else torch.empty(T, n, n, dtype=torch.float32, device=x.device)
+    y = triton_mhc._collapse(xc, part, sq, splits, njp, scale, base, post, comb, *EPS[:2],
+                             1 if head else EPS[2], w, None, fuse)
+    return (y,) if head else (y, post, comb)
+
+
+def sweep_norm(T: int, n: int, D: int, dev: str, deadline: float) -> list[dict]:
+    """The collapse before / after the n = 4 rewrite, and the sublayer input norm fused into
+    it (``norm_weight``) against collapse + ``rms_norm``; "old" is the previous code path
+    (``_hc_collapse_kernel``, then the norm kernel).  Rows: the collapse kernel alone on the
+    mixes' partials (``collapse``, ``collapse+norm``, ``head+norm``) and the whole ops
+    (``hc_pre+norm``, ``hc_post_pre+norm``: mixes included).  "same": bit-identical to the
+    first row of its op (the old path), else the count of differing bf16 elements with
+    rel < 4e-3 (the new kernel compiles without FMA contraction: an fp32 rounding apart)."""
+    from dsv4.ops import triton_norm
+    out, x_res, post, comb, fn, scale, base = hc_inputs(T, n, D, dev, seed=T + 5)
+    w = torch.rand(D, device=dev) + 0.5
+    fh, sh, bh = fn[:n], scale[:1], base[:n]
+    pre_mix = triton_mhc._hc_mix(x_res, fn, (2 + n) * n, "hc_pre", None)
+    head_mix = triton_mhc._hc_mix(x_res, fh, n, "hc_head", None)
+    norm = triton_norm.rms_norm
+    bf = 2
+    x_bytes = T * n * D * bf
+    cases = {
+        "collapse": (x_bytes + T * D * bf, [
+            ("old", lambda: _old_collapse(x_res, pre_mix, scale, base, False)),
+            ("new", lambda: _new_collapse(x_res, pre_mix, scale, base, False, None, None))]),
+        "collapse+norm": (x_bytes + T * D * bf, [
+            ("old + rms_norm", lambda: (lambda r: (norm(r[0], w, EPS[0]), *r[1:]))(
+                _old_collapse(x_res, pre_mix, scale, base, False))),
+            ("new + rms_norm", lambda: _new_collapse(x_res, pre_mix, scale, base, False, w,
+                                                      False)),
+            ("new fused", lambda: _new_collapse(x_res, pre_mix, scale, base, False, w, True))]),
+        "head+norm": (x_bytes + T * D * bf, [
+            ("old + rms_norm", lambda: (norm(_old_collapse(x_res, head_mix, sh, bh, True)[0],
+                                             w, EPS[0]),)),
+            ("new + rms_norm", lambda: _new_collapse(x_res, head_mix, sh, bh, True, w, False)),
+            ("new fused", lambda: _new_collapse(x_res, head_mix, sh, bh, True, w, True))]),
+        "hc_pre+norm": (x_bytes * 2 + T * D * bf + fn.numel() * 4, [
+            ("old: mixes + old collapse + rms_norm", lambda: (lambda r: (
+                norm(r[0], w, EPS[0]), *r[1:]))(_old_collapse(
+                    x_res, triton_mhc._hc_mix(x_res, fn, (2 + n) * n, "hc_pre", None), scale,
+                    base, False))),
+            ("new + rms_norm", lambda: triton_mhc.hc_pre_with_plan(
+                x_res, fn, scale, base, *EPS, None, w, None, False)),
+            ("new fused", lambda: triton_mhc.hc_pre_with_plan(
+                x_res, fn, scale, base, *EPS, None, w, None, True))]),
+        "hc_post_pre+norm": (T * D * bf * 2 + x_bytes * 3 + fn.numel() * 4, [
+            ("old: post+mixes, old collapse, rms_norm", lambda: _old_post_pre(
+                out, x_res, post, comb, fn, scale, base, w)),
+            ("new + rms_norm", lambda: triton_mhc.hc_post_pre_with_plan(
+                out, x_res, post, comb, fn, scale, base, *EPS, None, w, None, False)[1:]),
+            ("new fused", lambda: triton_mhc.hc_post_pre_with_plan(
+                out, x_res, post, comb, fn, scale, base, *EPS, None, w, None, True)[1:])]),
+    }
+    rows = []
+    for op, (nbytes, variants) in cases.items():
+        ref = None
+        for label, call in variants:
+            row = dict(T=T, op=op, plan=label, floor_us=nbytes / BW * 1e6)
+            if time.perf_counter() > deadline:
+                rows.append({**row, "skipped": "time budget"})
+                continue
+            try:
+                got = call()
+                if ref is None:
+                    ref, row["same"], row["check"] = got, True, "reference (old path)"
+                else:
+                    row["same"], row["check"] = compare_hc(got, ref, (), (0,))
+                row["us"] = time_us(call, dev, 1)
+            except Exception as e:
+                row["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append(row)
+    return rows
+
+
+def _old_post_pre(out, x_res, post, comb, fn, scale, base, w) -> tuple[torch.Tensor, ...]:
+    """hc_post_pre as before: the post + mixes kernel, the old collapse, the norm kernel."""
+    import triton
+
+    from dsv4.ops import triton_norm
+    T, n, D = x_res.shape
+    rows = (2 + n) * n
+    plan = triton_mhc.pick_hc_plan("post_pre", T, n, D, x_res.dtype)
+    njp = max(16, triton.next_power_of_2(rows))
+    tiles = triton.cdiv(T, plan.BT)
+    d_per_split, splits = triton_mhc._splits(D, plan.BD, tiles, plan, x_res.device)
+    x_new = torch.empty_like(x_res)
+    part = torch.empty(splits, T, njp, dtype=torch.float32, device=x_res.device)
+    sq = torch.empty(splits, T, dtype=torch.float32, device=x_res.device)
+    triton_mhc._launch_mixes(triton_mhc._hc_post_mix_kernel, (tiles, splits),
+                             (out, x_res, post, comb, fn, x_new, part, sq, T, D, d_per_split),
+                             x_res.device, plan, plan.mix == "bf16x3", N=n, NJ=rows, NJP=njp,
+                             BT=plan.BT, BD=plan.BD)
+    y, p, c = _old_collapse(x_new, (x_new, part, sq, splits, njp), scale, base, False)
+    return triton_norm.rms_norm(y, w, EPS[0]), p, c
+
+
 def sweep_prep(T: int, dev: str, reps: int, dims: tuple[int, int, int, int],
                deadline: float) -> list[dict]:
     """The up prep (gather x into the plan's rows) and the down prep (act rows in place)."""
@@ -208,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run through the interpreter")
     ap.add_argument("--tokens", default=None, help="comma list of T (default 1,16,64,1024,8192)")
     ap.add_argument("--ops", default="hc_post_pre,hc_pre,hc_post,prep",
-                    help="comma list of hc_post_pre, hc_pre, hc_post, prep")
+                    help="comma list of hc_post_pre, hc_pre, hc_post, prep, norm (the n = 4 "
+                         "collapse old vs new, and its fused input norm; only when named)")
     ap.add_argument("--budget", type=float, default=80.0, help="seconds before skipping the rest")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
@@ -242,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += sweep_hc("hc_post", T, n, D, dev, reps, post, deadline)
         if "prep" in ops:
             rows += sweep_prep(T, dev, reps, prep_dims, deadline)
+        if "norm" in ops:
+            rows += sweep_norm(T, n, D, dev, deadline)
     print(table(rows))
     print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.1f} s"
           + ("  (interpreter: times are meaningless)" if a.tiny else ""))

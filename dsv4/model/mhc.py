@@ -14,11 +14,15 @@ The official tensors are flat attributes of their owner (``layers.{L}.hc_attn_fn
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
+
+if TYPE_CHECKING:
+    from dsv4.model.layers import RMSNorm
 
 class _FlatOfficialNames:
     """The triple of a module registered as ``<owner>.hc_attn`` is officially named
@@ -48,10 +52,14 @@ class HyperConnection(_FlatOfficialNames, nn.Module):
         self.base = nn.Parameter(torch.zeros(mix, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32), requires_grad=False)
 
-    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, n, D] -> (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+    def pre(self, x: torch.Tensor, norm: RMSNorm | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, n, D] -> (sublayer input [T, D], post [T, n], comb [T, n, n]).
+
+        With ``norm`` (the sublayer's input RMSNorm), the input comes out normed: the same bits
+        as ``norm(y)``, in the collapse kernel itself at decode on the Triton path."""
         return self.ops.hc_pre(x, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps,
-                               self.iters)
+                               self.iters, *_norm_args(norm))
 
     def post(self, out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor) -> torch.Tensor:
@@ -59,20 +67,20 @@ class HyperConnection(_FlatOfficialNames, nn.Module):
         return self.ops.hc_post(out, x_res, post, comb)
 
     def post_pre(self, out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
-                 comb: torch.Tensor, following: HyperConnection
+                 comb: torch.Tensor, following: HyperConnection, norm: RMSNorm | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """This side's ``post`` fused with ``following.pre`` on the new streams (spec §3.5).
 
         Returns ``(x_new [T, n, D], y [T, D], post' [T, n], comb' [T, n, n])``, the same as
-        ``x_new = self.post(...)`` then ``following.pre(x_new)``; one pass over x_new instead of
-        two on the Triton path.  Op tables without ``hc_post_pre`` run the two ops.
+        ``x_new = self.post(...)`` then ``following.pre(x_new, norm)``; one pass over x_new
+        instead of two on the Triton path.  Op tables without ``hc_post_pre`` run the two ops.
         """
         fused = getattr(self.ops, "hc_post_pre", None)
         if fused is None:
             x_new = self.post(out, x_res, post, comb)
-            return (x_new, *following.pre(x_new))
+            return (x_new, *following.pre(x_new, norm))
         return fused(out, x_res, post, comb, following.fn, following.scale, following.base,
-                     following.norm_eps, following.hc_eps, following.iters)
+                     following.norm_eps, following.hc_eps, following.iters, *_norm_args(norm))
 
 
 class HyperHead(_FlatOfficialNames, nn.Module):
@@ -90,9 +98,17 @@ class HyperHead(_FlatOfficialNames, nn.Module):
         self.base = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
         self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, n, D] -> [T, D] in x.dtype."""
-        return self.ops.hc_head(x, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """x [T, n, D] -> [T, D] in x.dtype; with ``norm`` (the model's final norm) normed, the
+        same bits as ``norm(hc_head(x))``."""
+        return self.ops.hc_head(x, self.fn, self.scale, self.base, self.norm_eps, self.hc_eps,
+                                *_norm_args(norm))
+
+
+def _norm_args(norm: RMSNorm | None) -> tuple:
+    """The (norm_weight, rms_eps) arguments of the hc ops for an optional RMSNorm module (none
+    when absent: op tables written before the fused norm keep working)."""
+    return () if norm is None else (norm.weight, norm.eps)
 
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:

@@ -113,10 +113,12 @@ class Block(_Sublayers):
     """One V4 block (spec §3.5): mHC around attention, then mHC around the MoE.
 
     ``forward(x [T, n_hc, D], ctx, cache) -> [T, n_hc, D]``.  Chained (what ``Transformer``
-    does): ``forward(x, ctx, cache, attn_pre, next_hc) -> (x, next_pre)`` where ``attn_pre`` is
-    ``hc_attn.pre(x)`` already computed (fused into the previous block's last post) and
-    ``next_pre = next_hc.pre(x_out)`` comes out of this block's last post (``hc_post_pre``).
-    Each post inside a block is fused with the following pre the same way.
+    does): ``forward(x, ctx, cache, attn_pre, next_hc, next_norm) -> (x, next_pre)`` where
+    ``attn_pre`` is ``hc_attn.pre(x, attn_norm)`` already computed (fused into the previous
+    block's last post; its y is normed by this block's ``attn_norm``) and
+    ``next_pre = next_hc.pre(x_out, next_norm)`` (``next_norm``: the next block's
+    ``attn_norm``) comes out of this block's last post (``hc_post_pre``).  Each post inside a
+    block is fused with the following pre the same way; the input norms run inside the hc ops.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, numerics: str, ops: Any,
@@ -124,15 +126,19 @@ class Block(_Sublayers):
         super().__init__(cfg, layer_id, numerics, ops, dtype, None, parallel)
 
     def forward(self, x: torch.Tensor, ctx: Any, cache: Any, attn_pre: HcPre | None = None,
-                next_hc: HyperConnection | None = None
+                next_hc: HyperConnection | None = None, next_norm: RMSNorm | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, HcPre]:
-        y, post, comb = self.hc_attn.pre(x) if attn_pre is None else attn_pre
-        y = self.attn(self.attn_norm(y), ctx, cache)
-        x, y, post, comb = self.hc_attn.post_pre(y, x, post, comb, self.hc_ffn)
-        y = self.ffn(self.ffn_norm(y), ctx.input_ids)
+        if next_hc is not None and next_norm is None:
+            raise ValueError("Block.forward: next_hc needs next_norm (the next block's "
+                             "attn_norm: its pre comes out normed)")
+        # The sublayer input norms (attn_norm / ffn_norm) run inside the hc ops: y comes normed.
+        y, post, comb = self.hc_attn.pre(x, self.attn_norm) if attn_pre is None else attn_pre
+        y = self.attn(y, ctx, cache)
+        x, y, post, comb = self.hc_attn.post_pre(y, x, post, comb, self.hc_ffn, self.ffn_norm)
+        y = self.ffn(y, ctx.input_ids)
         if next_hc is None:
             return self.hc_ffn.post(y, x, post, comb)
-        x, *next_pre = self.hc_ffn.post_pre(y, x, post, comb, next_hc)
+        x, *next_pre = self.hc_ffn.post_pre(y, x, post, comb, next_hc, next_norm)
         return x, (next_pre[0], next_pre[1], next_pre[2])
 
 
@@ -322,14 +328,16 @@ class Transformer(nn.Module):
         x = expand_streams(self.embed(ctx.input_ids), self.cfg.hc_mult)
         layers = list(self.layers)
         # Each block's last hc_post computes the next block's attention pre in the same pass.
-        pre = layers[0].hc_attn.pre(x) if layers else None
+        pre = layers[0].hc_attn.pre(x, layers[0].attn_norm) if layers else None
         for i, layer in enumerate(layers):
             if i + 1 < len(layers):
-                x, pre = layer(x, ctx, cache, pre, layers[i + 1].hc_attn)
+                nxt = layers[i + 1]
+                x, pre = layer(x, ctx, cache, pre, nxt.hc_attn, nxt.attn_norm)
             else:
                 x = layer(x, ctx, cache, pre)
         x = x[ctx.logits_indices]
-        return self.norm(self.hc_head(x))
+        # The final norm runs inside the collapse (one launch at decode).
+        return self.hc_head(x, self.norm)
 
     def _forward_v41(self, ctx: Any, cache: Any) -> torch.Tensor:
         """V4.1 step (docs/V41.md "One step"): Engram rows once, blocks with the pre-mix carried

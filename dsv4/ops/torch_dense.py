@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.formats import dequant_fp8_block, dequant_mxfp4, fake_quant_fp8
+from dsv4.ops import torch_attn
 
 # ---------------------------------------------------------------------------------------- mHC
 def _hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -47,25 +48,42 @@ def sinkhorn(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
     return comb
 
 
+def _normed(y: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float,
+            rms_eps: float | None) -> torch.Tensor:
+    """y, or the sublayer input norm of y (``rms_norm(y, norm_weight, rms_eps or norm_eps)``)."""
+    if norm_weight is None:
+        return y
+    return torch_attn.rms_norm(y, norm_weight, norm_eps if rms_eps is None else rms_eps)
+
+
+def _check_norm_weight(name: str, norm_weight: torch.Tensor | None, d: int) -> None:
+    if norm_weight is not None and tuple(norm_weight.shape) != (d,):
+        raise ValueError(f"{name}: norm_weight must have shape ({d},); found "
+                         f"{tuple(norm_weight.shape)}")
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-           norm_eps: float, hc_eps: float, iters: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor | None = None,
+           rms_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre-mix of one sublayer (spec §3.4).
 
     x [T, n, D]; fn [(2+n)·n, n·D]; scale [3]; base [(2+n)·n].
     Returns ``y [T, D]`` (x.dtype) = Σ_j pre_j·x_j, ``post [T, n]`` fp32 and ``comb [T, n, n]``
-    fp32 (rows j = input stream, columns k = output stream).
+    fp32 (rows j = input stream, columns k = output stream).  With ``norm_weight`` [D] (the
+    sublayer's input RMSNorm), y is ``rms_norm(y, norm_weight, rms_eps)`` (``rms_eps`` None:
+    norm_eps): the collapse then the norm, as the model ran them before they were fused.
     """
     n = x.shape[1] if x.dim() == 3 else 0
     _check_hc("hc_pre", x, fn, (2 + n) * n)
+    _check_norm_weight("hc_pre", norm_weight, x.shape[2])
     mixes = _hc_mixes(x, fn, norm_eps)
     scale, base = scale.float(), base.float()
     pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * torch.sigmoid(mixes[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mixes[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)
     comb = sinkhorn(comb, hc_eps, iters)
-    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
-    return y.to(x.dtype), post, comb
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return _normed(y, norm_weight, norm_eps, rms_eps), post, comb
 
 
 def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
@@ -85,30 +103,37 @@ def hc_post(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
 
 def hc_post_pre(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                 fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                hc_eps: float, iters: int
+                hc_eps: float, iters: int, norm_weight: torch.Tensor | None = None,
+                rms_eps: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hc_post`` of one sublayer followed by the ``hc_pre`` of the next (spec §3.5).
 
-    out, x_res, post, comb as :func:`hc_post`; fn, scale, base, eps, iters as :func:`hc_pre`
-    (the next sublayer's).  Returns ``(x_new [T, n, D], y [T, D], post' [T, n], comb' [T, n, n])``.
+    out, x_res, post, comb as :func:`hc_post`; fn, scale, base, eps, iters, norm_weight,
+    rms_eps as :func:`hc_pre` (the next sublayer's).  Returns
+    ``(x_new [T, n, D], y [T, D], post' [T, n], comb' [T, n, n])``.
     Exactly the two ops composed, so the bits equal the unfused chain.
     """
     x_new = hc_post(out, x_res, post, comb)
-    y, post_next, comb_next = hc_pre(x_new, fn, scale, base, norm_eps, hc_eps, iters)
+    y, post_next, comb_next = hc_pre(x_new, fn, scale, base, norm_eps, hc_eps, iters,
+                                     norm_weight, rms_eps)
     return x_new, y, post_next, comb_next
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-            norm_eps: float, hc_eps: float) -> torch.Tensor:
+            norm_eps: float, hc_eps: float, norm_weight: torch.Tensor | None = None,
+            rms_eps: float | None = None) -> torch.Tensor:
     """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j`` with no Sinkhorn/post.
 
-    x [T, n, D]; fn [n, n·D]; scale [1]; base [n]. Returns [T, D] in x.dtype.
+    x [T, n, D]; fn [n, n·D]; scale [1]; base [n]. Returns [T, D] in x.dtype; with
+    ``norm_weight`` [D] (the model's final norm), normed as :func:`hc_pre` does.
     """
     n = x.shape[1] if x.dim() == 3 else 0
     _check_hc("hc_head", x, fn, n)
+    _check_norm_weight("hc_head", norm_weight, x.shape[2])
     mixes = _hc_mixes(x, fn, norm_eps)
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return _normed(y, norm_weight, norm_eps, rms_eps)
 
 
 # --------------------------------------------------------------------------- FP8 quantization

@@ -4,6 +4,12 @@ sublayer's post fused with the next sublayer's pre), with their tile plans (:cla
 
 Same signatures as the torch twins in ``dsv4/ops/torch_dense.py``.  The kernels run on Hopper
 GPUs and, at tiny shapes, in the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
+
+The collapse of n = 4 streams (every V4 model) is ``_hc_collapse4_kernel``: gates and Sinkhorn
+in per-thread scalars (no cross-thread sums), and, given the sublayer's input norm weight
+(``norm_weight``), the RMSNorm of y in the same kernel below :data:`HC_NORM_FUSED_T` tokens —
+the bits of the collapse followed by ``triton_norm.rms_norm``.  Other n take the general
+``_hc_collapse_kernel`` and a separate norm launch.
 """
 
 from __future__ import annotations
@@ -17,15 +23,17 @@ import triton.language as tl
 
 from dsv4.ops.triton_dense import (
     _dot_bf16x3,
+    round_as,
     round_to_bf16,
     sm_count,
     store_rne,
     torch_twin_off_gpu,
 )
+from dsv4.ops import triton_norm
 
 __all__ = ["hc_pre", "hc_post", "hc_post_pre", "hc_head", "HcPlan", "pick_hc_plan",
            "hc_pre_with_plan", "hc_head_with_plan", "hc_post_with_plan", "hc_post_pre_with_plan",
-           "HC_PREFILL_T"]
+           "HC_PREFILL_T", "HC_NORM_FUSED_T"]
 
 
 # ------------------------------------------------------------------------------ mHC
@@ -77,6 +85,12 @@ class HcPlan:
 
 # From this many tokens the prefill plans apply; below, the decode plans of before (unchanged).
 HC_PREFILL_T = 1024
+# Below this many tokens a collapse given a norm weight (n = 4) runs the norm in its own kernel
+# (grid (T,), one program per token holding the whole row: one launch less, the latency-bound
+# decode case); from it on, the D-split collapse (at its bytes floor at 8,192 tokens) then
+# ``rms_norm``.  Whether the fused form also holds the floor at prefill is not measured yet
+# (bench/sweep_glue.py times both at T = 8192); the threshold stays at the decode side until it is.
+HC_NORM_FUSED_T = HC_PREFILL_T
 
 
 def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
@@ -163,6 +177,7 @@ def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, pos
                         NJP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                         HEAD: tl.constexpr):
     """Per token: RMS factor, sigmoid gates, Sinkhorn (in registers), collapse Σ_j pre_j·x_j.
+    The general-n kernel (n = 4 runs ``_hc_collapse4_kernel``).
 
     HEAD: the final hc_head (mixes are the n pre gates only; no post / Sinkhorn).
     Grid (T, D blocks); every D block recomputes the tiny gate math, block 0 writes post/comb.
@@ -198,6 +213,178 @@ def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, pos
     xv = tl.load(x_ptr + t * N * D + rn[:, None] * D + rd[None, :], mask=d_mask[None, :],
                  other=0.0).to(tl.float32)
     y = tl.sum(pre[:, None] * xv, axis=0)
+    store_rne(y_ptr + t * D + rd, y, d_mask)
+
+
+# ------------------------------------------------- the collapse of n = 4 streams (every V4 model)
+# Why: at decode the old collapse was latency-bound on its Sinkhorn, 20 rounds of row / column
+# sums of a 4x4 tile spread over 128 threads, each sum a cross-thread reduction (shuffles,
+# shared memory, barriers), ~40 in a chain.  Here the split-K sums are one [SP, 32] reduction,
+# then the 24 mixes (and the RMS statistic, in column NJ) become per-thread scalars through
+# reshape / split (one layout conversion); the Sinkhorn is then scalar code, a row or column
+# sum 3 adds in one thread, no communication at all.
+@triton.jit
+def _halves(v, M: tl.constexpr):
+    """Even / odd elements of a [M] vector ([M/2] each)."""
+    return tl.split(tl.reshape(v, [M // 2, 2]))
+
+
+@triton.jit
+def _unpack4(v):
+    """The 4 elements of a [4] vector as scalars, in order."""
+    e, o = _halves(v, 4)
+    e0, e1 = tl.split(e)
+    o0, o1 = tl.split(o)
+    return e0, o0, e1, o1
+
+
+@triton.jit
+def _unpack8(v):
+    """The 8 elements of a [8] vector as scalars, in order."""
+    e, o = _halves(v, 8)
+    e0, e1, e2, e3 = _unpack4(e)
+    o0, o1, o2, o3 = _unpack4(o)
+    return e0, o0, e1, o1, e2, o2, e3, o3
+
+
+@triton.jit
+def _groups8(v):
+    """A [32] vector as its four [8] groups (elements 0-7, 8-15, 16-23, 24-31)."""
+    w = tl.reshape(tl.trans(tl.reshape(v, [4, 8])), [8, 2, 2])  # w[i, g // 2, g % 2]
+    a, b = tl.split(w)
+    g0, g2 = tl.split(a)
+    g1, g3 = tl.split(b)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """Softmax of one row (4 scalars) + eps, the reference's first Sinkhorn step."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _normalize4(a, b, c, d, eps):
+    """One row or column of 4 scalars divided by (its sum + eps)."""
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _sinkhorn4(c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23,
+               c30, c31, c32, c33, eps, ITERS: tl.constexpr):
+    """The reference Sinkhorn of a 4x4 (rows j, columns k) held as 16 scalars: softmax over
+    k + eps, a column normalization, then ITERS - 1 (row, column) rounds."""
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps)
+    c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _normalize4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _normalize4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _normalize4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _normalize4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, eps)
+    return (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23,
+            c30, c31, c32, c33)
+
+
+@triton.jit
+def _comb_logit(m, rstd, scale2, base_ptr, i: tl.constexpr):
+    return m * rstd * scale2 + tl.load(base_ptr + i)
+
+
+@triton.jit
+def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, post_ptr,
+                         comb_ptr, w_ptr, T, D, SPLITS, norm_eps, hc_eps, rms_eps,
+                         ITERS: tl.constexpr, NJ: tl.constexpr, NJP: tl.constexpr,
+                         SP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
+                         NORM: tl.constexpr):
+    """``_hc_collapse_kernel`` for n = 4 streams, gates and Sinkhorn in per-thread scalars.
+
+    Grid (T, D blocks of BD).  NORM (one D block, BD >= D): y is rounded as its store would
+    round it, then RMS-normed with weight ``w_ptr`` exactly as ``triton_norm._norm_rope_kernel``
+    does (same [1, BD] tile, warps and reduction, IEEE div / sqrt; the launch compiles without
+    FMA contraction, as the norm kernel's does), so the result is the bits of
+    ``rms_norm(collapse(x))``.  HEAD: the final hc_head (4 pre gates only)."""
+    t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    # The streams first: their loads are in flight during the gate math.
+    rd = pid_d * BD + tl.arange(0, BD)[None, :]
+    d_mask = rd < D
+    row = x_ptr + t * (4 * D) + rd
+    x0 = tl.load(row, mask=d_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(row + D, mask=d_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + 2 * D, mask=d_mask, other=0.0).to(tl.float32)
+    x3 = tl.load(row + 3 * D, mask=d_mask, other=0.0).to(tl.float32)
+    # Σ over splits of the mixes and (column NJ) of Σ x²: one reduction for all of them.
+    rs = tl.arange(0, SP)[:, None]
+    rj = tl.arange(0, 32)[None, :]
+    s_mask = rs < SPLITS
+    v = tl.load(part_ptr + (rs * T + t) * NJP + rj, mask=s_mask & (rj < NJ), other=0.0)
+    # (Addressed like the mixes, column NJ hitting sq[s, t]: the load then gets their layout
+    # and the compiler reduces in place instead of first moving the whole tile through shared
+    # memory into a threads-along-splits layout — 160 shuffles where 2 do.)
+    v += tl.load(sq_ptr + (rs * T + t) + (rj - NJ), mask=s_mask & (rj == NJ), other=0.0)
+    g0, g1, g2, g3 = _groups8(tl.sum(v, axis=0))
+    m0, m1, m2, m3, m4, m5, m6, m7 = _unpack8(g0)
+    if HEAD:
+        sq = m4
+    else:
+        sq = _unpack8(g3)[0]
+    rstd = 1.0 / tl.sqrt(sq / (4 * D) + norm_eps)
+    s0 = tl.load(scale_ptr)
+    p0 = tl.sigmoid(m0 * rstd * s0 + tl.load(base_ptr)) + hc_eps
+    p1 = tl.sigmoid(m1 * rstd * s0 + tl.load(base_ptr + 1)) + hc_eps
+    p2 = tl.sigmoid(m2 * rstd * s0 + tl.load(base_ptr + 2)) + hc_eps
+    p3 = tl.sigmoid(m3 * rstd * s0 + tl.load(base_ptr + 3)) + hc_eps
+    if not HEAD:
+        if pid_d == 0:
+            s1 = tl.load(scale_ptr + 1)
+            tl.store(post_ptr + t * 4, 2.0 * tl.sigmoid(m4 * rstd * s1 + tl.load(base_ptr + 4)))
+            tl.store(post_ptr + t * 4 + 1,
+                     2.0 * tl.sigmoid(m5 * rstd * s1 + tl.load(base_ptr + 5)))
+            tl.store(post_ptr + t * 4 + 2,
+                     2.0 * tl.sigmoid(m6 * rstd * s1 + tl.load(base_ptr + 6)))
+            tl.store(post_ptr + t * 4 + 3,
+                     2.0 * tl.sigmoid(m7 * rstd * s1 + tl.load(base_ptr + 7)))
+            s2 = tl.load(scale_ptr + 2)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _unpack8(g1)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _unpack8(g2)
+            c = _sinkhorn4(
+                _comb_logit(a0, rstd, s2, base_ptr, 8), _comb_logit(a1, rstd, s2, base_ptr, 9),
+                _comb_logit(a2, rstd, s2, base_ptr, 10), _comb_logit(a3, rstd, s2, base_ptr, 11),
+                _comb_logit(a4, rstd, s2, base_ptr, 12), _comb_logit(a5, rstd, s2, base_ptr, 13),
+                _comb_logit(a6, rstd, s2, base_ptr, 14), _comb_logit(a7, rstd, s2, base_ptr, 15),
+                _comb_logit(b0, rstd, s2, base_ptr, 16), _comb_logit(b1, rstd, s2, base_ptr, 17),
+                _comb_logit(b2, rstd, s2, base_ptr, 18), _comb_logit(b3, rstd, s2, base_ptr, 19),
+                _comb_logit(b4, rstd, s2, base_ptr, 20), _comb_logit(b5, rstd, s2, base_ptr, 21),
+                _comb_logit(b6, rstd, s2, base_ptr, 22), _comb_logit(b7, rstd, s2, base_ptr, 23),
+                hc_eps, ITERS)
+            for i in tl.static_range(16):
+                tl.store(comb_ptr + t * 16 + i, c[i])
+    y = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
+    if NORM:
+        # rms_norm of the stored y: fp32 statistics over the rounded values, weight, rounding.
+        y = round_as(y, y_ptr)
+        mean_sq = tl.div_rn(tl.sum(y * y, axis=1), D.to(tl.float32))
+        r = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + rms_eps))
+        y = y * r[:, None]
+        w = tl.load(w_ptr + rd, mask=d_mask, other=0.0).to(tl.float32)
+        y = w * y
     store_rne(y_ptr + t * D + rd, y, d_mask)
 
 
@@ -265,61 +452,112 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str, plan: HcPla
     return x, part, sq, splits, njp
 
 
+def _check_norm_weight(name: str, norm_weight: torch.Tensor | None, D: int) -> None:
+    if norm_weight is not None and tuple(norm_weight.shape) != (D,):
+        raise ValueError(f"{name}: norm_weight must have shape ({D},); found "
+                         f"{tuple(norm_weight.shape)}")
+
+
+def _collapse(x: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, splits: int, njp: int,
+              scale: torch.Tensor, base: torch.Tensor, post: torch.Tensor | None,
+              comb: torch.Tensor | None, norm_eps: float, hc_eps: float, iters: int,
+              norm_weight: torch.Tensor | None, rms_eps: float | None,
+              fuse_norm: bool | None) -> torch.Tensor:
+    """Gates (+ Sinkhorn, post / comb into ``post`` / ``comb`` unless they are None: hc_head)
+    and the collapse of x [T, n, D] from the mixes' split-K partials; then, with
+    ``norm_weight``, ``rms_norm(y, norm_weight, rms_eps)`` (fused into the collapse for n = 4
+    below :data:`HC_NORM_FUSED_T` tokens, or when ``fuse_norm`` says so)."""
+    T, n, D = x.shape
+    head = post is None
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if not T:
+        return y
+    scale, base = scale.float().contiguous(), base.float().contiguous()
+    if norm_weight is not None:
+        rms_eps = norm_eps if rms_eps is None else rms_eps
+        if fuse_norm is None:
+            fuse_norm = T < HC_NORM_FUSED_T
+    # Fused: one program per token holding the norm kernel's tile (the whole row, its warps).
+    # Only where that is 4 warps (D <= 4096: V4-Flash), the warps of the unfused collapse: the
+    # split-K sums then reduce in the same order both ways and the gates are the same bits.
+    fused = (norm_weight is not None and fuse_norm and n == 4
+             and triton_norm._tile(1, D, 0)["num_warps"] == 4)
+    SP = triton.next_power_of_2(splits)
+    if n == 4:
+        BD = triton.next_power_of_2(D) if fused else min(1024, triton.next_power_of_2(D))
+        w = norm_weight.float().contiguous() if fused else y
+        _hc_collapse4_kernel[(T, triton.cdiv(D, BD))](
+            x, part, sq, scale, base, y, y if head else post, y if head else comb, w, T, D,
+            splits, float(norm_eps), float(hc_eps), float(rms_eps or 0.0), ITERS=int(iters),
+            NJ=n if head else (2 + n) * n, NJP=njp, SP=SP, BD=BD, HEAD=head, NORM=fused,
+            num_warps=4, enable_fp_fusion=False)
+    else:
+        BD = min(1024, triton.next_power_of_2(D))
+        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
+            x, part, sq, scale, base, y, y if head else post, y if head else comb,
+            T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
+            SP=SP, BD=BD, HEAD=head, num_warps=4)
+    if norm_weight is not None and not fused:
+        y = triton_norm.rms_norm(y, norm_weight, rms_eps)
+    return y
+
+
 def hc_pre_with_plan(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                     norm_eps: float, hc_eps: float, iters: int, plan: HcPlan | None = None
+                     norm_eps: float, hc_eps: float, iters: int, plan: HcPlan | None = None,
+                     norm_weight: torch.Tensor | None = None, rms_eps: float | None = None,
+                     fuse_norm: bool | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`hc_pre` with an explicit mixes plan (``None``: :func:`pick_hc_plan`)."""
+    """:func:`hc_pre` with an explicit mixes plan (``None``: :func:`pick_hc_plan`);
+    ``fuse_norm`` forces (True) or forbids (False) the norm inside the collapse kernel
+    (``None``: below :data:`HC_NORM_FUSED_T` tokens); same bits either way."""
     n = x.shape[1] if x.dim() == 3 else 0
     if iters < 1:
         raise ValueError(f"hc_pre: iters must be >= 1; found {iters}")
     x, part, sq, splits, njp = _hc_mix(x, fn, (2 + n) * n, "hc_pre", plan)
     T, n, D = x.shape
-    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    _check_norm_weight("hc_pre", norm_weight, D)
     post = torch.empty(T, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
-    if T:
-        BD = min(1024, triton.next_power_of_2(D))
-        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
-            x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
-            T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
-            SP=triton.next_power_of_2(splits), BD=BD, HEAD=False, num_warps=4)
+    y = _collapse(x, part, sq, splits, njp, scale, base, post, comb, norm_eps, hc_eps, iters,
+                  norm_weight, rms_eps, fuse_norm)
     return y, post, comb
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-           norm_eps: float, hc_eps: float, iters: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_eps: float, hc_eps: float, iters: int, norm_weight: torch.Tensor | None = None,
+           rms_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre-mix (spec §3.4): split-K mixes + RMS statistic, then gates, Sinkhorn, collapse.
 
     x [T, n, D]; fn [(2+n)·n, n·D]; scale [3]; base [(2+n)·n].  Returns y [T, D] (x.dtype),
     post [T, n] fp32, comb [T, n, n] fp32 (rows j = input stream, columns k = output stream).
+    With ``norm_weight`` [D], y is the sublayer's normed input ``rms_norm(y, norm_weight,
+    rms_eps)`` (``rms_eps`` None: norm_eps), the bits of the collapse then ``rms_norm``.
     """
-    return hc_pre_with_plan(x, fn, scale, base, norm_eps, hc_eps, iters, None)
+    return hc_pre_with_plan(x, fn, scale, base, norm_eps, hc_eps, iters, None, norm_weight,
+                            rms_eps)
 
 
 def hc_head_with_plan(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                      norm_eps: float, hc_eps: float, plan: HcPlan | None = None
-                      ) -> torch.Tensor:
-    """:func:`hc_head` with an explicit mixes plan (``None``: :func:`pick_hc_plan`)."""
+                      norm_eps: float, hc_eps: float, plan: HcPlan | None = None,
+                      norm_weight: torch.Tensor | None = None, rms_eps: float | None = None,
+                      fuse_norm: bool | None = None) -> torch.Tensor:
+    """:func:`hc_head` with an explicit mixes plan (``None``: :func:`pick_hc_plan`) and
+    ``fuse_norm`` as :func:`hc_pre_with_plan`."""
     n = x.shape[1] if x.dim() == 3 else 0
     x, part, sq, splits, njp = _hc_mix(x, fn, n, "hc_head", plan)
-    T, n, D = x.shape
-    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    if T:
-        BD = min(1024, triton.next_power_of_2(D))
-        _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
-            x, part, sq, scale.float().contiguous(), base.float().contiguous(), y, y, y,
-            T, D, splits, float(norm_eps), float(hc_eps), ITERS=1, N=n, NJP=njp,
-            SP=triton.next_power_of_2(splits), BD=BD, HEAD=True, num_warps=4)
-    return y
+    _check_norm_weight("hc_head", norm_weight, x.shape[2])
+    return _collapse(x, part, sq, splits, njp, scale, base, None, None, norm_eps, hc_eps, 1,
+                     norm_weight, rms_eps, fuse_norm)
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-            norm_eps: float, hc_eps: float) -> torch.Tensor:
-    """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j``; x [T, n, D] → [T, D]."""
-    return hc_head_with_plan(x, fn, scale, base, norm_eps, hc_eps, None)
+            norm_eps: float, hc_eps: float, norm_weight: torch.Tensor | None = None,
+            rms_eps: float | None = None) -> torch.Tensor:
+    """Final collapse of the n streams (spec §3.10): ``Σ_j pre_j x_j``; x [T, n, D] → [T, D];
+    with ``norm_weight`` [D], followed by the model's final ``rms_norm`` (as :func:`hc_pre`)."""
+    return hc_head_with_plan(x, fn, scale, base, norm_eps, hc_eps, None, norm_weight, rms_eps)
 
 
 @triton.jit
@@ -468,11 +706,13 @@ def _check_post_args(name: str, out: torch.Tensor, x_res: torch.Tensor, post: to
 def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor,
                           comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                           base: torch.Tensor, norm_eps: float, hc_eps: float, iters: int,
-                          plan: HcPlan | None = None
+                          plan: HcPlan | None = None, norm_weight: torch.Tensor | None = None,
+                          rms_eps: float | None = None, fuse_norm: bool | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`hc_post_pre` with an explicit plan of the post + mixes kernel (``None``:
-    :func:`pick_hc_plan`).  x_new is the same bits under every plan; the mixes (and through
-    the gates, y) agree to fp32 rounding (other split / dot orders)."""
+    :func:`pick_hc_plan`) and ``fuse_norm`` as :func:`hc_pre_with_plan`.  x_new is the same
+    bits under every plan; the mixes (and through the gates, y) agree to fp32 rounding (other
+    split / dot orders)."""
     _check_post_args("hc_post_pre", out, x_res, post, comb)
     if iters < 1:
         raise ValueError(f"hc_post_pre: iters must be >= 1; found {iters}")
@@ -481,19 +721,20 @@ def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Te
     if tuple(fn.shape) != (rows, n * D):
         raise ValueError(f"hc_post_pre: fn must be [{rows}, {n * D}] for x_res "
                          f"{tuple(x_res.shape)}; found {tuple(fn.shape)}")
+    _check_norm_weight("hc_post_pre", norm_weight, D)
     if n > 4:
         # The fused kernel holds n_hc <= 4 input streams (every V4 model has 4): compose.
         x_new = hc_post_with_plan(out, x_res, post, comb, None)
-        return (x_new, *hc_pre_with_plan(x_new, fn, scale, base, norm_eps, hc_eps, iters, plan))
+        return (x_new, *hc_pre_with_plan(x_new, fn, scale, base, norm_eps, hc_eps, iters, plan,
+                                         norm_weight, rms_eps, fuse_norm))
     plan = plan or pick_hc_plan("post_pre", T, n, D, x_res.dtype)
     _check_plan("hc_post_pre", plan, n, dot=True)
     dev = x_res.device
     x_new = torch.empty(T, n, D, dtype=x_res.dtype, device=dev)
-    y = torch.empty(T, D, dtype=x_res.dtype, device=dev)
     post_n = torch.empty(T, n, dtype=torch.float32, device=dev)
     comb_n = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     if not T:
-        return x_new, y, post_n, comb_n
+        return x_new, torch.empty(T, D, dtype=x_res.dtype, device=dev), post_n, comb_n
     njp = max(16, triton.next_power_of_2(rows))
     tiles = triton.cdiv(T, plan.BT)
     d_per_split, splits = _splits(D, plan.BD, tiles, plan, dev)
@@ -505,28 +746,28 @@ def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Te
     _launch_mixes(_hc_post_mix_kernel, (tiles, splits), args, dev, plan,
                   plan.mix == "bf16x3" and x_res.dtype == torch.bfloat16,
                   N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD)
-    BDC = min(1024, triton.next_power_of_2(D))
-    _hc_collapse_kernel[(T, triton.cdiv(D, BDC))](
-        x_new, part, sq, scale.float().contiguous(), base.float().contiguous(), y, post_n,
-        comb_n, T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
-        SP=triton.next_power_of_2(splits), BD=BDC, HEAD=False, num_warps=4)
+    y = _collapse(x_new, part, sq, splits, njp, scale, base, post_n, comb_n, norm_eps, hc_eps,
+                  iters, norm_weight, rms_eps, fuse_norm)
     return x_new, y, post_n, comb_n
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")
 def hc_post_pre(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                 fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-                hc_eps: float, iters: int
+                hc_eps: float, iters: int, norm_weight: torch.Tensor | None = None,
+                rms_eps: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hc_post`` of one sublayer fused with the ``hc_pre`` of the next (spec §3.4, §3.5).
 
     out [T, D]; x_res [T, n, D]; post [T, n]; comb [T, n, n] (this sublayer's);
-    fn [(2+n)·n, n·D], scale [3], base [(2+n)·n] (the next sublayer's).  Returns
+    fn [(2+n)·n, n·D], scale [3], base [(2+n)·n] (the next sublayer's); norm_weight [D] /
+    rms_eps (optional: the next sublayer's input norm, as :func:`hc_pre`).  Returns
     ``(x_new [T, n, D] x_res.dtype, y [T, D], post' [T, n] fp32, comb' [T, n, n] fp32)`` =
     ``(x_new, *hc_pre(x_new, ...))`` with ``x_new = hc_post(out, x_res, post, comb)``.
 
-    Two launches instead of three: one kernel writes x_new and the next pre's split-K partials
-    (RMS statistic and 24-wide projection), then the collapse kernel of hc_pre finishes.
+    Two launches instead of three (four with the norm): one kernel writes x_new and the next
+    pre's split-K partials (RMS statistic and 24-wide projection), then the collapse kernel of
+    hc_pre finishes (with the norm, at decode).
     """
     return hc_post_pre_with_plan(out, x_res, post, comb, fn, scale, base, norm_eps, hc_eps,
-                                 iters, None)
+                                 iters, None, norm_weight, rms_eps)

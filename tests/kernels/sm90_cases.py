@@ -586,6 +586,18 @@ def _moe_fold() -> None:
         _moe(V4_FLASH, "fp4", "prefill")
 
 
+@scenario("moe_experts/v4_flash/fp4_swap")
+def _moe_swap() -> None:
+    """The swapped operand order of the MXFP4 expert kernels (SWAP, tm.MOE_SWAP: wgmma with the
+    decoded weights as the register operand) at the decode and prefill plans, both decodes."""
+    from dsv4.ops import triton_moe as tm
+    for fold in (False, True):
+        with RECORDER.override(tm._moe_up_kernel, SWAP=True, SCALE_LE_128=fold), \
+                RECORDER.override(tm._moe_down_kernel, SWAP=True, SCALE_LE_128=fold):
+            _moe(V4_FLASH, "fp4", "decode")
+            _moe(V4_FLASH, "fp4", "prefill")
+
+
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch
@@ -942,6 +954,104 @@ def _topk() -> None:
     for T, L, k in [(1, 2048, 512), (2048, 2048, 512), (16, 16384, 512), (256, 16384, 512),
                     (128, 16384, 512), (4, 65536, 1024), (1, 300, 1024)]:
         topk_indices(_empty(T, L, dtype=torch.float32), torch.zeros(T, dtype=torch.int64), k)
+
+
+def _grouped(m: ModelDims, scale_fp32: bool) -> None:
+    """attn.wo_a kept FP8 (dsv4.ops.triton_grouped): the picked plans at decode and prefill
+    token counts below the dequantize + bmm threshold, and the in-register e8m0 scaling."""
+    import torch
+
+    from dsv4.ops import triton_grouped as tg
+    G, N, K = m.o_groups, m.o_lora, m.heads * m.head_dim // m.o_groups
+    w = _empty(G * N, K, dtype=torch.float8_e4m3fn)
+    s = _empty(G * N // m.block, K // m.block,
+               dtype=torch.float32 if scale_fp32 else torch.float8_e8m0fnu)
+    for T in DECODE_T + (128, 256, PREFILL_T):
+        tg.grouped_dequant_linear(_empty(T, G, K, dtype=torch.bfloat16), w, s, m.block, G)
+    if not scale_fp32 and m.block == 128:
+        plan = tg.GroupedPlan(BM=16, BN=128, BK=128, split_k=8, num_warps=8, scale_after=False)
+        tg.grouped_dequant_linear_with_plan(_empty(1, G, K, dtype=torch.bfloat16), w, s,
+                                            m.block, G, plan)
+
+
+for _m in MODELS:
+    scenario(f"grouped_wo_a/{_m.name}")(lambda m=_m: _grouped(m, False))
+scenario("grouped_wo_a/v4_flash/fp32_scales")(lambda: _grouped(V4_FLASH, True))
+
+
+def _fp8_gemv(m: ModelDims, Ms: tuple[int, ...], alternates: bool = False) -> None:
+    """The CUDA-core GEMV plans of fp8_linear (1-4 rows, triton_dense._fp8_gemv_kernel, off by
+    default: GEMV_MAX_M): the default plan of every FP8 Linear at ``Ms`` rows; with
+    ``alternates`` fp32 weight scales and activations, the sweep's other BN / BK / warps and
+    the per-row form of 2-4 rows (GEMV_SPLIT_ROWS off)."""
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    for N, K in m.fp8_shapes():
+        w = _empty(N, K, dtype=torch.float8_e4m3fn)
+        s = _empty(-(-N // m.block), K // m.block, dtype=torch.float8_e8m0fnu)
+        for M in Ms:
+            cfg = td.pick_fp8_gemv_config(M, N, K, m.block, w.device)
+            td.fp8_linear_with_config(_empty(M, K, dtype=torch.bfloat16), w, s, m.block,
+                                      torch.bfloat16, cfg)
+    if alternates:
+        N, K = m.dim, m.o_groups * m.o_lora                               # wo_b
+        w = _empty(N, K, dtype=torch.float8_e4m3fn)
+        s32 = _empty(N // m.block, K // m.block, dtype=torch.float32)
+        s8 = _empty(N // m.block, K // m.block, dtype=torch.float8_e8m0fnu)
+        for M in (1, 4):
+            td.fp8_linear_with_config(_empty(M, K, dtype=torch.float32), w, s32, m.block,
+                                      torch.float32, td.pick_fp8_gemv_config(M, N, K, m.block,
+                                                                             w.device))
+            for bn, bk, warps in ((16, 512, 2), (32, 256, 4), (64, 1024, 8), (64, 512, 4),
+                                  (128, 1024, 8)):
+                cfg = td.Fp8GemmConfig(BM=M, BN=bn, split_k=8, num_warps=warps, num_stages=1,
+                                       gemv=True, BK=bk)
+                td.fp8_linear_with_config(_empty(M, K, dtype=torch.bfloat16), w, s8, m.block,
+                                          torch.bfloat16, cfg)
+        with RECORDER.override(td._fp8_gemv_kernel, SPLIT_ROWS=False):   # GEMV_SPLIT_ROWS=0
+            for M in (2, 4):
+                td.fp8_linear_with_config(_empty(M, K, dtype=torch.bfloat16), w, s8, m.block,
+                                          torch.bfloat16, td.pick_fp8_gemv_config(
+                                              M, N, K, m.block, w.device))
+
+
+scenario("fp8_linear/v4_flash/gemv")(lambda: _fp8_gemv(V4_FLASH, (1, 2, 3, 4), True))
+scenario("fp8_linear/v4_pro/gemv")(lambda: _fp8_gemv(V4_PRO, (1,)))
+scenario("fp8_linear/v41_flash/gemv")(lambda: _fp8_gemv(V41_FLASH, (4,)))
+
+
+def _mhc_norm(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
+    """The mHC collapse with the sublayer input norm (triton_mhc ``norm_weight``): the n = 4
+    collapse fused with the norm (one program per token; V4-Flash) and split + norm kernel
+    (every model), for hc_pre, hc_post_pre and hc_head; iters 1 and 20; and the general-n
+    collapse (n = 2)."""
+    import torch
+
+    from dsv4.ops import triton_mhc as tm
+    dtype = dtype or torch.bfloat16
+    n, D, f32 = 4, m.dim, torch.float32
+    fn, scale, base = _empty(24, n * D, dtype=f32), _empty(3, dtype=f32), _empty(24, dtype=f32)
+    w = _empty(D, dtype=f32)
+    for T in Ts:
+        x = _empty(T, n, D, dtype=dtype)
+        for fuse in (True, False):
+            for iters in (1, 20):
+                tm.hc_pre_with_plan(x, fn, scale, base, 1e-6, 1e-6, iters, None, w, 1e-6, fuse)
+            tm.hc_post_pre_with_plan(_empty(T, D, dtype=dtype), x, _empty(T, n, dtype=f32),
+                                     _empty(T, n, n, dtype=f32), fn, scale, base, 1e-6, 1e-6,
+                                     20, None, w, 1e-6, fuse)
+            tm.hc_head_with_plan(x, fn[:n], scale[:1], base[:n], 1e-6, 1e-6, None, w, 1e-6, fuse)
+    # Other stream counts keep the general collapse kernel (then the norm kernel): n = 2.
+    x2 = _empty(Ts[0], 2, D, dtype=dtype)
+    tm.hc_pre(x2, _empty(8, 2 * D, dtype=f32), scale, base[:8], 1e-6, 1e-6, 20, w)
+    tm.hc_head(x2, _empty(2, 2 * D, dtype=f32), scale[:1], base[:2], 1e-6, 1e-6, w)
+
+
+for _m in MODELS:
+    scenario(f"mhc_norm/{_m.name}/bf16")(lambda m=_m: _mhc_norm(m, (1, 64, PREFILL_T)))
+scenario("mhc_norm/v4_flash/fp32")(
+    lambda: _mhc_norm(V4_FLASH, (1, PREFILL_T), __import__("torch").float32))
 
 
 scenario("canary/mixed_return_dtypes", canary=True)(lambda: _launch_canary(True))
