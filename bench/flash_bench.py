@@ -103,8 +103,7 @@ def _e8m0(shape: tuple[int, ...], center: int, gen: torch.Generator) -> torch.Te
 @torch.no_grad()
 def fill_random(model: Transformer, seed: int = 0) -> None:
     """Random weights, made on the GPU in their checkpoint formats, with magnitudes that keep
-    the activations O(1) (FP8 Linears, ``attn.wo_a`` included since it stays FP8 for the
-    grouped kernel: |W| ~ 1/sqrt(K); MXFP4 experts likewise)."""
+    the activations O(1) (FP8 Linears: |W| ~ 1/sqrt(K); MXFP4 experts likewise)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     done: set[int] = set()
     for module in model.modules():
@@ -162,8 +161,7 @@ def _ckpt_bytes(name: str, p: torch.Tensor) -> int:
 
 
 def weight_bytes(model: Transformer, batch: int) -> dict[str, float]:
-    """Bytes of weights one decode step of ``batch`` tokens must read, in checkpoint formats
-    (``attn.wo_a`` as FP8 codes + scales: the grouped kernel reads it so)."""
+    """Bytes of weights one decode step of ``batch`` tokens must read, in checkpoint formats."""
     cfg = model.cfg
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     distinct = E * (1 - (1 - k / E) ** batch)

@@ -91,10 +91,10 @@ KIND_TITLES = {k: t for k, _, t in WEIGHT_KINDS}
 # element); everything else is held as stored (FP8 / MXFP4 with their scales, bf16, fp32).
 # tests/bench/test_memory_plan.py checks these against a model built with quantized storage.
 HELD_AS: tuple[tuple[str, int, str], ...] = (
+    (r"\.attn\.wo_a\.weight$", 2, "wo_a dequantized to bf16 (reference convert.py)"),
     (r"(^|\.)\w*norm\.weight$", 4, "RMSNorm weights held in fp32"),
 )
 _HELD_RES = tuple((re.compile(p), b) for p, b, _ in HELD_AS)
-_LAYER = re.compile(r"^(layers|mtp)\.(\d+)\.")
 
 
 def held_elem_bytes(cfg: ModelConfig, name: str) -> int | None:
@@ -158,9 +158,9 @@ def loaded_bytes(spec: TensorSpec, piece: TensorShard | None, kind: str) -> int:
     """Bytes of ``spec`` (or its slice) as ``load_checkpoint(keep_quantized=True)`` returns it
     that the model then copies into its own storage; 0 for FP8 ``Linear`` weights, which the
     model adopts as they are (``Linear._load_quantized``)."""
-    if spec.fmt == "fp8" and kind != "routed_experts":
-        return 0  # wo_a included: kept FP8 (the grouped kernel dequantizes it in registers)
-    if spec.fmt == "bf16":
+    if spec.fmt == "fp8" and kind != "routed_experts" and not spec.name.endswith("wo_a.weight"):
+        return 0
+    if spec.name.endswith("attn.wo_a.weight") or spec.fmt == "bf16":
         numel = math.prod(spec.shape)
         if piece is not None:
             numel = numel * (piece.stop - piece.start) // spec.shape[piece.dim]
@@ -173,10 +173,15 @@ def streamed_copy_bytes(cfg: ModelConfig, spec: TensorSpec, piece: TensorShard |
     """Device bytes of ``spec`` (or its slice) as ``load_model`` streams it that live next to
     the model while it is put in place: 0 when the model adopts the value (FP8 ``Linear``
     weights, Engram tables, tensors held in their checkpoint dtype), the value itself when it
-    is copied into a routed-expert stack or widened to fp32 (``wo_a`` is an adopted FP8
-    ``Linear`` weight since the grouped kernel: no dequantization temporaries)."""
+    is copied into a routed-expert stack or widened to fp32; for ``wo_a`` the FP8 value plus
+    the fp32 temporaries of its block dequantization (weight, expanded scales, product)."""
     if kind == "routed_experts":
         return stored_bytes(spec, piece)
+    if spec.name.endswith("attn.wo_a.weight"):
+        numel = math.prod(spec.shape)
+        if piece is not None:
+            numel = numel * (piece.stop - piece.start) // spec.shape[piece.dim]
+        return stored_bytes(spec, piece) + 12 * numel
     if spec.fmt == "bf16" and held_elem_bytes(cfg, spec.name) is not None:
         return stored_bytes(spec, piece)
     return 0
@@ -539,9 +544,9 @@ def report(cfg: ModelConfig, label: str, world_size: int, ep: bool, context: int
         w(f"Ranks differ by at most {spread:,} bytes (shared expert / Engram row remainders).")
     widened = sum(wp.held_total.values()) - wp.checkpoint_bytes
     w("")
-    w(f"Held wider than stored (+{_g(widened)} GiB over the whole model): "
-      f"norms fp32 (the head, the compressor projections and the gate stay bf16: fp32 math on "
-      f"their bf16 values).")
+    w(f"Held wider than stored (+{_g(widened)} GiB over the whole model): wo_a bf16, norms "
+      f"fp32 (the head, the compressor projections and the gate stay bf16: fp32 math on their "
+      f"bf16 values).")
     peak = max(wp.stream_peak(r) for r in range(world_size))
     verdict = ("fits under" if peak <= total_bytes else "**exceeds**")
     w(f"Load peak of `load_model` (model built on `meta`, checkpoint streamed one tensor at a "

@@ -4,7 +4,6 @@ torch twin), timed as CUDA-graph replays at V4-Flash widths (D 4096, I 2048, 256
 official numerics (FP8 activations, act_block 128), bf16 compute.
 
     PYTHONPATH=. python bench/moe_decode.py [--tokens 1,16,64,256,8192] [--sweep] [--out f.json]
-    PYTHONPATH=. python bench/moe_decode.py --tokens 1,16,64,256,8192 --swap both  # old vs new
     PYTHONPATH=. python bench/moe_decode.py --dry-run [--sweep]    # the plans it would time
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_decode.py --tiny   # CPU smoke run
 
@@ -203,8 +202,6 @@ def run(args: argparse.Namespace) -> dict:
     shape = TINY if args.tiny else FLASH
     E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
     tokens = parse_tokens(args.tokens, args.tiny)
-    # Operand orders to time per plan (dsv4.ops.triton_moe.MOE_SWAP; the first is "default").
-    swaps = {"0": [False], "1": [True], "both": [False, True], None: [tri.MOE_SWAP]}[args.swap]
     gen = torch.Generator(device=dev).manual_seed(0)
     ex = mxfp4_stacks(E, D, inter, gen, dev)
     per_expert = expert_bytes(D, inter)
@@ -244,16 +241,10 @@ def run(args: argparse.Namespace) -> dict:
         if args.tiny:
             plans = plans[:TINY_SWEEP_PLANS]
         rows = []
-        for cfg, swap in [(c, s) for c in plans for s in swaps]:
-            prev, tri.MOE_SWAP = tri.MOE_SWAP, swap
-            try:
-                res = _time_plan(cfg, calls, ex, twin, dev, replays)
-            finally:
-                tri.MOE_SWAP = prev
-            res.update(T=T, plan=dataclasses.asdict(cfg),
-                       name=plan_name(cfg) + (" swap" if swap else ""), swap=swap,
-                       default=cfg == base and swap == swaps[0], distinct=distinct,
-                       floor_us=floor_us)
+        for cfg in plans:
+            res = _time_plan(cfg, calls, ex, twin, dev, replays)
+            res.update(T=T, plan=dataclasses.asdict(cfg), name=plan_name(cfg),
+                       default=cfg == base, distinct=distinct, floor_us=floor_us)
             if "us" in res:
                 res["ratio"] = res["us"] / floor_us
                 res["GB_s"] = nbytes / res["us"] / 1e3
@@ -345,10 +336,6 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time the alternative tile plans per token count")
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke run)")
     ap.add_argument("--dry-run", action="store_true", help="print the plans and exit")
-    ap.add_argument("--swap", choices=("0", "1", "both"), default=None,
-                    help="operand order of the MXFP4 GEMMs (triton_moe.MOE_SWAP): 0 old, 1 "
-                         "swapped (weights as the first MMA operand), both: time each plan "
-                         "both ways (default: the module's setting)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
     if args.rotate < 1 or args.replays < 1:

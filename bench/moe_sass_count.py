@@ -2,11 +2,7 @@
 (``_moe_up_kernel``, ``_moe_down_kernel``) compiled for sm_90, per opcode: the measure used to
 make the in-register MXFP4 decode cheaper (the kernels are partly issue-bound).
 
-    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--swap 0|1|both] [--all]
-                                                [--dump DIR]
-
-Each line: instructions of the K loop, the top opcodes (--all: every opcode), registers per
-thread, spilled bytes and the MMA the compiler generated (HMMA: mma.sync, HGMMA: wgmma).
+    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--dump DIR]
 
 Plans: BM 16 / BN 128 / 4 warps (decode) and BM 128 / BN 128 / 8 warps (prefill), BK 128,
 unsplit, e8m0 scales, bf16.  Pointers, strides, N and K get the divisibility-16 attribute a real
@@ -37,13 +33,11 @@ _PTR = {"xs_ptr": "*bf16", "act_ptr": "*bf16", "y_ptr": "*bf16", "wt_ptr": "*fp3
 PLANS = ((16, 128, 4), (128, 128, 8))
 
 
-def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool,
-                   swap: bool = False) -> object:
-    """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan; ``swap``: the kernels'
-    SWAP operand order (``dsv4.ops.triton_moe.MOE_SWAP``)."""
+def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool) -> object:
+    """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan."""
     fn = tm._moe_up_kernel if which == "up" else tm._moe_down_kernel
     consts = dict(FMT=1, SB=32, SW_E8M0=True, HAS_LIMIT=True, FAST_FP4=True, SCALE_LE_128=fold,
-                  SPLIT=False, BM=BM, BN=BN, BK=128, SWAP=swap)
+                  SPLIT=False, BM=BM, BN=BN, BK=128)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
@@ -80,45 +74,23 @@ def loop_counts(cubin: bytes) -> tuple[int, collections.Counter, str]:
     return len(body), ops, sass
 
 
-def resources(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, spill stores + loads in bytes) of the cubin's kernel."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", out).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", out).group(1))
-    return regs, local
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fold", choices=("0", "1", "both"), default="both")
-    ap.add_argument("--swap", choices=("0", "1", "both"), default="both")
-    ap.add_argument("--all", action="store_true", help="every opcode, not the top 8")
-    ap.add_argument("--dump", help="write each kernel's SASS and TTGIR into this folder")
+    ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     args = ap.parse_args()
-    both = {"0": (False,), "1": (True,), "both": (False, True)}
-    for swap in both[args.swap]:
-        for fold in both[args.fold]:
-            for which in ("down", "up"):
-                for BM, BN, warps in PLANS:
-                    k = compile_kernel(which, BM, BN, warps, fold, swap)
-                    n, ops, sass = loop_counts(k.asm["cubin"])
-                    regs, local = resources(k.asm["cubin"])
-                    mma = "wgmma" if ops["HGMMA"] else "mma.sync" if ops["HMMA"] else "?"
-                    if args.dump:
-                        Path(args.dump).mkdir(parents=True, exist_ok=True)
-                        stem = f"{which}_bm{BM}_fold{int(fold)}_swap{int(swap)}"
-                        Path(args.dump, stem + ".sass").write_text(sass)
-                        Path(args.dump, stem + ".ttgir").write_text(k.asm["ttgir"])
-                    top = ", ".join(f"{o} {c}" for o, c in
-                                    ops.most_common(None if args.all else 8))
-                    print(f"swap={int(swap)} fold={int(fold)} {which:4s} BM{BM:<3d} BN{BN} "
-                          f"w{warps}: {n:5d} instr per K step, {regs} regs, {local} B spilled, "
-                          f"{mma} | {top}", flush=True)
+    folds = {"0": (False,), "1": (True,), "both": (False, True)}[args.fold]
+    for fold in folds:
+        for which in ("down", "up"):
+            for BM, BN, warps in PLANS:
+                k = compile_kernel(which, BM, BN, warps, fold)
+                n, ops, sass = loop_counts(k.asm["cubin"])
+                if args.dump:
+                    Path(args.dump).mkdir(parents=True, exist_ok=True)
+                    Path(args.dump, f"{which}_bm{BM}_fold{int(fold)}.sass").write_text(sass)
+                top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
+                print(f"fold={int(fold)} {which:4s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr "
+                      f"per K step | {top}", flush=True)
     return 0
 
 

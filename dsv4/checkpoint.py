@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dsv4.config import ModelConfig
-from dsv4.formats import FP4_BLOCK, MX_BLOCK, QuantWeight
+from dsv4.formats import FP4_BLOCK, MX_BLOCK, QuantWeight, dequant_fp8_block
 
 __all__ = ["TensorSpec", "TensorShard", "expected_tensors", "checkpoint_entries",
            "load_checkpoint", "open_checkpoint", "CheckpointReader", "read_safetensors_header",
@@ -570,10 +570,8 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
 
     Returns official names (no ``.scale`` entries).  A quantized weight (fp8 / fp4) becomes a
     :class:`QuantWeight` when ``keep_quantized``, else its dense dequantization in ``dtype``.
-    ``attn.wo_a`` follows ``keep_quantized`` like the other FP8 weights: its GEMM uses the bf16
-    dequantization (the reference's convert.py stores it dense, spec §2.4), which the dense
-    storage holds and the GPU's grouped kernel makes in registers from the kept FP8 weight.
-    One exception: the V4.1 Engram tables (``engram.embed``, mxfp8) always stay quantized
+    Two exceptions follow the reference: ``attn.wo_a`` is always dense (convert.py dequantizes
+    it, spec §2.4), and the V4.1 Engram tables (``engram.embed``, mxfp8) always stay quantized
     (rows are dequantized on lookup; a dense table would be ~200 GB per layer).  bf16
     tensors come in ``dtype``; f32 tensors (hc_*, attn_sink, ape, gate.bias*) stay float32;
     ``tid2eid`` int64.  ``strict_mtp=False`` lets ``mtp.*`` tensors be absent (those present are
@@ -630,6 +628,9 @@ def _convert(spec: TensorSpec, shards: _Shards, entries: dict[str, _Entry], devi
         return t.to(dtype)
     sname: str = spec.scale_name  # type: ignore[assignment]
     scale = shards.read(entries[sname], sname, device)
+    if spec.name.endswith("attn.wo_a.weight"):
+        # The reference's convert.py stores wo_a dense (bf16); keep it so in every mode.
+        return dequant_fp8_block(t, scale, spec.block, dtype)
     qw = QuantWeight(t, scale, spec.fmt, spec.block, spec.shape)  # type: ignore[arg-type]
     return qw if keep_quantized or spec.fmt == "mxfp8" else qw.dequantize(dtype)
 
@@ -674,11 +675,11 @@ def _convert_shard(spec: TensorSpec, piece: TensorShard, shards: _Shards,
     aligned = lo % g == 0 and (hi % g == 0 or hi == size)
     # fp8 rows / columns inside one block keep that block's scale.
     one_block = spec.fmt == "fp8" and hi > lo and lo // g == (hi - 1) // g
-    # wo_a's GEMM runs on its bf16 dequantization anyway: a shard off the scale blocks is
-    # held dense (as every wo_a was before the grouped kernel) rather than refused.
     is_wo_a = spec.name.endswith("attn.wo_a.weight")
     if aligned or one_block:
         qw = _read_quant(spec, shards, entries, device, d, lo, hi)
+        if is_wo_a:
+            return qw.dequantize(dtype)
         return qw if keep_quantized or spec.fmt == "mxfp8" else qw.dequantize(dtype)
     if (keep_quantized and not is_wo_a) or spec.fmt == "mxfp8":
         raise ValueError(f"tensor {spec.name!r}: the shard [{lo}, {hi}) of dim {d} does not "

@@ -241,11 +241,11 @@ class Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, H * hd, fmt=qfmt, **lin)
         self.wkv = Linear(cfg.dim, hd, fmt=qfmt, **lin)
         self.kv_norm = RMSNorm(hd, cfg.norm_eps, ops)
-        # wo_a's GEMM uses the bf16 dequantized weight (spec §2.4 item 1): no act quant, hence
-        # numerics "bf16" whatever the model's.  Quantized storage keeps it FP8 (the grouped
-        # op dequantizes in registers); dense storage holds the loader's bf16 dequantization.
+        # wo_a is dequantized by the loader (spec §2.4 item 1): a dense GEMM, no act quant.
+        # (Kept FP8 with a grouped kernel dequantizing in registers it measured slower at 16+
+        # rows and only 7% faster at one: docs/PERFORMANCE.md, seventh session.)
         self.wo_a = Linear(cfg.n_heads * hd // cfg.o_groups, self.n_groups * self.o_lora,
-                           fmt=qfmt, block=cfg.weight_block_size, numerics="bf16", dtype=dtype)
+                           fmt="bf16", **lin)
         self.wo_b = Linear(self.n_groups * self.o_lora, cfg.dim, fmt=qfmt, **lin)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | CompressorV2 | None = None
@@ -440,11 +440,6 @@ class Attention(nn.Module):
 
         # Grouped low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major.
         G = self.n_groups
-        if self.wo_a.holds_quantized:
-            qw = self.wo_a.qweight
-            u = self.ops.grouped_dequant_linear(o.reshape(T, G, -1).to(self.dtype), qw.weight,
-                                                qw.scale, qw.block, G)
-        else:
-            wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
-            u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
+        wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
+        u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
         return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype)))

@@ -20,11 +20,11 @@ from types import SimpleNamespace
 # Modules holding torch twins, and the Triton modules that override them by name.
 _TORCH_MODULES = ("dsv4.ops.torch_attn", "dsv4.ops.torch_dense", "dsv4.ops.torch_norm",
                   "dsv4.ops.torch_compress", "dsv4.ops.torch_index", "dsv4.ops.torch_records",
-                  "dsv4.ops.torch_route", "dsv4.ops.torch_grouped")
+                  "dsv4.ops.torch_route")
 _TRITON_MODULES = ("dsv4.ops.triton_attn", "dsv4.ops.triton_dense", "dsv4.ops.triton_moe",
                    "dsv4.ops.triton_norm", "dsv4.ops.triton_compress", "dsv4.ops.triton_index",
                    "dsv4.ops.triton_records", "dsv4.ops.triton_route", "dsv4.ops.triton_topk",
-                   "dsv4.ops.triton_linear32", "dsv4.ops.triton_mhc", "dsv4.ops.triton_grouped")
+                   "dsv4.ops.triton_linear32", "dsv4.ops.triton_mhc")
 
 OP_NAMES = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "sparse_attn",
@@ -32,7 +32,6 @@ OP_NAMES = (
     "head_norm_rope", "norm_rope", "compress_entries", "compress_update_state",
     "indexer_queries", "encode_records", "write_records",
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre", "linear_fp32",
-    "grouped_dequant_linear",
 )
 
 # Written in the second session, when no GPU time was left (docs/PERFORMANCE.md).
@@ -41,7 +40,7 @@ OP_NAMES = (
 # moe_route, swiglu_act, moe_combine, hc_post_pre) passed its GPU checks on the H200
 # (bench/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32 (2026-11-30).
 # A new kernel goes here until its GPU checks run.
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"grouped_dequant_linear"})
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...))).
 _COMPOSED_TWINS = frozenset({"hc_post_pre"})

@@ -446,10 +446,12 @@ class Fp8GemmConfig:
 _FUSE_QUANT_MAX_M = 16
 # Beyond this many rows the prefill plan (no K split).
 _DECODE_MAX_M = 512
-# Up to this many rows (at most GEMV_LIMIT) pick_fp8_config plans the CUDA-core GEMV kernel;
-# 0 (off) until it is timed against the MMA kernel on the H200 (bench/fp8_decode_sweep.py).
-# DSV4_FP8_GEMV_MAX_M overrides it (benchmarks, end-to-end trials).
-GEMV_MAX_M = int(os.environ.get("DSV4_FP8_GEMV_MAX_M", "0"))
+# Up to this many rows (at most GEMV_LIMIT) pick_fp8_config plans the CUDA-core GEMV kernel.
+# H200 (bench/fp8_decode_sweep.py --quick, docs/PERFORMANCE.md seventh session), the five
+# V4-Flash projections of a layer: 1 row 55.0 -> 46.2 µs (wq_a+wkv 8.0 -> 5.3), 2 rows 55.1 ->
+# 50.4, 4 rows 55.5 -> 83.8 (slower: the MMA kernel from 3 rows).
+# DSV4_FP8_GEMV_MAX_M overrides it (0: off).
+GEMV_MAX_M = int(os.environ.get("DSV4_FP8_GEMV_MAX_M", "2"))
 # Rows the GEMV kernel holds (its accumulators are unrolled per row: MP = 1, 2 or 4).
 GEMV_LIMIT = 4
 # 2-4 rows: quantize the rows' activation step together and split the rows off in registers
@@ -491,8 +493,7 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
     * 64 < M <= 512: 64×128 tiles (64×64 for N <= 2048), split over K while there are fewer
       than ~2 programs per SM and each split keeps >= 16 K blocks.
     * Prefill (M > 512): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
-    * 0 < M <= GEMV_MAX_M (off by default): the CUDA-core GEMV plan of
-      :func:`pick_fp8_gemv_config` (1-4 rows).
+    * 0 < M <= GEMV_MAX_M (2): the CUDA-core GEMV plan of :func:`pick_fp8_gemv_config`.
     """
     if 0 < M <= min(GEMV_MAX_M, GEMV_LIMIT):
         return pick_fp8_gemv_config(M, N, K, block, device)

@@ -249,11 +249,31 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
 
 
 def pick_bf16w_config(M: int, N: int, K: int, device: torch.device) -> Linear32Config:
-    """Plan for a bf16 weight between the decode rows and the prefill plan (bf16 MMAs on
-    64-row tiles, split over K until ~2 programs per SM); a first guess, not yet swept."""
+    """Plan for a bf16 weight below the prefill rows, from the H200 sweep (bench/kernels.py
+    --only linear_bf16w --sweep, docs/PERFORMANCE.md seventh session; the four V4-Flash widths
+    N 256..2048, K 4096):
+
+    * 1-2 rows: broadcast products on 32-row N tiles, 256-wide K chunks, split until ~2
+      programs per SM (1 row: 4.6-10.0 µs against 6.8-13.8 for x.float() + cuBLAS on the
+      fp32 weight);
+    * 3-16 rows: the bf16 dot on 16×32 tiles, 64-wide K chunks, split until ~4 programs per SM
+      (16 rows: 4.2-8.7 µs; the broadcast path took 7-22 µs at 4 rows);
+    * more rows: 64×64 tiles, split until ~2 programs per SM (64 rows: 12.5-16.2 µs against
+      15.8-43.1)."""
+    sms = sm_count(device)
+    bn = 32 if N >= 32 else max(16, triton.next_power_of_2(N))
+    if M <= 2:
+        tiles = triton.cdiv(N, bn)
+        split = max(1, min(16, triton.cdiv(K, 256), triton.cdiv(2 * sms, tiles)))
+        return Linear32Config(BM=triton.next_power_of_2(M), BN=bn, BK=256, split_k=split,
+                              num_warps=4, num_stages=2)
+    if M <= MAX_KERNEL_ROWS:
+        tiles = triton.cdiv(M, 16) * triton.cdiv(N, bn)
+        split = max(1, min(16, triton.cdiv(K, 64), triton.cdiv(4 * sms, tiles)))
+        return Linear32Config(BM=16, BN=bn, BK=64, split_k=split, num_warps=4, num_stages=3)
     bn = 64 if N >= 64 else max(16, triton.next_power_of_2(N))
     tiles = triton.cdiv(M, 64) * triton.cdiv(N, bn)
-    split = max(1, min(MAX_SPLITS, triton.cdiv(K, 64), triton.cdiv(2 * sm_count(device), tiles)))
+    split = max(1, min(MAX_SPLITS, triton.cdiv(K, 64), triton.cdiv(2 * sms, tiles)))
     return Linear32Config(BM=64, BN=bn, BK=64, split_k=split, num_warps=4, num_stages=3)
 
 
@@ -270,8 +290,6 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch_dense.check_linear_fp32_args(x, w)
     M = x.shape[0]
     if w.dtype == torch.bfloat16:
-        if M <= MAX_KERNEL_ROWS:
-            return linear_fp32_with_config(x, w, None)
         if M < PREFILL_MIN_ROWS:
             return linear_fp32_with_config(x, w, pick_bf16w_config(M, w.shape[0], x.shape[1],
                                                                    x.device))

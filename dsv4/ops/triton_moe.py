@@ -42,11 +42,6 @@ one packed bf16 multiply by the group's 2^(s-1) when every scale byte of the sta
 (``SCALE_LE_128``: checked once per scale tensor, :func:`_fold_ok`; real checkpoints' scales
 are far below 2^1), else two (2^63, then 2^(s-64)); every step is exact.  The interpreter and
 fp32 compute take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
-
-Operand order (:data:`MOE_SWAP`, the kernels' SWAP): by default the activation is the MMA's
-first operand (mma.sync at 16-row blocks, wgmma with the decoded weights staged in shared memory
-at 128-row blocks); SWAP computes accᵀ = W · Aᵀ (wgmma at every plan, the decoded weights from
-registers), an alternative kept for timing: off until measured faster.
 """
 
 from __future__ import annotations
@@ -263,17 +258,11 @@ def _load_prepped_tile(a_ptr, rm, m_mask, k0, stride_am, FMT: tl.constexpr, BK: 
 
 
 @triton.jit
-def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr, SWAP: tl.constexpr):
-    """acc += A · Wᵀ for one K step (fp4: even and odd planes separately); SWAP: accᵀ [BN, BM]
-    += W · Aᵀ instead, the decoded weights as the MMA's first operand (:data:`MOE_SWAP`)."""
-    if SWAP:
-        acc += mma(w_ev, tl.trans(a_ev), "ieee")
-        if FMT == 1:
-            acc += mma(w_od, tl.trans(a_od), "ieee")
-    else:
-        acc += mma(a_ev, tl.trans(w_ev), "ieee")
-        if FMT == 1:
-            acc += mma(a_od, tl.trans(w_od), "ieee")
+def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
+    """acc += A · Wᵀ for one K step (fp4: even and odd planes separately)."""
+    acc += mma(a_ev, tl.trans(w_ev), "ieee")
+    if FMT == 1:
+        acc += mma(a_od, tl.trans(w_od), "ieee")
     return acc
 
 
@@ -442,8 +431,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
-                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SWAP: tl.constexpr = False):
+                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
@@ -459,26 +447,19 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         OUT: tl.constexpr = xs_ptr.dtype.element_ty
-        if SWAP:
-            acc1 = tl.zeros((BN, BM), dtype=tl.float32)
-            acc3 = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-            acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         k_lo, k_hi = _split_k_range(K, BK, SPLIT)
         for k0 in range(k_lo, k_hi, BK):
             x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
             g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
-            acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT, SWAP)
+            acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
             u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
-            acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT, SWAP)
-        if SWAP:
-            acc1 = tl.trans(acc1)
-            acc3 = tl.trans(acc3)
+            acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         if SPLIT:
             tile = blk * tl.num_programs(1) + pid_n
             offs = rm.to(tl.int64)[:, None] * stride_part_m + rn[None, :]
@@ -503,8 +484,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SWAP: tl.constexpr = False):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
@@ -516,19 +496,14 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         OUT: tl.constexpr = act_ptr.dtype.element_ty
-        if SWAP:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
         k_lo, k_hi = _split_k_range(K, BK, SPLIT)
         for k0 in range(k_lo, k_hi, BK):
             a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
             w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
-            acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT, SWAP)
-        if SWAP:
-            acc = tl.trans(acc)
+            acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
@@ -594,14 +569,6 @@ if FP4_DECODE not in ("asm", "alu"):
 # is <= FOLD_MAX_SCALE_BYTE (bit-identical results; DSV4_FP4_FOLD=0 keeps two multiplies, for
 # the benchmarks and the equality test).
 FP4_FOLD = os.environ.get("DSV4_FP4_FOLD", "1") != "0"
-# Operand order of the MXFP4 expert GEMMs (kernels' SWAP): False, acc [BM, BN] += A · Wᵀ (the
-# decoded weights are mma.sync's B operand); True, accᵀ [BN, BM] += W · Aᵀ (weights as the
-# first operand, which makes Triton emit wgmma on sm_90: weights from registers, activation
-# from shared memory).  Offline sm_90 SASS (bench/moe_sass_count.py) has the swapped K step
-# longer (down 524 -> 641 instructions at the decode plan: the decoded bytes are regathered
-# into wgmma's kWidth-2 register layout); not measured on the GPU.  DSV4_MOE_SWAP=1 for the
-# benchmarks (bench/moe_decode.py --swap).
-MOE_SWAP = os.environ.get("DSV4_MOE_SWAP", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -924,7 +891,6 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     fast = _fast_fp4(experts, x.dtype)
     # Only CUDA launches run the inline PTX (elsewhere: the interpreter, or the sm_90 recorder).
     fold = fast and FP4_FOLD and x.is_cuda and _fold_ok(experts)
-    swap = MOE_SWAP and fmt == _FMT_CODE["fp4"]
     stages_up, stages_down = cfg.stages, cfg.stages
     if experts.fmt == "dense":
         size = experts.w1.element_size()
@@ -951,7 +917,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
         SCALE_LE_128=fold, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
-        SWAP=swap, num_warps=cfg.warps_up, num_stages=stages_up)
+        num_warps=cfg.warps_up, num_stages=stages_up)
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
@@ -967,7 +933,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold, SPLIT=split_down > 1,
-        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, SWAP=swap, num_warps=cfg.warps_down,
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
         num_stages=stages_down)
     del part_down
     BD = min(1024, triton.next_power_of_2(D))

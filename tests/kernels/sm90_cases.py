@@ -586,18 +586,6 @@ def _moe_fold() -> None:
         _moe(V4_FLASH, "fp4", "prefill")
 
 
-@scenario("moe_experts/v4_flash/fp4_swap")
-def _moe_swap() -> None:
-    """The swapped operand order of the MXFP4 expert kernels (SWAP, tm.MOE_SWAP: wgmma with the
-    decoded weights as the register operand) at the decode and prefill plans, both decodes."""
-    from dsv4.ops import triton_moe as tm
-    for fold in (False, True):
-        with RECORDER.override(tm._moe_up_kernel, SWAP=True, SCALE_LE_128=fold), \
-                RECORDER.override(tm._moe_down_kernel, SWAP=True, SCALE_LE_128=fold):
-            _moe(V4_FLASH, "fp4", "decode")
-            _moe(V4_FLASH, "fp4", "prefill")
-
-
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch
@@ -954,29 +942,6 @@ def _topk() -> None:
     for T, L, k in [(1, 2048, 512), (2048, 2048, 512), (16, 16384, 512), (256, 16384, 512),
                     (128, 16384, 512), (4, 65536, 1024), (1, 300, 1024)]:
         topk_indices(_empty(T, L, dtype=torch.float32), torch.zeros(T, dtype=torch.int64), k)
-
-
-def _grouped(m: ModelDims, scale_fp32: bool) -> None:
-    """attn.wo_a kept FP8 (dsv4.ops.triton_grouped): the picked plans at decode and prefill
-    token counts below the dequantize + bmm threshold, and the in-register e8m0 scaling."""
-    import torch
-
-    from dsv4.ops import triton_grouped as tg
-    G, N, K = m.o_groups, m.o_lora, m.heads * m.head_dim // m.o_groups
-    w = _empty(G * N, K, dtype=torch.float8_e4m3fn)
-    s = _empty(G * N // m.block, K // m.block,
-               dtype=torch.float32 if scale_fp32 else torch.float8_e8m0fnu)
-    for T in DECODE_T + (128, 256, PREFILL_T):
-        tg.grouped_dequant_linear(_empty(T, G, K, dtype=torch.bfloat16), w, s, m.block, G)
-    if not scale_fp32 and m.block == 128:
-        plan = tg.GroupedPlan(BM=16, BN=128, BK=128, split_k=8, num_warps=8, scale_after=False)
-        tg.grouped_dequant_linear_with_plan(_empty(1, G, K, dtype=torch.bfloat16), w, s,
-                                            m.block, G, plan)
-
-
-for _m in MODELS:
-    scenario(f"grouped_wo_a/{_m.name}")(lambda m=_m: _grouped(m, False))
-scenario("grouped_wo_a/v4_flash/fp32_scales")(lambda: _grouped(V4_FLASH, True))
 
 
 def _fp8_gemv(m: ModelDims, Ms: tuple[int, ...], alternates: bool = False) -> None:

@@ -11,7 +11,6 @@ The Triton interpreter cannot run inline assembly, so this is the CPU check of t
 
 from __future__ import annotations
 
-import os
 import random
 import struct
 
@@ -152,65 +151,3 @@ def test_fold_check_per_tensor_and_version() -> None:
     with torch.inference_mode():                     # no version counter: cached for good
         ex3 = _stacks(7)
     assert tm._fold_ok(ex3) and tm._scale_max(ex3.s1) == 120
-
-
-# ------------------------------------------------------------------ the SWAP operand order
-# (tri.MOE_SWAP: accᵀ += W · Aᵀ, the decoded weights as the MMA's first operand).  Its
-# ``test_interp_*`` tests run in a child process with TRITON_INTERPRET=1
-# (:func:`test_swap_kernels_in_interpreter`).
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-interp_only = pytest.mark.skipif(
-    not INTERP, reason="interpreter test: run by test_swap_kernels_in_interpreter")
-
-
-def _tiny_fp4(E: int, D: int, inter: int, gen: torch.Generator, act_block) -> object:
-    from dsv4.ops.torch_dense import ExpertWeights
-
-    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
-        s = torch.randint(118, 124, (E, n, k // 32), generator=gen)
-        return w.view(torch.int8), s.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
-    return ExpertWeights(w1, w3, w2, act_block, "fp4", s1, s3, s2)
-
-
-@interp_only
-@pytest.mark.parametrize("act_block", [None, 32])
-@pytest.mark.parametrize("plan", ["decode", "split", "prefill"])
-def test_interp_swap_matches_twin_and_old_order(act_block, plan: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The swapped kernels (SWAP=True) against the torch twin and the old operand order, at
-    tiny widths (D 64, I 64, 8 experts, top-2): 16-row blocks, split-K 2/2, 32-row blocks
-    with ragged rows; fp32 and bf16 compute; padding rows and skipped ids included."""
-    from dsv4.ops import torch_dense as ref
-    from dsv4.ops import triton_moe as tri
-    E, D, inter, k, T = 8, 64, 64, 2, 5
-    gen = torch.Generator().manual_seed(7)
-    ex = _tiny_fp4(E, D, inter, gen, act_block)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    ids[1, 1] = -1
-    w = torch.rand(T, k, generator=gen) + 0.1
-    cfg = {"decode": tri.MoeConfig(16, 32, 32, BK=32),
-           "split": tri.MoeConfig(16, 32, 32, BK=32, split_up=2, split_down=2),
-           "prefill": tri.MoeConfig(32, 64, 64, BK=32, warps_up=8, warps_down=8)}[plan]
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        x = torch.randn(T, D, generator=gen).to(dtype)
-        want = ref.moe_experts(x, ids, w, ex, 10.0)
-        monkeypatch.setattr(tri, "MOE_SWAP", False)
-        old = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-        monkeypatch.setattr(tri, "MOE_SWAP", True)
-        new = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-        assert bool(torch.isfinite(new).all())
-        err = float((new - want).norm() / want.norm())
-        assert err < tol, (dtype, err)
-        # The same products in another MMA operand order: fp32 rounding apart at most.
-        assert float((new - old).norm() / old.norm()) < tol, dtype
-
-
-def test_swap_kernels_in_interpreter() -> None:
-    """Runs this file's ``test_interp_*`` tests under the Triton interpreter (child process)."""
-    if INTERP:
-        pytest.skip("TRITON_INTERPRET is set: the interp tests run directly")
-    from tests.kernels.interp_child import run_in_interpreter
-    run_in_interpreter(__file__, keyword="interp_", min_passed=6)

@@ -87,8 +87,8 @@ def test_gemv_plan_small_k_and_block_32() -> None:
 
 
 def test_gemv_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMV_MAX_M = 0 (the default until timed on the H200) keeps the MMA plans; set, it
-    serves 1..min(GEMV_MAX_M, 4) rows and nothing above."""
+    """GEMV_MAX_M = 0 keeps the MMA plans; set (2 by default, from the H200 timings), it serves
+    1..min(GEMV_MAX_M, 4) rows and nothing above."""
     from dsv4.ops import triton_dense as td
     cpu = torch.device("cpu")
     monkeypatch.setattr(td, "GEMV_MAX_M", 0)
@@ -267,7 +267,7 @@ def test_gpu_gemv_v4_flash_shapes(name: str, N: int, K: int, M: int) -> None:
     y = tri.fp8_linear_with_config(x, w8, ws, 128, torch.bfloat16, plan)
     mma = tri.Fp8GemmConfig(**{**tri.pick_fp8_config(M, N, K, 128, x.device).__dict__,
                                "gemv": False})
-    if mma.BM < 16:                     # GEMV_MAX_M set in the environment: the MMA plan of M
+    if mma.BM < 16:                     # a GEMV_MAX_M plan: the MMA plan of M
         mma = tri.Fp8GemmConfig(BM=16, BN=128, split_k=4, num_warps=8)
     y_mma = tri.fp8_linear_with_config(x, w8, ws, 128, torch.float32, mma)
     assert y.shape == (M, N) and y.dtype == torch.bfloat16

@@ -368,9 +368,12 @@ def test_linear_fp32_gpu(T: int, N: int, K: int, w_dtype: torch.dtype) -> None:
         y2 = tl32.linear_fp32(x, w)
         assert y1.shape == (T, N) and y1.dtype == torch.float32
         assert _finite(y1) and torch.equal(y1, y2), dtype
-        # TF32 inputs would be off by ~1e-4 relative; fp32 FMA sums stay near 1e-7.
-        assert _rel(y1, exact) < 2e-6, (dtype, _rel(y1, exact))
-        assert _rel(y1, ref.linear_fp32(x, w)) < 2e-6, dtype
+        # TF32 inputs would be off by ~1e-4 relative; fp32 FMA sums stay near 1e-7.  The bf16
+        # MMA paths of a bf16 w (from 3 rows) have exact products but the tensor core's fp32
+        # accumulation (measured 3e-6..1.4e-5 at 300 / 8,192 rows, as the bf16x3 prefill path).
+        tol = 5e-5 if w_dtype == torch.bfloat16 and T > 2 else 2e-6
+        assert _rel(y1, exact) < tol, (dtype, _rel(y1, exact))
+        assert _rel(y1, ref.linear_fp32(x, w)) < tol, dtype
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y_g = tl32.linear_fp32(x, w)
