@@ -17,7 +17,7 @@ source bench/gpu_stages.sh   # OUT, LOGS, stage
 ) &
 export CUDA_VISIBLE_DEVICES=0
 stage t_kernels 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
-    -k linear_fp32 tests/kernels/test_fp8_gemv.py
+    tests/kernels/test_fp8_gemv.py -k "linear_fp32 or gemv"
 stage t_side 80 python -m pytest -q -p no:cacheprovider tests/model/test_side_stream_gpu.py
 stage t_graphs 100 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs_gpu.py
 wait
