@@ -408,7 +408,7 @@ class Attention(nn.Module):
             # V4: the compressed branch (compressor, indexer, picked rows) reads only x, qr and
             # its own pools; on the GPU it runs on a side stream next to wq_b and the window
             # write (dsv4.ops.streams), joined before the attention reads its output.
-            with side_lane(x.device):
+            with side_lane(x.device, T):
                 kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, x.dtype)
         # V4: per-head unweighted renorm (in q's dtype); V4.1 has none.  Then RoPE of each head's
         # tail.  One fused op, in place on wq_b's fresh output.

@@ -303,7 +303,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             # Independent of the routing: on the GPU a second stream runs it next to the gate
             # and the routed experts (dsv4.ops.streams; joined below before any use).
-            with side_lane(x.device):
+            with side_lane(x.device, x.shape[0]):
                 shared = self.shared_experts(x)
         weights, ids = self.gate(x, input_ids, image_mask)
         if self.experts.expert_offset:

@@ -37,3 +37,11 @@ def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not streams.side_stream_enabled()
     monkeypatch.setenv("DSV4_SIDE_STREAM", "1")
     assert streams.side_stream_enabled()
+
+
+def test_long_steps_run_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above SIDE_LANE_MAX_TOKENS the body runs on the current stream (prefill kernels fill the
+    GPU alone), whatever the device."""
+    dev = torch.device("cuda", 0)   # never touched: the token check comes first
+    with streams.side_lane(dev, streams.SIDE_LANE_MAX_TOKENS + 1) as lane:
+        assert lane is None and streams.current_lane() == 0
