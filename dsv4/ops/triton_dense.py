@@ -715,15 +715,22 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
 
 # ------------------------------------------------------------------------- exact fp32 x bf16
 @triton.jit
-def _dot_bf16x3(acc, a, f):
-    """acc += a @ f for a bf16 tile ``a`` and an fp32 tile ``f``: f is split into three bf16
-    parts whose sum is f exactly (each remainder is exact in fp32 and has <= 16, then <= 8
-    significant bits; the interpreter's truncating cast splits exactly too), so each product is
-    exact and only the fp32 sums round."""
+def split_bf16x3(f):
+    """An fp32 tile ``f`` as three bf16 tiles whose sum is f exactly (each remainder is exact in
+    fp32 and has <= 16, then <= 8 significant bits; the interpreter's truncating cast splits
+    exactly too): bf16 MMAs against the parts give exact products."""
     f1 = f.to(tl.bfloat16)
     r = f - f1.to(tl.float32)
     f2 = r.to(tl.bfloat16)
     f3 = (r - f2.to(tl.float32)).to(tl.bfloat16)
+    return f1, f2, f3
+
+
+@triton.jit
+def _dot_bf16x3(acc, a, f):
+    """acc += a @ f for a bf16 tile ``a`` and an fp32 tile ``f`` split by :func:`split_bf16x3`:
+    each product is exact and only the fp32 sums round."""
+    f1, f2, f3 = split_bf16x3(f)
     acc += mma(a, f3, "ieee")
     acc += mma(a, f2, "ieee")
     acc += mma(a, f1, "ieee")

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.triton_dense import (_dot_bf16x3, mma, sm_count, splitk_reduce,
+from dsv4.ops.triton_dense import (_dot_bf16x3, mma, sm_count, split_bf16x3, splitk_reduce,
                                    splitk_workspace, torch_twin_off_gpu)
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
@@ -50,12 +50,9 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _dot_split_a(acc, a, b):
-    """acc += a @ b for an fp32 tile ``a`` and a bf16 tile ``b``: a is split into three bf16
-    parts summing to it exactly, so each bf16 product is exact and only fp32 sums round."""
-    a1 = a.to(tl.bfloat16)
-    r = a - a1.to(tl.float32)
-    a2 = r.to(tl.bfloat16)
-    a3 = (r - a2.to(tl.float32)).to(tl.bfloat16)
+    """acc += a @ b for an fp32 tile ``a`` split by ``split_bf16x3`` and a bf16 tile ``b``:
+    each bf16 product is exact and only fp32 sums round."""
+    a1, a2, a3 = split_bf16x3(a)
     acc += mma(a3, b, "ieee")
     acc += mma(a2, b, "ieee")
     acc += mma(a1, b, "ieee")
