@@ -523,32 +523,39 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
                          num_stages=3 if block >= 128 else 6)
 
 
-# GEMV plans: programs per SM the K split aims at (each streams a [BN, BK] slab per step), and
-# the most splits (each split costs an fp32 partial per output and a share of the reduction).
-_GEMV_PROGRAMS_PER_SM = 3
+# GEMV plans: the most K splits (each split costs an fp32 partial per output and a share of the
+# reduction).
 _GEMV_MAX_SPLIT = 16
 
 
 def pick_fp8_gemv_config(M: int, N: int, K: int, block: int, device: torch.device
                          ) -> Fp8GemmConfig:
-    """GEMV plan for 1-4 rows (a first rule, to be tuned by ``bench/fp8_decode_sweep.py``):
-    K steps of 512 columns (one warp's lanes × 16 bytes; the block when it is wider, the K
-    extent when it is narrower), 8 weight rows per thread (BN = 8 × warps: 64 rows and 8 warps
-    when that still gives ~3 programs per SM after the K split, else 32 and 4 warps; at most
-    the block), and the fewest power-of-two K splits (<= 16, <= the K steps) that reach ~3
-    programs per SM.  V4-Flash at 1 row on the H200: wq_a+wkv 48 tiles × 8 splits, wq_b 512 ×
-    1, wo_b 64 × 8, shared w1+w3 64 × 8, w2 128 × 4."""
-    bk = max(block, min(512, triton.next_power_of_2(max(K, 16))))
+    """GEMV plan for 1-4 rows, from the H200 sweep (``bench/fp8_decode_sweep.py --gemv --sweep
+    --rows 1,2``, docs/PERFORMANCE.md seventh session; the five V4-Flash projections):
+
+    * 1 row: K steps of 512 columns, 16-row N tiles on 2 warps (32 rows on 4 warps when N is
+      above 8192: wq_b), the most power-of-two K splits that keep ~8 programs per SM (wq_a+wkv
+      96 tiles × 8, wq_b 1024 × 1, wo_b and w1+w3 256 × 4): the five 46.1 -> 40.5 µs;
+    * 2-4 rows: K steps of 256 columns, 64-row tiles on 4 warps, ~4 programs per SM (wq_a+wkv
+      24 × 16, wq_b 512 × 1, wo_b / w1+w3 / w2 64 × 8): 2 rows 51.1 -> 44.5 µs.
+
+    K steps are at least the block (one weight scale per step and row) and at most the K extent;
+    N tiles at most the block (one scale row per tile); splits within the K steps (<= 16)."""
+    sms = sm_count(device)
+    if M <= 1:
+        bk_pref, programs = 512, 8 * sms
+        bn, warps = (16, 2) if N <= 8192 else (32, 4)
+    else:
+        bk_pref, programs = 256, 4 * sms
+        bn, warps = 64, 4
+    bk = max(block, min(bk_pref, triton.next_power_of_2(max(K, 16))))
+    bn = min(bn, block)
+    warps = max(1, min(warps, bn // 8))
     steps = triton.cdiv(K, bk)
-    want = _GEMV_PROGRAMS_PER_SM * sm_count(device)
-    max_split = max(1, min(_GEMV_MAX_SPLIT, steps))
-    bn = min(64, block)
-    if bn == 64 and triton.cdiv(N, 64) * max_split < want:
-        bn = 32
     tiles = triton.cdiv(N, bn)
-    split = min(max_split, _pow2_at_least(want / tiles))
-    return Fp8GemmConfig(BM=triton.next_power_of_2(M), BN=bn, split_k=split,
-                         num_warps=max(1, min(8, bn // 8)), num_stages=1, gemv=True, BK=bk)
+    split = max(1, min(_GEMV_MAX_SPLIT, steps, _pow2_at_most(programs / tiles)))
+    return Fp8GemmConfig(BM=triton.next_power_of_2(M), BN=bn, split_k=split, num_warps=warps,
+                         num_stages=1, gemv=True, BK=bk)
 
 
 def _check_gemv_plan(cfg: Fp8GemmConfig, M: int, block: int) -> None:

@@ -58,8 +58,9 @@ def _fp8_weight(n: int, k: int, block: int, scale_dtype: torch.dtype, gen: torch
 
 # ------------------------------------------------------------------------------ plain CPU
 def test_gemv_plans_for_v4_flash() -> None:
-    """The first plan rule at the five V4-Flash shapes on 132 SMs: BN divides the block, K
-    steps of 512 columns, ~3+ programs per SM, splits within the K steps."""
+    """The swept plan rule at the five V4-Flash shapes on 132 SMs, one row: BN divides the
+    block, K steps of 512 columns, ~8 programs per SM, splits within the K steps; two rows:
+    64-row tiles, K steps of 256."""
     from dsv4.ops import triton_dense as td
     orig = td.sm_count
     td.sm_count = lambda device: 132
@@ -68,13 +69,22 @@ def test_gemv_plans_for_v4_flash() -> None:
                for name, N, K in V4_FLASH_SHAPES}
     finally:
         td.sm_count = orig
-    want = {"wq_a+wkv": (32, 8, 4), "wq_b": (64, 1, 8), "wo_b": (64, 8, 8),
-            "shared_w1+w3": (64, 8, 8), "shared_w2": (32, 4, 4)}
+    want = {"wq_a+wkv": (16, 8, 2), "wq_b": (32, 1, 4), "wo_b": (16, 4, 2),
+            "shared_w1+w3": (16, 4, 2), "shared_w2": (16, 4, 2)}
     for name, N, K in V4_FLASH_SHAPES:
         cfg = got[name]
         assert cfg.gemv and cfg.BK == 512 and 128 % cfg.BN == 0, cfg
         assert (cfg.BN, cfg.split_k, cfg.num_warps) == want[name], (name, cfg)
-        assert -(-N // cfg.BN) * cfg.split_k >= 2.9 * 132 and cfg.split_k <= K // cfg.BK
+        assert -(-N // cfg.BN) * cfg.split_k >= 5.8 * 132 and cfg.split_k <= K // cfg.BK
+    td.sm_count = lambda device: 132
+    try:
+        two = {name: td.pick_fp8_gemv_config(2, N, K, 128, torch.device("cpu"))
+               for name, N, K in V4_FLASH_SHAPES}
+    finally:
+        td.sm_count = orig
+    assert {n: (c.BN, c.BK, c.split_k, c.num_warps) for n, c in two.items()} == {
+        "wq_a+wkv": (64, 256, 16, 4), "wq_b": (64, 256, 1, 4), "wo_b": (64, 256, 8, 4),
+        "shared_w1+w3": (64, 256, 8, 4), "shared_w2": (64, 256, 8, 4)}
 
 
 def test_gemv_plan_small_k_and_block_32() -> None:
@@ -83,7 +93,7 @@ def test_gemv_plan_small_k_and_block_32() -> None:
     one = td.pick_fp8_gemv_config(1, 64, 128, 128, cpu)           # one K block
     assert one.BK == 128 and one.split_k == 1 and one.BN <= 64
     v41 = td.pick_fp8_gemv_config(4, 1024, 5120, 32, cpu)         # V4.1: 32-blocks
-    assert v41.BN == 32 and v41.BK == 512 and v41.split_k <= 10
+    assert v41.BN == 32 and v41.BK == 256 and v41.split_k <= 16
 
 
 def test_gemv_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
