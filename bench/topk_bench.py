@@ -99,6 +99,15 @@ def measure(T: int, L: int, k: int, n_vis: int | None, device: str, plans: bool)
                 row[f"w{warps}_c{int(compact)}_us"] = timer(
                     lambda s, n, kk, w=warps, c=compact:
                     tk.topk_indices_with_block(s, n, kk, None, None, w, c))
+        # Rows held in registers, cut into 2 or 4 chunks instead (two launches: each chunk
+        # keeps its top-k, a merge selects among them).
+        top = triton.next_power_of_2(L)
+        for blk in (top // 2, top // 4):
+            if blk >= max(64, k) and blk < L:
+                for warps in (4, 8):
+                    row[f"split_b{blk}_w{warps}_us"] = timer(
+                        lambda s, n, kk, b=blk, w=warps: tk.topk_indices_with_block(
+                            s, n, kk, b, True, w, None))
         radix = tk._RADIX
         try:
             tk._RADIX = 8          # the 256-bin digits, for comparison
