@@ -24,6 +24,7 @@ from dsv4.config import ModelConfig
 if TYPE_CHECKING:
     from dsv4.model.layers import RMSNorm
 
+
 class _FlatOfficialNames:
     """The triple of a module registered as ``<owner>.hc_attn`` is officially named
     ``<owner>.hc_attn_fn`` / ``_base`` / ``_scale``."""
