@@ -57,31 +57,21 @@ def _fp8_weight(n: int, k: int, block: int, scale_dtype: torch.dtype, gen: torch
 
 
 # ------------------------------------------------------------------------------ plain CPU
-def test_gemv_plans_for_v4_flash() -> None:
+def test_gemv_plans_for_v4_flash(monkeypatch: pytest.MonkeyPatch) -> None:
     """The swept plan rule at the five V4-Flash shapes on 132 SMs, one row: BN divides the
     block, K steps of 512 columns, ~8 programs per SM, splits within the K steps; two rows:
     64-row tiles, K steps of 256."""
     from dsv4.ops import triton_dense as td
-    orig = td.sm_count
-    td.sm_count = lambda device: 132
-    try:
-        got = {name: td.pick_fp8_gemv_config(1, N, K, 128, torch.device("cpu"))
-               for name, N, K in V4_FLASH_SHAPES}
-    finally:
-        td.sm_count = orig
+    monkeypatch.setattr(td, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
     want = {"wq_a+wkv": (16, 8, 2), "wq_b": (32, 1, 4), "wo_b": (16, 4, 2),
             "shared_w1+w3": (16, 4, 2), "shared_w2": (16, 4, 2)}
     for name, N, K in V4_FLASH_SHAPES:
-        cfg = got[name]
+        cfg = td.pick_fp8_gemv_config(1, N, K, 128, cpu)
         assert cfg.gemv and cfg.BK == 512 and 128 % cfg.BN == 0, cfg
         assert (cfg.BN, cfg.split_k, cfg.num_warps) == want[name], (name, cfg)
         assert -(-N // cfg.BN) * cfg.split_k >= 5.8 * 132 and cfg.split_k <= K // cfg.BK
-    td.sm_count = lambda device: 132
-    try:
-        two = {name: td.pick_fp8_gemv_config(2, N, K, 128, torch.device("cpu"))
-               for name, N, K in V4_FLASH_SHAPES}
-    finally:
-        td.sm_count = orig
+    two = {name: td.pick_fp8_gemv_config(2, N, K, 128, cpu) for name, N, K in V4_FLASH_SHAPES}
     assert {n: (c.BN, c.BK, c.split_k, c.num_warps) for n, c in two.items()} == {
         "wq_a+wkv": (64, 256, 16, 4), "wq_b": (64, 256, 1, 4), "wo_b": (64, 256, 8, 4),
         "shared_w1+w3": (64, 256, 8, 4), "shared_w2": (64, 256, 8, 4)}
