@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from tests.kernels.gpu_helpers import poison_allocator as _poison
 from tests.kernels.interp_child import run_in_interpreter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -228,14 +229,6 @@ def test_interp_gemv_zero_and_tiny_rows() -> None:
 
 
 # ------------------------------------------------------------------------------ GPU
-def _poison() -> None:
-    """Fill the caching allocator's free blocks with NaN so unwritten outputs are caught."""
-    torch.cuda.synchronize()
-    for mb in (1, 8, 64, 512):
-        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device="cuda")
-        del t
-    torch.cuda.synchronize()
-
 
 @pytest.fixture
 def _no_tf32():

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from tests.kernels.gpu_helpers import poison_allocator as _poison
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
@@ -21,14 +23,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
-
-def _poison() -> None:
-    """Fill the caching allocator's free blocks with NaN so unwritten outputs are caught."""
-    torch.cuda.synchronize()
-    for mb in (1, 8, 64, 512):
-        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device=DEV)
-        del t
-    torch.cuda.synchronize()
 
 
 def _finite(t: torch.Tensor) -> bool:

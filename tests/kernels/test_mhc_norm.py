@@ -18,6 +18,7 @@ import torch
 
 from dsv4.ops import torch_attn
 from dsv4.ops import torch_dense as ref
+from tests.kernels.gpu_helpers import poison_allocator as _poison
 
 EPS = (1e-6, 1e-6)
 N, D_FLASH = 4, 4096
@@ -131,14 +132,6 @@ _gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
 
-
-def _poison() -> None:
-    """Fill the caching allocator's free blocks with NaN so unwritten outputs are caught."""
-    torch.cuda.synchronize()
-    for mb in (1, 8, 64, 512):
-        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device="cuda")
-        del t
-    torch.cuda.synchronize()
 
 
 def _finite(*ts: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsv4.ops import get_ops, torch_attn
+from tests.kernels.gpu_helpers import poison_allocator as _poison
 from tests.kernels.interp_child import run_in_interpreter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -212,14 +213,6 @@ def test_interp_bench_smoke() -> None:
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERP,
                               reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
 
-
-def _poison() -> None:
-    """Fill the caching allocator's free blocks with NaN bits so unwritten outputs show."""
-    torch.cuda.synchronize()
-    for mb in (1, 8, 64, 512):
-        t = torch.full((mb << 18,), float("nan"), dtype=torch.float32, device="cuda")
-        del t
-    torch.cuda.synchronize()
 
 
 GPU_SHAPES = [(1, 2048, 512), (64, 2048, 512), (16, 16384, 512), (2048, 2048, 512),
