@@ -25,12 +25,15 @@ e.g., holds the head and the compressor weights in fp32): see docs/PERFORMANCE.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -254,10 +257,12 @@ def sync_time(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = None) -> float:
+def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = None,
+               outputs: list | None = None) -> float:
     """Median seconds of one replay of ``fn`` captured in a CUDA graph (fn already warmed);
     off the GPU (smoke runs) the median of plain calls.  ``timeline``: append the graph's
-    kernel timeline (``bench/timeline.py``) to that file."""
+    kernel timeline (``bench/timeline.py``) to that file; ``outputs``: append a copy of what
+    the last replay returned."""
     if DEV != "cuda":
         return statistics.median(sync_time(fn, 2))
     s = torch.cuda.Stream()
@@ -268,7 +273,7 @@ def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = 
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        res = fn()
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -284,8 +289,23 @@ def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = 
         with open(timeline, "a") as f:
             f.write(f"===== graph step, median {statistics.median(times) * 1e6:.1f} us\n")
             f.write(graph_timeline(g))
+    if outputs is not None:
+        outputs.append(res.clone())
     del g
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def request_pages(req: int, pages_per_req: int) -> list[int]:
@@ -335,7 +355,8 @@ def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int) -> 
 
 
 def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, steps: int,
-                 pages_per_req: int, graphs: bool, timeline: str | None = None) -> dict:
+                 pages_per_req: int, graphs: bool, timeline: str | None = None,
+                 pdl_ab: bool = False) -> dict:
     cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(B)
     tables = [request_pages(r, pages_per_req) for r in range(B)]
@@ -377,9 +398,16 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
             if timeline:
                 with open(timeline, "a") as f:
                     f.write(f"##### decode B={B}, ctx {ctx_len}\n")
-            g = graph_time(lambda: model.compute_logits(model.forward(c, cache)),
-                           timeline=timeline)
+            step = lambda: model.compute_logits(model.forward(c, cache))  # noqa: E731
+            logits: list[torch.Tensor] = []
+            if pdl_ab:
+                # The same step captured without programmatic dependent launch first.
+                with _env("DSV4_PDL", "0"):
+                    out["graph_step_s_no_pdl"] = graph_time(step, outputs=logits)
+            g = graph_time(step, timeline=timeline, outputs=logits)
             out.update({"graph_step_s": g, "ratio_graph": g / floor, "graph_tokens_per_s": B / g})
+            if pdl_ab:
+                out["pdl_same_logits"] = bool(torch.equal(logits[0], logits[1]))
         except Exception as e:  # report, keep the eager number
             out["graph_error"] = f"{type(e).__name__}: {e}"[:400]
             out["graph_traceback"] = traceback.format_exc()[-2500:]
@@ -581,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed eager decode steps")
     ap.add_argument("--reps", type=int, default=3, help="timed prefill repetitions")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time each decode graph captured with DSV4_PDL=0, compare logits")
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16"],
                     help="cache storage: the official records (the GPU default) or bf16 rows")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
@@ -688,10 +718,13 @@ def main(argv: list[str] | None = None) -> int:
             break
         try:
             r = bench_decode(model, cache, B, args.ctx, args.steps, ppr, not args.no_graphs,
-                             args.timeline)
+                             args.timeline, args.pdl_ab)
             results["decode"].append(r)
             g = (f", graph {r['graph_step_s'] * 1e3:.2f} ms (x{r['ratio_graph']:.2f})"
                  if "graph_step_s" in r else f", graph failed: {r.get('graph_error', 'off')}")
+            if "graph_step_s_no_pdl" in r:
+                g += (f" [no PDL {r['graph_step_s_no_pdl'] * 1e3:.3f} ms, same logits: "
+                      f"{r.get('pdl_same_logits')}]")
             log(f"decode B={B} ctx={args.ctx}: eager {r['eager_step_s'] * 1e3:.2f} ms/step "
                 f"(x{r['ratio_eager']:.2f}){g}; floor {r['floor_s'] * 1e3:.3f} ms")
         except Exception as e:

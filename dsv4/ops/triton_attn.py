@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.formats import PackedRows, RecordFormat
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
@@ -213,7 +214,7 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
                         SCO_A: tl.constexpr, TLO_A: tl.constexpr,
                         FMT_B: tl.constexpr, NQ_B: tl.constexpr, QB_B: tl.constexpr,
                         SCO_B: tl.constexpr, TLO_B: tl.constexpr,
-                        CHUNK_A: tl.constexpr = False, CHUNK_B: tl.constexpr = False):
+                        CHUNK_A: tl.constexpr = False, CHUNK_B: tl.constexpr = False, PDL: tl.constexpr = False):
     """One token × BH heads × BDV value columns × one slice of the index lists.
 
     ``*_A`` / ``*_B``: each source's layout for :func:`load_rows` (dense rows or records);
@@ -226,6 +227,7 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
     o_ptr (laid out [S, T, H, D]) and (m, l) into ml_ptr ([S, T, H, 2]); a combine kernel adds
     the sink and normalizes.
     """
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1) // N_DV
     dv = tl.program_id(1) % N_DV
@@ -275,8 +277,9 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
 
 @triton.jit
 def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_ot, stride_oh,
-                         SP: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+                         SP: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     rd = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -439,12 +442,12 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
         FMT_A=meta_a[0], NQ_A=meta_a[1], QB_A=meta_a[2], SCO_A=meta_a[3], TLO_A=meta_a[4],
         FMT_B=meta_b[0], NQ_B=meta_b[1], QB_B=meta_b[2], SCO_B=meta_b[3], TLO_B=meta_b[4],
         CHUNK_A=chunk_ok(meta_a, kv_a), CHUNK_B=has_b and chunk_ok(meta_b, kv_b),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
     if split > 1:
         bd_c = min(BD, 128)
         _attn_combine_kernel[(T, triton.cdiv(H, 16), triton.cdiv(d, bd_c))](
             part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1),
-            SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4)
+            SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4, **pdl_args(part))
     return o
 
 
@@ -471,9 +474,10 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
                            NH, DI, L, stride_qt, stride_qh, stride_wt, stride_k, stride_rt,
                            stride_ot, BHI: tl.constexpr, BDI: tl.constexpr, BL: tl.constexpr,
                            DOT_PREC: tl.constexpr, FMT: tl.constexpr, NQ: tl.constexpr,
-                           QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr):
+                           QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr, PDL: tl.constexpr = False):
     """scores[t, l] = Σ_h w[t,h]·ReLU(q[t,h]·keys[rows[t,l]]), −inf for l >= n_visible[t];
     the keys are dense rows or records (FMT..TAIL_OFF: :func:`load_rows`)."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rl = tl.program_id(1) * BL + tl.arange(0, BL)
     t64 = t.to(tl.int64)
@@ -543,5 +547,5 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor | Packed
         q, w, keys, key_rows, n_visible.contiguous(), out, NH, DI, L,
         q.stride(0), q.stride(1), w.stride(0), keys.stride(0), key_rows.stride(0), out.stride(0),
         BHI=BHI, BDI=BDI, BL=BL, DOT_PREC=dot_prec, FMT=meta[0], NQ=meta[1], QB=meta[2],
-        SC_OFF=meta[3], TAIL_OFF=meta[4], num_warps=4, num_stages=2)
+        SC_OFF=meta[3], TAIL_OFF=meta[4], num_warps=4, num_stages=2, **pdl_args(q))
     return out

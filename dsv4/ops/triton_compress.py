@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_compress as twin
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_to_bf16, torch_twin_off_gpu
 
 __all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles"]
@@ -51,7 +52,8 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
                              T, D, W, SKV, SSC, HALF, eps,
                              R: tl.constexpr, OVERLAP: tl.constexpr, HAS_VALID: tl.constexpr,
                              HAS_ROPE: tl.constexpr, OUT_BF16: tl.constexpr,
-                             S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                             S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     e = tl.program_id(0)
     req = tl.load(req_ptr + e)
     ent = tl.load(ent_ptr + e)
@@ -148,7 +150,8 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
 @triton.jit
 def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_ptr, slot_ptr,
                            T, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
-                           S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                           S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     cm = c < W
@@ -250,7 +253,7 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
         kv.shape[0], d, kv.shape[1], kv.stride(0), score.stride(0), half, float(norm_eps),
         R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None, HAS_ROPE=has_rope,
         OUT_BF16=out_dtype == torch.bfloat16, S_BLOCK=s_block, BLOCK_D=block_d,
-        BLOCK_H=block_h, num_warps=num_warps)
+        BLOCK_H=block_h, num_warps=num_warps, **pdl_args(kv))
     return out
 
 
@@ -275,4 +278,4 @@ def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch
         kv, score, state_kv, state_score, _index(start_pos),
         _index(cu_seqlens), _index(slots), kv.shape[0], W, kv.stride(0), score.stride(0),
         R=ratio, OVERLAP=bool(overlap),
-        S_BLOCK=s_block, BLOCK_W=block_w, num_warps=num_warps)
+        S_BLOCK=s_block, BLOCK_W=block_w, num_warps=num_warps, **pdl_args(kv))

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_index as twin
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_as, store_rne, torch_twin_off_gpu
 
 __all__ = ["indexer_queries", "index_tile", "MAX_DIM"]
@@ -75,7 +76,8 @@ def _indexer_queries_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, qo_ptr, wo_ptr, H,
                             weight_scale, had_scale,
                             D: tl.constexpr, HALF: tl.constexpr, LOG2_D: tl.constexpr,
                             HADAMARD: tl.constexpr, FP4_BLOCK: tl.constexpr,
-                            BLOCK_H: tl.constexpr):
+                            BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
@@ -148,5 +150,5 @@ def indexer_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
     _indexer_queries_kernel[(T, triton.cdiv(H, tile["BLOCK_H"]))](
         q, weights, cos, sin, q_out, w_out, H, q.stride(0), q.stride(1), q_out.stride(0),
         q_out.stride(1), weights.stride(0), cos.stride(0), float(weight_scale),
-        float(D ** -0.5), enable_fp_fusion=False, **args, **tile)
+        float(D ** -0.5), enable_fp_fusion=False, **args, **tile, **pdl_args(q))
     return q_out, w_out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import (
     _dot_bf16x3,
     round_as,
@@ -121,10 +122,11 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split,
                            NJ: tl.constexpr, NJP: tl.constexpr, BT: tl.constexpr,
-                           BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr):
+                           BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr, PDL: tl.constexpr = False):
     """Split-K partials of ``flatten(x) @ fn^T`` [T, NJ] and of Σ x² [T] (fp32).
 
     BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts."""
+    grid_dependency_sync(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rt = pid_t * BT + tl.arange(0, BT)
@@ -175,7 +177,7 @@ def _hc_sum_mat(part_ptr, t, T, NJP: tl.constexpr, offs, SPLITS, SP: tl.constexp
 def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
                         T, D, SPLITS, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr,
                         NJP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                        HEAD: tl.constexpr):
+                        HEAD: tl.constexpr, PDL: tl.constexpr = False):
     """Per token: RMS factor, sigmoid gates, Sinkhorn (in registers), collapse Σ_j pre_j·x_j.
     The general-n kernel (n = 4 runs ``_hc_collapse4_kernel``).
 
@@ -183,6 +185,7 @@ def _hc_collapse_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, pos
     Grid (T, D blocks); every D block recomputes the tiny gate math, block 0 writes post/comb.
     (At T = 8192 it moved 335 MB in 83 µs on the H200, ~4 TB/s: at its bytes floor already.)
     """
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     rs = tl.arange(0, SP)
@@ -312,7 +315,7 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
                          comb_ptr, w_ptr, T, D, SPLITS, norm_eps, hc_eps, rms_eps,
                          ITERS: tl.constexpr, NJ: tl.constexpr, NJP: tl.constexpr,
                          SP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
-                         NORM: tl.constexpr):
+                         NORM: tl.constexpr, PDL: tl.constexpr = False):
     """``_hc_collapse_kernel`` for n = 4 streams, gates and Sinkhorn in per-thread scalars.
 
     Grid (T, D blocks of BD).  NORM (one D block, BD >= D): y is rounded as its store would
@@ -320,6 +323,7 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
     does (same [1, BD] tile, warps and reduction, IEEE div / sqrt; the launch compiles without
     FMA contraction, as the norm kernel's does), so the result is the bits of
     ``rms_norm(collapse(x))``.  HEAD: the final hc_head (4 pre gates only)."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     # The streams first: their loads are in flight during the gate math.
@@ -406,7 +410,8 @@ def _launch_mixes(kernel: Any, grid: tuple[int, int], args: tuple, device: torch
     for i, prec in enumerate(precisions):
         try:
             kernel[grid](*args, **constexprs, PRECISION=prec, BF16X3=bf16x3,
-                         num_warps=plan.num_warps, num_stages=plan.num_stages)
+                         num_warps=plan.num_warps, num_stages=plan.num_stages,
+                         **pdl_args(args[0]))
             return
         except Exception:  # compile-time rejection of the precision: drop it for good
             if i + 1 == len(precisions):
@@ -490,13 +495,13 @@ def _collapse(x: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, splits: int
             x, part, sq, scale, base, y, y if head else post, y if head else comb, w, T, D,
             splits, float(norm_eps), float(hc_eps), float(rms_eps or 0.0), ITERS=int(iters),
             NJ=n if head else (2 + n) * n, NJP=njp, SP=SP, BD=BD, HEAD=head, NORM=fused,
-            num_warps=4, enable_fp_fusion=False)
+            num_warps=4, enable_fp_fusion=False, **pdl_args(x))
     else:
         BD = min(1024, triton.next_power_of_2(D))
         _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
             x, part, sq, scale, base, y, y if head else post, y if head else comb,
             T, D, splits, float(norm_eps), float(hc_eps), ITERS=int(iters), N=n, NJP=njp,
-            SP=SP, BD=BD, HEAD=head, num_warps=4)
+            SP=SP, BD=BD, HEAD=head, num_warps=4, **pdl_args(x))
     if norm_weight is not None and not fused:
         y = triton_norm.rms_norm(y, norm_weight, rms_eps)
     return y
@@ -562,8 +567,9 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 @triton.jit
 def _hc_post_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, y_ptr, D,
-                    N: tl.constexpr, BD: tl.constexpr):
+                    N: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """new[k, :] = post[k]·out + Σ_j comb[j, k]·x_res[j, :] for one token and D block (fp32)."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = rd < D
@@ -593,7 +599,7 @@ def hc_post_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor
         _hc_post_kernel[(T, triton.cdiv(D, plan.BD))](
             out.contiguous(), x_res.contiguous(), post.float().contiguous(),
             comb.float().contiguous(), y, D, N=n, BD=plan.BD, num_warps=plan.num_warps,
-            num_stages=plan.num_stages)
+            num_stages=plan.num_stages, **pdl_args(out))
     return y
 
 
@@ -626,7 +632,7 @@ def _comb_col(comb_ptr, rt, t_mask, j: tl.constexpr, k, N: tl.constexpr):
 def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, part_ptr, sq_ptr,
                         T, D, d_per_split, N: tl.constexpr, NJ: tl.constexpr,
                         NJP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                        PRECISION: tl.constexpr, BF16X3: tl.constexpr):
+                        PRECISION: tl.constexpr, BF16X3: tl.constexpr, PDL: tl.constexpr = False):
     """hc_post for BT tokens and one D range of all n (1, 2 or 4) streams, stored once, plus
     the next pre's split-K partials (Σ x_new² and x_new @ fn^T over that range) from the
     stored values.
@@ -640,6 +646,7 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
     under every tile plan.  BF16X3 (bf16 streams): the stored bf16 tile is the MMA operand, fn
     in three exact bf16 parts.
     """
+    grid_dependency_sync(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rt = pid_t * BT + tl.arange(0, BT)

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
     INTERPRET,
@@ -327,7 +328,7 @@ def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
 @triton.jit
 def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
                      GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr):
+                     BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False):
     """dst[row] = the GEMM-ready activation of RB rows (a slice of one row block) and one K
     step: source row pair // TOPK (GATHER: the token of the pair) or the row itself, FP8
     fake-quantized (QUANT, BK = block), for MXFP4 split into [even columns | odd columns].
@@ -336,6 +337,7 @@ def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_sr
     Each row's BK values are one contiguous (vectorized) load, split into the even and odd
     columns in registers (a [RB, BK/2, 2] view: each thread holds whole pairs), not two
     stride-2 loads of 2 bytes per thread."""
+    grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     blk = pid // (BM // RB)
     k0 = tl.program_id(1) * BK
@@ -401,7 +403,7 @@ def moe_prep(src: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
     nb = block_expert.shape[0]
     _moe_prep_kernel[(nb * (BM // rb), src.shape[1] // BK)](
         src, pairs, block_expert, dst, P, E, topk, src.stride(0), dst.stride(0),
-        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, num_warps=plan.num_warps)
+        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, num_warps=plan.num_warps, **pdl_args(src))
     return dst
 
 
@@ -431,7 +433,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
-                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
@@ -439,6 +441,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
     stores its fp32 gate and up partials into ``part1`` / ``part3`` [S, rows, N]; the last split
     to arrive at the tile's counter in ``arrivals`` sums them in split order, runs the epilogue
     and resets the counter to 0.  Unused blocks (id >= E) touch nothing, in every split."""
+    grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -484,10 +487,11 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
+    grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -519,8 +523,9 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: tl.constexpr):
+def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = Σ_j y[t·k + j] in fp32 over the picks j whose expert id is in 0..E-1."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = rd < D
@@ -537,8 +542,9 @@ def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: t
 def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stride_se,
                             stride_sn, stride_oe, stride_on, FMT: tl.constexpr,
                             SB: tl.constexpr, SW_E8M0: tl.constexpr, FAST_FP4: tl.constexpr,
-                            BR: tl.constexpr, BK: tl.constexpr):
+                            BR: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """out[e, n, k] = the dequantized weight (exact for MXFP4) for one [BR, BK] tile."""
+    grid_dependency_sync(PDL)
     rn = tl.program_id(0) * BR + tl.arange(0, BR)
     k0 = tl.program_id(1) * BK
     e = tl.program_id(2)
@@ -808,7 +814,7 @@ def dequant_experts(experts: ExpertWeights, which: str, out: torch.Tensor) -> to
         w, s, out, N, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         out.stride(0), out.stride(1), FMT=_FMT_CODE[experts.fmt],
         SB=experts.block if experts.fmt == "fp8" else 32, SW_E8M0=e8m0,
-        FAST_FP4=_fast_fp4(experts, out.dtype), BR=BR, BK=bk, num_warps=4)
+        FAST_FP4=_fast_fp4(experts, out.dtype), BR=BR, BK=bk, num_warps=4, **pdl_args(w))
     return out
 
 
@@ -857,7 +863,7 @@ def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     del w2, a
     y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4, **pdl_args(y))
     return out
 
 
@@ -917,7 +923,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
         SCALE_LE_128=fold, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
-        num_warps=cfg.warps_up, num_stages=stages_up)
+        num_warps=cfg.warps_up, num_stages=stages_up, **pdl_args(xs))
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
@@ -934,10 +940,10 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold, SPLIT=split_down > 1,
         BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
-        num_stages=stages_down)
+        num_stages=stages_down, **pdl_args(act_in))
     del part_down
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4, **pdl_args(y))
     return out
 
 

@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
     _INTERPRET_HOST,
@@ -234,11 +235,12 @@ def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.const
 @triton.jit
 def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stride_src,
                      stride_q, stride_s, GATHER: tl.constexpr, BM: tl.constexpr,
-                     AB: tl.constexpr):
+                     AB: tl.constexpr, PDL: tl.constexpr = False):
     """One row block and act block: q[row] = the e4m3 codes of the source row (GATHER: the
     pair's token row; else the row itself) in the MMA K order, s[row] its fp32 scale, quantized
     as the twin's fake quant (amax floor 1e-4, ue8m0 scale, e4m3 round-to-nearest-even).
     Padding rows and unused blocks are left unwritten (the GEMMs mask them)."""
+    grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     kb = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -264,11 +266,12 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
                       wt_ptr, act_ptr, P, N, K, E, stride_xm, stride_xsm, stride_actm,
                       stride_we, stride_wn, stride_se, stride_sn, limit,
                       HAS_LIMIT: tl.constexpr, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
-                      KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                      KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) (bf16) for the pairs of one row block and N tile;
     x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``).
     One FP8 dot per KS-wide K step and weight, its row and column powers of two applied in fp32
     (part · sa is exact, the fma rounds once, as an add)."""
+    grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -294,9 +297,10 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
 def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, P, N, K, E,
                         stride_am, stride_asm, stride_ym, stride_we, stride_wn, stride_se,
                         stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
-                        KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                        KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] (bf16) for the pairs of one row block and N tile; act given as
     e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step."""
+    grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
@@ -496,28 +500,28 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     xs = torch.empty(rows, D // ab, dtype=torch.float32, device=x.device)
     _fp8_prep_kernel[(nb, D // ab)](x, pairs, block_expert, xq, xs, P, E, k, x.stride(0),
                                     xq.stride(0), xs.stride(0), GATHER=True, BM=cfg.BM, AB=ab,
-                                    num_warps=4)
+                                    num_warps=4, **pdl_args(x))
     act = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
     _fp8mma_up_kernel[(nb, triton.cdiv(inter, cfg.BN_up))](
         xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, E, xq.stride(0),
         xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0,
         ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_up,
-        num_warps=cfg.warps_up, num_stages=cfg.stages)
+        num_warps=cfg.warps_up, num_stages=cfg.stages, **pdl_args(xq))
     del xq, xs
     aq = torch.empty(rows, inter, dtype=e4m3, device=x.device)
     as_ = torch.empty(rows, inter // ab, dtype=torch.float32, device=x.device)
     _fp8_prep_kernel[(nb, inter // ab)](act, pairs, block_expert, aq, as_, P, E, k,
                                         act.stride(0), aq.stride(0), as_.stride(0),
-                                        GATHER=False, BM=cfg.BM, AB=ab, num_warps=4)
+                                        GATHER=False, BM=cfg.BM, AB=ab, num_warps=4, **pdl_args(act))
     del act
     y = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     _fp8mma_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
         aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, E, aq.stride(0), as_.stride(0),
         y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), ASM_DECODE=asm,
         AB=ab, KS=ks, BM=cfg.BM,
-        BN=cfg.BN_down, num_warps=cfg.warps_down, num_stages=cfg.stages)
+        BN=cfg.BN_down, num_warps=cfg.warps_down, num_stages=cfg.stages, **pdl_args(aq))
     del aq, as_
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4, **pdl_args(y))
     return out

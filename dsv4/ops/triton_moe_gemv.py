@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
     INTERPRET,
@@ -223,10 +224,11 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
                     count_ptr, N, K, E, TOPK, stride_x, stride_act, stride_we, stride_wn,
                     stride_se, stride_sn, stride_part_w, stride_part_s, limit,
                     QB: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
     """act[p, tile] = w · swiglu(w1 x, w3 x) of pair p (token p // TOPK) for one N tile.
     SPLIT: partials into ``part`` [2, S, P, N] (gate, up); the last split finishes the tile.
     Skipped picks (id outside 0..E-1) touch nothing, in every split."""
+    grid_dependency_sync(PDL)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + p)
@@ -268,10 +270,11 @@ def _gemv_down_kernel(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, count
                       N, K, E, stride_act, stride_out, stride_we, stride_wn, stride_se,
                       stride_sn, stride_part_s, TOPK: tl.constexpr, QB: tl.constexpr,
                       SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      ASM: tl.constexpr):
+                      ASM: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, tile] = Σ_j (w2[e_j] · act[t·k + j]) rounded to the act dtype, summed in fp32 in
     pick order over the picks j of token t whose id is in 0..E-1.  SPLIT: each split stores its
     per-pick partials into ``part`` [S, P, N]; the last split rounds and sums them."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -446,7 +449,7 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         s1.stride(0), s1.stride(1), 0 if part_up is None else part_up.stride(0),
         0 if part_up is None else part_up.stride(1), float(swiglu_limit),
         QB=qb, HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BN=cfg.BN_up, BK=bk,
-        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_up, num_stages=1)
+        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_up, num_stages=1, **pdl_args(x))
     part_down = (torch.empty(split_down, P, D, dtype=torch.float32, device=x.device)
                  if split_down > 1 else None)
     _gemv_down_kernel[(T, tiles_down, split_down)](
@@ -454,5 +457,5 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         D, inter, E, act.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), 0 if part_down is None else part_down.stride(0),
         TOPK=k, QB=qb, SPLIT=split_down > 1, BN=cfg.BN_down, BK=bk,
-        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_down, num_stages=1)
+        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_down, num_stages=1, **pdl_args(act))
     return out

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import _INTERPRET_HOST
 
 __all__ = ["moe_plan", "moe_plan_torch"]
@@ -19,12 +20,13 @@ __all__ = ["moe_plan", "moe_plan_torch"]
 
 @triton.jit
 def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
-                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr):
+                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False):
     """The routing plan of :func:`moe_plan_torch`, one program per expert e (program E fills
     the unused tail): every program histograms all P ids (cheap: P ≤ a few 10^4 int loads from
     L2) to find its first block, then writes its own pairs in pair order (a running cumsum:
     stable, so the layout equals the twin's bit for bit), the padding of its last block and
     the expert of its blocks.  Each output element is written by exactly one program."""
+    grid_dependency_sync(PDL)
     e = tl.program_id(0)
     bins = tl.arange(0, NBINS)
     counts = tl.zeros((NBINS,), dtype=tl.int32)
@@ -98,7 +100,7 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
     nbins = max(32, triton.next_power_of_2(E + 1))
     bp = min(1024, max(64, triton.next_power_of_2(P)))
     _moe_plan_kernel[(E + 1,)](flat, pairs, block_expert, P, E, nb, BM=BM, NBINS=nbins, BP=bp,
-                               BF=256, num_warps=4)
+                               BF=256, num_warps=4, **pdl_args(flat))
     return pairs, block_expert
 
 

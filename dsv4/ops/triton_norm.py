@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_norm import check_norm_rope_args, check_rope_args
 from dsv4.ops.triton_dense import (pow2_from_exp, round_as, round_to_e4m3,
                                    store_rne, torch_twin_off_gpu, ue8m0_exponent)
@@ -65,10 +66,11 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
                       stride_xt, stride_xm, stride_yt, stride_ym, stride_c, eps,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr,
                       INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
     """BLOCK_R rows of x viewed as [T, M, d] (row r = token r // M): optional norm of the row,
     rotation of its last 2·half channels (pair j = channels nope+2j, nope+2j+1) by cos/sin of
     the row's token, optional FP8 fake quant of the first ``nope`` channels."""
+    grid_dependency_sync(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     r64 = rows.to(tl.int64)
@@ -178,7 +180,7 @@ def _launch(x3: torch.Tensor, y3: torch.Tensor, weight: torch.Tensor | None,
         cos.stride(0) if rope else 0, float(eps),
         NORM=norm, HAS_W=w is not None, ROPE=rope, INVERSE=bool(inverse),
         COPY_NOPE=y3.data_ptr() != x3.data_ptr(), FP8_BLOCK=int(fp8_block),
-        enable_fp_fusion=False, **tile)
+        enable_fp_fusion=False, **tile, **pdl_args(x3))
 
 
 def _kernel_fits(x: torch.Tensor) -> bool:

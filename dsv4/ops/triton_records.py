@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.formats import RecordFormat
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_records import _check_rows, check_write_args
 from dsv4.ops.triton_dense import round_to_bf16, round_to_e4m3, torch_twin_off_gpu
 from dsv4.ops.triton_index import _hadamard
@@ -91,8 +92,9 @@ def _write_records_kernel(rows_ptr, src_ptr, dst_ptr, pool_ptr, M, stride_r, str
                           PLAIN: tl.constexpr, FP4: tl.constexpr, E4M3_SCALE: tl.constexpr,
                           DIM: tl.constexpr, NQ: tl.constexpr, QB: tl.constexpr,
                           TAIL_OFF: tl.constexpr, SC_OFF: tl.constexpr, PAD: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Rows ``src[i]`` of ``rows`` encoded into pool rows ``dst[i]`` for BLOCK_M values of i."""
+    grid_dependency_sync(PDL)
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = i < M
     i64 = i.to(tl.int64)
@@ -202,7 +204,7 @@ def _launch(rows: torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | No
         pool, M, rows.stride(0), pool.stride(0), float(dim) ** -0.5 if hadamard else 1.0,
         HAS_SRC=src is not None, HAS_DST=dst is not None, HADAMARD=bool(hadamard),
         LOG2_D=max(dim, 1).bit_length() - 1 if hadamard else 0,
-        **record_constexprs(fmt, dim), **tile)
+        **record_constexprs(fmt, dim), **tile, **pdl_args(rows))
 
 
 def _twin(name: str, *args: Any) -> Any:

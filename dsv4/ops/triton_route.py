@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_route import check_route_args
 from dsv4.ops.triton_dense import INTERPRET, store_rne, torch_twin_off_gpu
 
@@ -68,8 +69,9 @@ def _softplus(x):
 def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr,
                   T, E, stride_l, route_scale,
                   K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
     """Routing of BLOCK_T tokens: weights [T, K] fp32 and ids [T, K] int64."""
+    grid_dependency_sync(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     r64 = rows.to(tl.int64)
@@ -112,8 +114,9 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_p
 
 @triton.jit
 def _swiglu_kernel(gate_ptr, up_ptr, y_ptr, n_rows, n_cols, stride_g, stride_u, limit,
-                   LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                   LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """y = silu(min(g, limit)) · clamp(u, ±limit) over a [BLOCK_R, BLOCK_C] tile (fp32 math)."""
+    grid_dependency_sync(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -129,8 +132,9 @@ def _swiglu_kernel(gate_ptr, up_ptr, y_ptr, n_rows, n_cols, stride_g, stride_u, 
 
 
 @triton.jit
-def _combine_kernel(routed_ptr, shared_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _combine_kernel(routed_ptr, shared_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y = routed + shared (fp32 sum, one rounding to y's dtype), flat contiguous tensors."""
+    grid_dependency_sync(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     r = tl.load(routed_ptr + offs, mask=mask, other=0.0)
@@ -168,7 +172,7 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Te
         input_ids.contiguous() if is_hash else dummy, weights, ids,
         T, E, logits.stride(0), float(route_scale),
         K=int(top_k), KP=triton.next_power_of_2(top_k), HASH=is_hash,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4, enable_fp_fusion=False)
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4, enable_fp_fusion=False, **pdl_args(logits))
     return weights, ids
 
 
@@ -196,7 +200,7 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float,
     _swiglu_kernel[(triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))](
         g2, u2, y, n_rows, n_cols, g2.stride(0), u2.stride(0), float(limit),
         LIMIT=limit > 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_args(g2))
     return y
 
 
@@ -214,5 +218,5 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor,
     if n:
         block = 1024
         _combine_kernel[(triton.cdiv(n, block),)](routed.contiguous(), shared.contiguous(), y, n,
-                                                  BLOCK=block, num_warps=4)
+                                                  BLOCK=block, num_warps=4, **pdl_args(routed))
     return y

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import sm_count, torch_twin_off_gpu
 
 __all__ = ["MAX_REG_BLOCK", "topk_indices", "topk_indices_with_block"]
@@ -251,8 +252,9 @@ def _take_all(out_row, n, K, BLOCK_K: tl.constexpr):
 def _topk_rows_kernel(scores_ptr, nvis_ptr, out_ptr, work_ptr, L, stride_s, K, cap,
                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, STREAM: tl.constexpr,
                       COMPACT: tl.constexpr, CB: tl.constexpr, FIN: tl.constexpr,
-                      RADIX: tl.constexpr):
+                      RADIX: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row.  STREAM: rows may be longer than BLOCK (compiled in if L > BLOCK)."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(nvis_ptr + t).to(tl.int32), 0), L)
     row = scores_ptr + t * stride_s
@@ -272,11 +274,12 @@ def _topk_rows_kernel(scores_ptr, nvis_ptr, out_ptr, work_ptr, L, stride_s, K, c
 def _topk_chunks_kernel(scores_ptr, nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr, work_ptr, L,
                         stride_s, K, KC, stride_c, cap, BLOCK: tl.constexpr,
                         BLOCK_K: tl.constexpr, COMPACT: tl.constexpr, CB: tl.constexpr,
-                        FIN: tl.constexpr, RADIX: tl.constexpr):
+                        FIN: tl.constexpr, RADIX: tl.constexpr, PDL: tl.constexpr = False):
     """Split, first launch: program (t, c) keeps the top-K of entries [c·BLOCK, (c+1)·BLOCK) of
     row t (all of them when fewer) in candidate slots [c·KC, (c+1)·KC), KC = min(K, BLOCK), id
     order, id −1 in unused slots.  A row that needs no merge (n <= BLOCK or n <= K) is finished
     here, into out, by its chunk 0."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(nvis_ptr + t).to(tl.int32), 0), L)
@@ -309,9 +312,10 @@ def _topk_chunks_kernel(scores_ptr, nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr
 def _topk_merge_kernel(nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr, work_ptr, L, K, KC,
                        stride_c, cap, BLOCK: tl.constexpr, STREAM: tl.constexpr,
                        COMPACT: tl.constexpr, CB: tl.constexpr, FIN: tl.constexpr,
-                       RADIX: tl.constexpr):
+                       RADIX: tl.constexpr, PDL: tl.constexpr = False):
     """Split, second launch: the top-K of row t's candidates (the chunks that hold visible
     entries) into out; rows finished by the first launch are skipped."""
+    grid_dependency_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(nvis_ptr + t).to(tl.int32), 0), L)
     if n > K and n > BLOCK:
@@ -402,7 +406,7 @@ def topk_indices_with_block(scores: torch.Tensor, n_visible: torch.Tensor, k: in
         work = torch.empty(T, 2 * cap, dtype=torch.int32, device=dev)
         _topk_rows_kernel[(T,)](scores, n_visible, out, work, L, scores.stride(0), k, cap,
                                 BLOCK=block, BLOCK_K=block_k, STREAM=L > block,
-                                COMPACT=T > sms if compact is None else compact, **consts)
+                                COMPACT=T > sms if compact is None else compact, **consts, **pdl_args(scores))
         return out
     chunks = triton.cdiv(L, block)
     kc = min(k, block)
@@ -416,11 +420,11 @@ def topk_indices_with_block(scores: torch.Tensor, n_visible: torch.Tensor, k: in
                                      BLOCK=block,
                                      BLOCK_K=min(block_k, triton.next_power_of_2(kc)),
                                      COMPACT=T * chunks > sms if compact is None else compact,
-                                     **consts)
+                                     **consts, **pdl_args(scores))
     _topk_merge_kernel[(T,)](n_visible, out, cand_keys, cand_ids, work, L, k, kc,
                              cand_keys.stride(0), cap * chunks, BLOCK=block,
                              STREAM=chunks * kc > block,
-                             COMPACT=T > sms if compact is None else compact, **consts)
+                             COMPACT=T > sms if compact is None else compact, **consts, **pdl_args(n_visible))
     return out
 
 

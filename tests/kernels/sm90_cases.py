@@ -180,6 +180,8 @@ class Recorder:
         patches = [(m, "sm_count", lambda device: H200_SMS) for m in modules
                    if getattr(m, "sm_count", None) is real_sm_count]
         patches += [(m, "_INTERPRET_HOST", True) for m in modules if hasattr(m, "_INTERPRET_HOST")]
+        # The H200 launches with programmatic dependent launch (dsv4.ops.pdl): compile that.
+        patches.append((importlib.import_module("dsv4.ops.pdl"), "_FORCE", True))
         saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
         saved_run = jit_mod.JITFunction.run
         jit_mod.JITFunction.run = record_run

@@ -1,7 +1,8 @@
-"""The shared expert on a second CUDA stream (``dsv4.ops.streams``) changes no bit: a V4-Flash
-schedule model (toy widths, FP8 Linears and MXFP4 experts on the Triton kernels, fp8 cache)
-gives identical logits with the side lane on and off, eagerly and as CUDA-graph replays, and
-leaves every split-K arrival counter at zero.  GPU only."""
+"""How kernels are issued changes no bit: a V4-Flash schedule model (toy widths, FP8 Linears and
+MXFP4 experts on the Triton kernels, fp8 cache) gives identical logits with the side lane
+(``dsv4.ops.streams``: the shared expert on a second CUDA stream) on and off, and with
+programmatic dependent launch (``dsv4.ops.pdl``) on and off, eagerly and as CUDA-graph replays,
+and leaves every split-K arrival counter at zero.  GPU only."""
 
 from __future__ import annotations
 
@@ -58,6 +59,41 @@ def test_side_stream_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch
     with torch.cuda.graph(g):
         out = step()
     for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+    del g
+    for buf in td._splitk_counter_cache.values():
+        assert not buf.any(), "arrival counters left non-zero"
+
+
+def test_pdl_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that read its predecessor's output before the grid dependency wait would show
+    here as a changed bit (in eager steps or replays, which run the chain back to back)."""
+    from dsv4.ops import pdl
+    from dsv4.ops import triton_dense as td
+
+    step = _step_fn(monkeypatch)
+    x = torch.empty(1, device="cuda")
+    monkeypatch.setenv("DSV4_PDL", "0")
+    assert pdl.pdl_args(x) == {}
+    plain = step().clone()
+    monkeypatch.setenv("DSV4_PDL", "1")
+    assert pdl.pdl_args(x) == {"PDL": True, "launch_pdl": True}
+    for _ in range(3):
+        assert torch.equal(step(), plain)
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain).all()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for _ in range(5):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
