@@ -257,12 +257,10 @@ def sync_time(fn: Callable[[], Any], reps: int) -> list[float]:
     return out
 
 
-def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = None,
-               outputs: list | None = None) -> float:
+def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = None) -> float:
     """Median seconds of one replay of ``fn`` captured in a CUDA graph (fn already warmed);
     off the GPU (smoke runs) the median of plain calls.  ``timeline``: append the graph's
-    kernel timeline (``bench/timeline.py``) to that file; ``outputs``: append a copy of what
-    the last replay returned."""
+    kernel timeline (``bench/timeline.py``) to that file."""
     if DEV != "cuda":
         return statistics.median(sync_time(fn, 2))
     s = torch.cuda.Stream()
@@ -273,7 +271,7 @@ def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = 
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        res = fn()
+        fn()
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -289,8 +287,6 @@ def graph_time(fn: Callable[[], Any], replays: int = 20, timeline: str | None = 
         with open(timeline, "a") as f:
             f.write(f"===== graph step, median {statistics.median(times) * 1e6:.1f} us\n")
             f.write(graph_timeline(g))
-    if outputs is not None:
-        outputs.append(res.clone())
     del g
     return statistics.median(times)
 
@@ -306,6 +302,48 @@ def _env(name: str, value: str) -> Iterator[None]:
             del os.environ[name]
         else:
             os.environ[name] = before
+
+
+# How kernels are issued (env of the capture): plain stream order; programmatic dependent
+# launch as the engine uses it (dsv4/ops/pdl.py: steps of up to PDL_MAX_TOKENS tokens) and at
+# every step size.
+LAUNCH_VARIANTS = {
+    "plain": {"DSV4_PDL": "0"},
+    "pdl": {"DSV4_PDL": "1"},
+    "pdl at any size": {"DSV4_PDL": "1", "DSV4_PDL_MAX_TOKENS": str(1 << 30)},
+}
+
+
+def launch_variants_ab(fn: Callable[[], torch.Tensor], rounds: int = 30) -> dict:
+    """Capture ``fn`` once per :data:`LAUNCH_VARIANTS` entry and time the graphs' replays
+    interleaved (one of each per round, so drift hits all alike): median µs per variant and
+    whether its output equals the plain one's bit for bit."""
+    graphs, outs = {}, {}
+    for name, env in LAUNCH_VARIANTS.items():
+        with contextlib.ExitStack() as stack:
+            for k, v in env.items():
+                stack.enter_context(_env(k, v))
+            fn()                                              # compiles this variant's kernels
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs[name] = fn()
+            g.replay()
+            graphs[name] = g
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times[name].append(a.elapsed_time(b) * 1e3)
+    res = {name: {"median_us": statistics.median(t), "min_us": min(t),
+                  "same_bits": bool(torch.equal(outs[name], outs["plain"]))}
+           for name, t in times.items()}
+    del graphs
+    return res
 
 
 def request_pages(req: int, pages_per_req: int) -> list[int]:
@@ -356,7 +394,7 @@ def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int) -> 
 
 def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, steps: int,
                  pages_per_req: int, graphs: bool, timeline: str | None = None,
-                 pdl_ab: bool = False) -> dict:
+                 launch_ab: bool = False) -> dict:
     cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(B)
     tables = [request_pages(r, pages_per_req) for r in range(B)]
@@ -399,15 +437,10 @@ def bench_decode(model: Transformer, cache: HybridCache, B: int, ctx_len: int, s
                 with open(timeline, "a") as f:
                     f.write(f"##### decode B={B}, ctx {ctx_len}\n")
             step = lambda: model.compute_logits(model.forward(c, cache))  # noqa: E731
-            logits: list[torch.Tensor] = []
-            if pdl_ab:
-                # The same step captured without programmatic dependent launch first.
-                with _env("DSV4_PDL", "0"):
-                    out["graph_step_s_no_pdl"] = graph_time(step, outputs=logits)
-            g = graph_time(step, timeline=timeline, outputs=logits)
+            g = graph_time(step, timeline=timeline)
             out.update({"graph_step_s": g, "ratio_graph": g / floor, "graph_tokens_per_s": B / g})
-            if pdl_ab:
-                out["pdl_same_logits"] = bool(torch.equal(logits[0], logits[1]))
+            if launch_ab:
+                out["launch_ab"] = launch_variants_ab(step)
         except Exception as e:  # report, keep the eager number
             out["graph_error"] = f"{type(e).__name__}: {e}"[:400]
             out["graph_traceback"] = traceback.format_exc()[-2500:]
@@ -609,8 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed eager decode steps")
     ap.add_argument("--reps", type=int, default=3, help="timed prefill repetitions")
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--pdl-ab", action="store_true",
-                    help="also time each decode graph captured with DSV4_PDL=0, compare logits")
+    ap.add_argument("--launch-ab", action="store_true",
+                    help="also time each decode graph captured under every LAUNCH_VARIANTS "
+                         "entry (interleaved replays) and compare their logits")
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16"],
                     help="cache storage: the official records (the GPU default) or bf16 rows")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
@@ -650,13 +684,13 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     prefills = [int(s) for s in args.prefill.split(",") if s]
     ppr = pages_needed(args.ctx + args.steps + 4, PAGE)
-    num_pages = max(max(batches) * ppr, pages_needed(max(prefills, default=1), PAGE))
+    num_pages = max(max(batches, default=1) * ppr, pages_needed(max(prefills, default=1), PAGE))
     cache_dtype = RECORD_DTYPE if args.kv_cache_dtype == "fp8" else torch.bfloat16
-    cache = HybridCache.allocate(model.cfg, num_pages=num_pages, num_slots=max(batches),
+    cache = HybridCache.allocate(model.cfg, num_pages=num_pages, num_slots=max(batches, default=1),
                                  page_size=PAGE, dtype=cache_dtype, device=DEV)
     results["kv_cache_dtype"] = args.kv_cache_dtype
-    log(f"cache: {num_pages} pages, {max(batches)} slots, {cache.memory_bytes() / 1e9:.2f} GB, "
-        f"{args.kv_cache_dtype}")
+    log(f"cache: {num_pages} pages, {max(batches, default=1)} slots, "
+        f"{cache.memory_bytes() / 1e9:.2f} GB, {args.kv_cache_dtype}")
 
     try:  # the expert kernel against its torch twin on this model's weights
         layer = next(l for l in model.layers if not l.ffn.gate.is_hash)
@@ -718,13 +752,12 @@ def main(argv: list[str] | None = None) -> int:
             break
         try:
             r = bench_decode(model, cache, B, args.ctx, args.steps, ppr, not args.no_graphs,
-                             args.timeline, args.pdl_ab)
+                             args.timeline, args.launch_ab)
             results["decode"].append(r)
             g = (f", graph {r['graph_step_s'] * 1e3:.2f} ms (x{r['ratio_graph']:.2f})"
                  if "graph_step_s" in r else f", graph failed: {r.get('graph_error', 'off')}")
-            if "graph_step_s_no_pdl" in r:
-                g += (f" [no PDL {r['graph_step_s_no_pdl'] * 1e3:.3f} ms, same logits: "
-                      f"{r.get('pdl_same_logits')}]")
+            for name, v in r.get("launch_ab", {}).items():
+                g += f" | {name} {v['median_us']:.1f} us{'' if v['same_bits'] else ' DIFFERS'}"
             log(f"decode B={B} ctx={args.ctx}: eager {r['eager_step_s'] * 1e3:.2f} ms/step "
                 f"(x{r['ratio_eager']:.2f}){g}; floor {r['floor_s'] * 1e3:.3f} ms")
         except Exception as e:

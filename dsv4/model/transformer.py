@@ -27,6 +27,7 @@ from dsv4.model.mhc import HyperConnection, HyperHead, expand_streams
 from dsv4.model.moe import Gate, MoE
 from dsv4.model.v41 import hc_final_collapse, identity_pre_mix, single_pass_block
 from dsv4.ops import get_ops
+from dsv4.ops.pdl import model_step
 
 log = logging.getLogger("dsv4")
 
@@ -323,8 +324,13 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def forward(self, ctx: Any, cache: Any) -> torch.Tensor:
         """Run the step ``ctx`` against ``cache``; hidden states [N, D] of ctx.logits_indices."""
-        if self.cfg.is_v41:
-            return self._forward_v41(ctx, cache)
+        # Programmatic dependent launch for small steps only (dsv4/ops/pdl.py says why).
+        with model_step(int(ctx.input_ids.shape[0])):
+            if self.cfg.is_v41:
+                return self._forward_v41(ctx, cache)
+            return self._forward_v4(ctx, cache)
+
+    def _forward_v4(self, ctx: Any, cache: Any) -> torch.Tensor:
         x = expand_streams(self.embed(ctx.input_ids), self.cfg.hc_mult)
         layers = list(self.layers)
         # Each block's last hc_post computes the next block's attention pre in the same pass.

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.pdl import grid_dependency_sync, pdl_args, prefetch_rows_l2
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.streams import current_lane
 
 __all__ = ["fp8_linear", "fp8_linear_with_config", "act_quant", "Fp8GemmConfig",
@@ -220,8 +220,7 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
                      k_blocks_per_split,
                      QUANT_A: tl.constexpr, SW_E8M0: tl.constexpr, B: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLITS: tl.constexpr, PREFETCH: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     SPLITS: tl.constexpr, PDL: tl.constexpr = False):
     """out[M, N] = Σ_kb (A8·sA)(W8·sW)^T, one B-wide K block per step.
 
     QUANT_A: A is the raw activation (bf16/fp32) and is quantized here, per row and K block,
@@ -238,10 +237,8 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
        so the bits never depend on which split arrived last; it stores the sum in out's dtype
        (bf16 rounded to nearest-even) and resets the counter to 0 for the next launch (and
        CUDA-graph replays).
-
-    PREFETCH (with PDL, one M tile): the program's weight slice is requested into L2 before the
-    grid dependency wait, so it streams in while the previous kernel runs.
     """
+    grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BM)
@@ -260,13 +257,10 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
     n_mask = rn < N
     # Weight scale row of each output column (blocks are B×B).
     sw_row = sw_ptr + (rn // B) * n_kb
-    kb0 = split * k_blocks_per_split
-    kb1 = tl.minimum(kb0 + k_blocks_per_split, n_kb)
-    if PREFETCH:
-        prefetch_rows_l2(w_ptr, rn, n_mask, stride_wn, kb0 * B, tl.minimum(kb1 * B, K), 1, 512)
-    grid_dependency_sync(PDL)
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kb0 = split * k_blocks_per_split
+    kb1 = tl.minimum(kb0 + k_blocks_per_split, n_kb)
     for kb in range(kb0, kb1):
         ks = kb * B + rk
         k_mask = ks < K
@@ -323,8 +317,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
                      k_blocks_per_split,
                      SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
-                     SPLIT_ROWS: tl.constexpr, PREFETCH: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     SPLIT_ROWS: tl.constexpr, PDL: tl.constexpr = False):
     """out[M, N] for M <= MP (1, 2 or 4 rows) on the CUDA cores: the numerics of the QUANT_A
     path of :func:`_fp8_gemm_kernel` (activation quantized per row and B-block as
     ``act_quant``; fp32 sums; bf16 out rounded to nearest-even), the sums in another order.
@@ -350,20 +343,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
     #5 of the expert GEMV).
 
     The partials are summed across lanes once, at the end; splits are reduced in the launch by
-    :func:`splitk_reduce` (fixed order, deterministic) as in the MMA kernel.
-
-    PREFETCH (with PDL): the program's weight slice is requested into L2 before the grid
-    dependency wait, so it streams in while the previous kernel runs."""
+    :func:`splitk_reduce` (fixed order, deterministic) as in the MMA kernel."""
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     G: tl.constexpr = BK // 16
     rn = pid_n * BN + tl.arange(0, BN)
     n_mask = rn < N
-    k_lo = split * k_blocks_per_split * B
-    k_hi = tl.minimum(k_lo + k_blocks_per_split * B, n_kb * B)
-    if PREFETCH:
-        prefetch_rows_l2(w_ptr, rn, n_mask, stride_wn, k_lo, k_hi, 1, 512)
-    grid_dependency_sync(PDL)
     kcol = tl.arange(0, G)[:, None, None] * 16 + tl.arange(0, 16)[None, None, :]  # [G, 1, 16]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + kcol
     # BN divides B: the whole tile reads one row of weight scales.
@@ -373,6 +359,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
     acc1 = tl.zeros((G, BN), dtype=tl.float32)
     acc2 = tl.zeros((G, BN), dtype=tl.float32)
     acc3 = tl.zeros((G, BN), dtype=tl.float32)
+    k_lo = split * k_blocks_per_split * B
+    k_hi = tl.minimum(k_lo + k_blocks_per_split * B, n_kb * B)
     # The activation step as the [MP·NB, B] tile the quantizer takes: row r = (token r // NB,
     # block r % NB of the step).
     NB: tl.constexpr = BK // B
@@ -697,7 +685,7 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
         QUANT_A=cfg.fuse_quant, SW_E8M0=sw_e8m0, B=block, BM=cfg.BM, BN=cfg.BN,
         GROUP_M=cfg.group_m, SPLITS=split, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(a, prefetch=M <= cfg.BM))
+        num_stages=cfg.num_stages, **pdl_args(a))
     return out.view(*lead, N)
 
 
@@ -719,7 +707,7 @@ def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: boo
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
         SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK,
         SPLITS=split, SPLIT_ROWS=GEMV_SPLIT_ROWS or M == 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(x2, prefetch=True))
+        num_stages=cfg.num_stages, **pdl_args(x2))
     return out
 
 

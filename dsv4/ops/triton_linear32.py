@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import torch_dense
-from dsv4.ops.pdl import grid_dependency_sync, pdl_args, prefetch_rows_l2
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import (_dot_bf16x3, mma, sm_count, split_bf16x3, splitk_reduce,
                                    splitk_workspace, torch_twin_off_gpu)
 
@@ -65,8 +65,7 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
                      stride_ws, k_per_split,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SPLITS: tl.constexpr, DOT: tl.constexpr, BF16X3: tl.constexpr = False,
-                     W_BF16: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     W_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[M, N] (fp32) = x[M, K] @ w[N, K]^T with fp32 products and sums.
 
     Grid: (M tiles × N tiles, SPLITS); split s covers K ``[s·k_per_split, (s+1)·k_per_split)``
@@ -89,10 +88,8 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
     (acq_rel, gpu scope), and the last to arrive sums ``ws[0] + ws[1] + … + ws[SPLITS−1]`` in
     that order, stores the tile and resets the counter to 0 (for the next launch and for
     CUDA-graph replays).
-
-    PREFETCH (with PDL, one M tile): the program's weight slice is requested into L2 before the
-    grid dependency wait, so it streams in while the previous kernel runs.
     """
+    grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
@@ -104,12 +101,6 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
     n_mask = rn < N
     k0 = split * k_per_split
     k1 = tl.minimum(k0 + k_per_split, K)
-    if PREFETCH:
-        if W_BF16:
-            prefetch_rows_l2(w_ptr, rn, n_mask, stride_wn, k0, k1, 2, 512)
-        else:
-            prefetch_rows_l2(w_ptr, rn, n_mask, stride_wn, k0, k1, 4, 512)
-    grid_dependency_sync(PDL)
     if DOT:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     else:
@@ -252,8 +243,7 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
         x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16,
         BF16X3=cfg.bf16x3 and x.dtype == torch.bfloat16, W_BF16=w.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(x, prefetch=M <= cfg.BM))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x))
     return out
 
 

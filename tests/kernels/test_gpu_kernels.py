@@ -268,7 +268,11 @@ def test_fp8_linear_gpu_split_k_reproducible(M: int, N: int, K: int) -> None:
             y2 = tri.fp8_linear_with_config(x, w8, ws, 128, out_dtype, cfg)
             assert _finite(y1) and torch.equal(y1, y2), cfg
             if out_dtype == torch.float32:
-                assert _rel(y1, one) < 2e-6 and _rel(y1, y_ref) < 4e-3, cfg
+                # 64-row tiles run Hopper's FP8 wgmma, whose accumulation inside a K block
+                # keeps fewer bits than fp32 (1.26e-4 from the 16-row mma.sync plan on the
+                # H200, with and without PDL): the 4e-3 bound against the twin still holds.
+                bound = 5e-4 if cfg.BM >= 64 else 2e-6
+                assert _rel(y1, one) < bound and _rel(y1, y_ref) < 4e-3, cfg
             else:
                 assert _rel(y1, one) < 4e-3, cfg
             graph = torch.cuda.CUDAGraph()

@@ -5,8 +5,7 @@ kernel that touches global memory before its grid dependency wait races with it;
 passes ``launch_pdl=True`` to a kernel compiled without the wait loses the ordering altogether.
 These tests read every Triton module of ``dsv4.ops``: each kernel (a ``@triton.jit`` function
 named ``*_kernel``) takes ``PDL: tl.constexpr = False`` and calls ``grid_dependency_sync(PDL)``
-before any memory access (only index arithmetic, and L2 prefetches of weights under
-``if PREFETCH:``, may come first), and each launch (``kernel[grid](...)``) passes ``**pdl_args(...)``.
+as its first statement, and each launch (``kernel[grid](...)``) passes ``**pdl_args(...)``.
 The GPU side (same bits with PDL on and off, eager and in CUDA graphs) is
 ``tests/model/test_side_stream_gpu.py``.
 """
@@ -53,28 +52,8 @@ def test_every_kernel_waits_first(path: Path) -> None:
         body = fn.body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]                                   # the docstring
-        tops = [ast.unparse(st) for st in body]
-        assert "grid_dependency_sync(PDL)" in tops, \
-            f"{fn.name}: grid_dependency_sync(PDL) must be a statement of the kernel's body"
-        for st in body[:tops.index("grid_dependency_sync(PDL)")]:
-            _check_before_wait(fn.name, st)
-
-
-def _check_before_wait(kernel: str, st: ast.stmt) -> None:
-    """Before the wait: index arithmetic, and weight prefetches under ``if PREFETCH:``."""
-    if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH":
-        calls = [ast.unparse(c.func) for c in ast.walk(st) if isinstance(c, ast.Call)]
-        assert "prefetch_rows_l2" in calls, f"{kernel}: an empty PREFETCH branch"
-        assert all(c == "prefetch_rows_l2" or (c.startswith("tl.") and not c.startswith(
-            ("tl.load", "tl.store", "tl.atomic"))) for c in calls), \
-            f"{kernel}: only prefetch_rows_l2 under PREFETCH before the wait: {calls}"
-        return
-    for node in ast.walk(st):
-        if isinstance(node, ast.Call):
-            name = ast.unparse(node.func)
-            assert name.startswith("tl.") and not name.startswith(
-                ("tl.load", "tl.store", "tl.atomic")), \
-                f"{kernel}: {name}(...) before grid_dependency_sync(PDL)"
+        assert ast.unparse(body[0]) == "grid_dependency_sync(PDL)", \
+            f"{fn.name}: the first statement must be grid_dependency_sync(PDL)"
 
 
 @pytest.mark.parametrize("path", TRITON_MODULES, ids=lambda p: p.name)
@@ -96,9 +75,34 @@ def test_pdl_args_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pdl, "_FORCE", True)           # the offline sm_90 compile's setting
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("DSV4_PDL", "1")
-    assert pdl.pdl_args(x) == {"PDL": True, "launch_pdl": True}
+    on = {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_args(x) == on
+    with pdl.model_step(pdl.PDL_MAX_TOKENS):
+        assert pdl.pdl_args(x) == on
+        with pdl.model_step(pdl.PDL_MAX_TOKENS + 1):    # a large step: plain launches
+            assert pdl.pdl_args(x) == {}
+        assert pdl.pdl_args(x) == on
+    monkeypatch.setenv("DSV4_PDL_MAX_TOKENS", "64")
+    with pdl.model_step(64):
+        assert pdl.pdl_args(x) == on
     monkeypatch.setenv("DSV4_PDL", "0")
     assert pdl.pdl_args(x) == {}
     monkeypatch.setenv("DSV4_PDL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")        # the interpreter has no inline asm
     assert pdl.pdl_args(x) == {}
+
+
+def test_model_forward_is_one_model_step() -> None:
+    """The model's forward sets the step size that decides PDL for its launches."""
+    from types import SimpleNamespace
+
+    from dsv4.model import transformer
+    from dsv4.ops import pdl
+
+    seen: list[bool | None] = []
+    model = SimpleNamespace(cfg=SimpleNamespace(is_v41=False),
+                            _forward_v4=lambda ctx, cache: seen.append(pdl._step_pdl))
+    for tokens in (pdl.PDL_MAX_TOKENS, pdl.PDL_MAX_TOKENS + 1):
+        ctx = SimpleNamespace(input_ids=torch.zeros(tokens, dtype=torch.long))
+        transformer.Transformer.forward.__wrapped__(model, ctx, None)  # under torch.no_grad
+    assert seen == [pdl.pdl_enabled(), False] and pdl._step_pdl is None

@@ -107,7 +107,14 @@ def test_tiny_v4_on_records_triton_backend_matches_torch(tmp_path) -> None:
     """The whole tiny V4 model on a record cache: the Triton backend (every kernel in the
     interpreter, the attention ops reading the 584-style records and the fp4 keys in place)
     against the torch backend, prefill then one decode step (ring mode).  numerics "bf16":
-    official numerics would let 1e-7 differences flip FP8 activation roundings."""
+    official numerics would let 1e-7 differences flip FP8 activation roundings.
+
+    The record cache still quantizes on write (e4m3 KV, fp4 keys): a compressed entry whose
+    value sits at a rounding boundary can take another code from a 1-ulp difference upstream,
+    and every later token then moves by ~1e-4.  Seen on a CPU where the torch backend alone
+    moved by 1.7e-4 from token 7 on between MKL's default and AVX2 code paths (the first
+    7 rows within 1e-6): so the bound is that of one flipped code, and the greedy tokens must
+    agree.  (The kernels' exactness on records is checked op by op above.)"""
     from dsv4.cache.tensors import HybridCache
     from dsv4.model.context import StepContext
     from dsv4.model.transformer import load_model
@@ -124,7 +131,8 @@ def test_tiny_v4_on_records_triton_backend_matches_torch(tmp_path) -> None:
         logits[backend] = torch.cat([model.compute_logits(model.forward(ctx, cache))
                                      for ctx in (prefill, decode)])
     assert logits["torch"].shape == (11, model.cfg.vocab_size)
-    assert rel_err(logits["triton"], logits["torch"]) < 1e-5
+    assert rel_err(logits["triton"], logits["torch"]) < 2e-3
+    assert torch.equal(logits["triton"].argmax(-1), logits["torch"].argmax(-1))
 
 
 @pytest.mark.parametrize("d,split", [(128, 1), (512, 2)])
