@@ -325,7 +325,7 @@ class Transformer(nn.Module):
     def forward(self, ctx: Any, cache: Any) -> torch.Tensor:
         """Run the step ``ctx`` against ``cache``; hidden states [N, D] of ctx.logits_indices."""
         # Programmatic dependent launch for small steps only (dsv4/ops/pdl.py says why).
-        with model_step(int(ctx.input_ids.shape[0])):
+        with model_step(int(ctx.input_ids.shape[0]), self.parallel.enabled):
             if self.cfg.is_v41:
                 return self._forward_v41(ctx, cache)
             return self._forward_v4(ctx, cache)

@@ -61,14 +61,17 @@ def pdl_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def model_step(tokens: int) -> Iterator[None]:
+def model_step(tokens: int, distributed: bool = False) -> Iterator[None]:
     """Kernels launched inside use PDL only if the step has at most :data:`PDL_MAX_TOKENS`
     tokens (the model's forward wraps each step; a CUDA-graph capture sees the same choice).
-    The environment is read here once per step, not at every launch."""
+    ``distributed`` (tensor / expert parallel): off unless ``DSV4_PDL=1`` is set explicitly —
+    NCCL kernels between ours have not been run with PDL on GPUs yet.  The environment is read
+    here once per step, not at every launch."""
     global _step_pdl
     before = _step_pdl
     limit = int(os.environ.get("DSV4_PDL_MAX_TOKENS", PDL_MAX_TOKENS))
-    _step_pdl = pdl_enabled() and tokens <= limit
+    _step_pdl = (pdl_enabled() and tokens <= limit
+                 and (not distributed or os.environ.get("DSV4_PDL") == "1"))
     try:
         yield
     finally:

@@ -85,6 +85,12 @@ def test_pdl_args_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSV4_PDL_MAX_TOKENS", "64")
     with pdl.model_step(64):
         assert pdl.pdl_args(x) == on
+    monkeypatch.delenv("DSV4_PDL")
+    with pdl.model_step(1, distributed=True):           # TP / EP: only when asked for
+        assert pdl.pdl_args(x) == {}
+    monkeypatch.setenv("DSV4_PDL", "1")
+    with pdl.model_step(1, distributed=True):
+        assert pdl.pdl_args(x) == on
     monkeypatch.setenv("DSV4_PDL", "0")
     assert pdl.pdl_args(x) == {}
     monkeypatch.setenv("DSV4_PDL", "1")
@@ -101,6 +107,7 @@ def test_model_forward_is_one_model_step() -> None:
 
     seen: list[bool | None] = []
     model = SimpleNamespace(cfg=SimpleNamespace(is_v41=False),
+                            parallel=SimpleNamespace(enabled=False),
                             _forward_v4=lambda ctx, cache: seen.append(pdl._step_pdl))
     for tokens in (pdl.PDL_MAX_TOKENS, pdl.PDL_MAX_TOKENS + 1):
         ctx = SimpleNamespace(input_ids=torch.zeros(tokens, dtype=torch.long))
