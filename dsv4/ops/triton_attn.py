@@ -214,7 +214,8 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
                         SCO_A: tl.constexpr, TLO_A: tl.constexpr,
                         FMT_B: tl.constexpr, NQ_B: tl.constexpr, QB_B: tl.constexpr,
                         SCO_B: tl.constexpr, TLO_B: tl.constexpr,
-                        CHUNK_A: tl.constexpr = False, CHUNK_B: tl.constexpr = False, PDL: tl.constexpr = False):
+                        CHUNK_A: tl.constexpr = False, CHUNK_B: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """One token × BH heads × BDV value columns × one slice of the index lists.
 
     ``*_A`` / ``*_B``: each source's layout for :func:`load_rows` (dense rows or records);
@@ -277,7 +278,8 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
 
 @triton.jit
 def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_ot, stride_oh,
-                         SP: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+                         SP: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
@@ -474,7 +476,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
                            NH, DI, L, stride_qt, stride_qh, stride_wt, stride_k, stride_rt,
                            stride_ot, BHI: tl.constexpr, BDI: tl.constexpr, BL: tl.constexpr,
                            DOT_PREC: tl.constexpr, FMT: tl.constexpr, NQ: tl.constexpr,
-                           QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr, PDL: tl.constexpr = False):
+                           QB: tl.constexpr, SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """scores[t, l] = Σ_h w[t,h]·ReLU(q[t,h]·keys[rows[t,l]]), −inf for l >= n_visible[t];
     the keys are dense rows or records (FMT..TAIL_OFF: :func:`load_rows`)."""
     grid_dependency_sync(PDL)

@@ -52,7 +52,8 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
                              T, D, W, SKV, SSC, HALF, eps,
                              R: tl.constexpr, OVERLAP: tl.constexpr, HAS_VALID: tl.constexpr,
                              HAS_ROPE: tl.constexpr, OUT_BF16: tl.constexpr,
-                             S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                             S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                             PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     e = tl.program_id(0)
     req = tl.load(req_ptr + e)

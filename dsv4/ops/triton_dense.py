@@ -180,7 +180,8 @@ def act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     BR = 32
     if M and n_kb:
         _act_quant_kernel[(triton.cdiv(M, BR), n_kb)](
-            x, q, s, M, K, x.stride(0), q.stride(0), n_kb, B=block, BR=BR, num_warps=4, **pdl_args(x))
+            x, q, s, M, K, x.stride(0), q.stride(0), n_kb, B=block, BR=BR, num_warps=4,
+            **pdl_args(x))
     return q, s
 
 

@@ -122,7 +122,8 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split,
                            NJ: tl.constexpr, NJP: tl.constexpr, BT: tl.constexpr,
-                           BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr, PDL: tl.constexpr = False):
+                           BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Split-K partials of ``flatten(x) @ fn^T`` [T, NJ] and of Σ x² [T] (fp32).
 
     BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts."""

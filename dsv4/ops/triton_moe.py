@@ -328,7 +328,8 @@ def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
 @triton.jit
 def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
                      GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False):
+                     BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """dst[row] = the GEMM-ready activation of RB rows (a slice of one row block) and one K
     step: source row pair // TOPK (GATHER: the token of the pair) or the row itself, FP8
     fake-quantized (QUANT, BK = block), for MXFP4 split into [even columns | odd columns].
@@ -403,7 +404,8 @@ def moe_prep(src: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
     nb = block_expert.shape[0]
     _moe_prep_kernel[(nb * (BM // rb), src.shape[1] // BK)](
         src, pairs, block_expert, dst, P, E, topk, src.stride(0), dst.stride(0),
-        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, num_warps=plan.num_warps, **pdl_args(src))
+        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, num_warps=plan.num_warps,
+        **pdl_args(src))
     return dst
 
 
@@ -433,7 +435,8 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
-                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
@@ -487,7 +490,8 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
@@ -523,7 +527,8 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """out[t] = Σ_j y[t·k + j] in fp32 over the picks j whose expert id is in 0..E-1."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
@@ -863,7 +868,8 @@ def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     del w2, a
     y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4, **pdl_args(y))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
+                                                 **pdl_args(y))
     return out
 
 
@@ -943,7 +949,8 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         num_stages=stages_down, **pdl_args(act_in))
     del part_down
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4, **pdl_args(y))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
+                                                 **pdl_args(y))
     return out
 
 

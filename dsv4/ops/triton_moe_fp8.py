@@ -266,7 +266,8 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
                       wt_ptr, act_ptr, P, N, K, E, stride_xm, stride_xsm, stride_actm,
                       stride_we, stride_wn, stride_se, stride_sn, limit,
                       HAS_LIMIT: tl.constexpr, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
-                      KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
+                      KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) (bf16) for the pairs of one row block and N tile;
     x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``).
     One FP8 dot per KS-wide K step and weight, its row and column powers of two applied in fp32
@@ -297,7 +298,8 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
 def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, P, N, K, E,
                         stride_am, stride_asm, stride_ym, stride_we, stride_wn, stride_se,
                         stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
-                        KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
+                        KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] (bf16) for the pairs of one row block and N tile; act given as
     e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step."""
     grid_dependency_sync(PDL)
@@ -513,7 +515,8 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     as_ = torch.empty(rows, inter // ab, dtype=torch.float32, device=x.device)
     _fp8_prep_kernel[(nb, inter // ab)](act, pairs, block_expert, aq, as_, P, E, k,
                                         act.stride(0), aq.stride(0), as_.stride(0),
-                                        GATHER=False, BM=cfg.BM, AB=ab, num_warps=4, **pdl_args(act))
+                                        GATHER=False, BM=cfg.BM, AB=ab, num_warps=4,
+                                        **pdl_args(act))
     del act
     y = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     _fp8mma_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
@@ -523,5 +526,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         BN=cfg.BN_down, num_warps=cfg.warps_down, num_stages=cfg.stages, **pdl_args(aq))
     del aq, as_
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4, **pdl_args(y))
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
+                                                 **pdl_args(y))
     return out

@@ -224,7 +224,8 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
                     count_ptr, N, K, E, TOPK, stride_x, stride_act, stride_we, stride_wn,
                     stride_se, stride_sn, stride_part_w, stride_part_s, limit,
                     QB: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+                    BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """act[p, tile] = w · swiglu(w1 x, w3 x) of pair p (token p // TOPK) for one N tile.
     SPLIT: partials into ``part`` [2, S, P, N] (gate, up); the last split finishes the tile.
     Skipped picks (id outside 0..E-1) touch nothing, in every split."""

@@ -20,7 +20,8 @@ __all__ = ["moe_plan", "moe_plan_torch"]
 
 @triton.jit
 def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
-                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False):
+                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """The routing plan of :func:`moe_plan_torch`, one program per expert e (program E fills
     the unused tail): every program histograms all P ids (cheap: P ≤ a few 10^4 int loads from
     L2) to find its first block, then writes its own pairs in pair order (a running cumsum:

@@ -66,7 +66,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
                       stride_xt, stride_xm, stride_yt, stride_ym, stride_c, eps,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr,
                       INVERSE: tl.constexpr, COPY_NOPE: tl.constexpr, FP8_BLOCK: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """BLOCK_R rows of x viewed as [T, M, d] (row r = token r // M): optional norm of the row,
     rotation of its last 2·half channels (pair j = channels nope+2j, nope+2j+1) by cos/sin of
     the row's token, optional FP8 fake quant of the first ``nope`` channels."""

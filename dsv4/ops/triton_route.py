@@ -114,7 +114,8 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_p
 
 @triton.jit
 def _swiglu_kernel(gate_ptr, up_ptr, y_ptr, n_rows, n_cols, stride_g, stride_u, limit,
-                   LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+                   LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """y = silu(min(g, limit)) · clamp(u, ±limit) over a [BLOCK_R, BLOCK_C] tile (fp32 math)."""
     grid_dependency_sync(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -132,7 +133,8 @@ def _swiglu_kernel(gate_ptr, up_ptr, y_ptr, n_rows, n_cols, stride_g, stride_u, 
 
 
 @triton.jit
-def _combine_kernel(routed_ptr, shared_ptr, y_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _combine_kernel(routed_ptr, shared_ptr, y_ptr, n, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """y = routed + shared (fp32 sum, one rounding to y's dtype), flat contiguous tensors."""
     grid_dependency_sync(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

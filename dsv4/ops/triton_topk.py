@@ -406,7 +406,8 @@ def topk_indices_with_block(scores: torch.Tensor, n_visible: torch.Tensor, k: in
         work = torch.empty(T, 2 * cap, dtype=torch.int32, device=dev)
         _topk_rows_kernel[(T,)](scores, n_visible, out, work, L, scores.stride(0), k, cap,
                                 BLOCK=block, BLOCK_K=block_k, STREAM=L > block,
-                                COMPACT=T > sms if compact is None else compact, **consts, **pdl_args(scores))
+                                COMPACT=T > sms if compact is None else compact, **consts,
+                                **pdl_args(scores))
         return out
     chunks = triton.cdiv(L, block)
     kc = min(k, block)
@@ -424,7 +425,8 @@ def topk_indices_with_block(scores: torch.Tensor, n_visible: torch.Tensor, k: in
     _topk_merge_kernel[(T,)](n_visible, out, cand_keys, cand_ids, work, L, k, kc,
                              cand_keys.stride(0), cap * chunks, BLOCK=block,
                              STREAM=chunks * kc > block,
-                             COMPACT=T > sms if compact is None else compact, **consts, **pdl_args(n_visible))
+                             COMPACT=T > sms if compact is None else compact, **consts,
+                             **pdl_args(n_visible))
     return out
 
 
