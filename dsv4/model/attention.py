@@ -43,8 +43,8 @@ from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.model.compressor import Compressor, CompressorV2, entry_pool_rows, write_entries
 from dsv4.model.context import StepContext
 from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
-from dsv4.model.layers import (Linear, RMSNorm, check_numerics, fused_linears, rope_cos_sin,
-                               rope_params)
+from dsv4.model.layers import (Linear, RMSNorm, check_numerics, exact_fp8_copy, fused_linears,
+                               rope_cos_sin, rope_params)
 from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
 from dsv4.ops.streams import join_side_lane, side_lane
 
@@ -52,6 +52,10 @@ __all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_
 
 # V4 official numerics: FP8 fake quant of the window KV's nope channels, per 64 (spec §3.6.2).
 _WINDOW_NOPE_FP8_BLOCK = 64
+
+# wo_a through the FP8 GEMV (dsv4.ops.fp8_grouped_linear) at this many tokens or fewer; more
+# read the bf16 weight (cuBLAS), as the GEMV serves 1-2 rows (triton_dense.GEMV_GROUPED_MAX_M).
+WO_A_GEMV_MAX_ROWS = 2
 
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
@@ -243,7 +247,8 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(hd, cfg.norm_eps, ops)
         # wo_a is dequantized by the loader (spec §2.4 item 1): a dense GEMM, no act quant.
         # (Kept FP8 with a grouped kernel dequantizing in registers it measured slower at 16+
-        # rows and only 7% faster at one: docs/PERFORMANCE.md, seventh session.)
+        # rows and only 7% faster at one: docs/PERFORMANCE.md, seventh session.  At 1-2 tokens
+        # on the GPU its exact FP8 form runs the CUDA-core GEMV: _wo_a.)
         self.wo_a = Linear(cfg.n_heads * hd // cfg.o_groups, self.n_groups * self.o_lora,
                            fmt="bf16", **lin)
         self.wo_b = Linear(self.n_groups * self.o_lora, cfg.dim, fmt=qfmt, **lin)
@@ -440,6 +445,19 @@ class Attention(nn.Module):
 
         # Grouped low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major.
         G = self.n_groups
-        wo_a = self.wo_a.weight.view(G, self.o_lora, -1)
-        u = torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).to(wo_a.dtype), wo_a)
+        u = self._wo_a(o.reshape(T, G, -1))
         return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype)))
+
+    def _wo_a(self, o: Tensor) -> Tensor:
+        """o [T, G, K] -> [T, G, o_lora] in wo_a's dtype.  At 1-2 tokens on the GPU the FP8
+        GEMV reads the weight's exact FP8 form (:func:`exact_fp8_copy`: half of bf16's bytes,
+        the same products); otherwise the bf16 weight (the reference's dense GEMM)."""
+        w = self.wo_a.weight
+        if (o.is_cuda and o.shape[0] <= WO_A_GEMV_MAX_ROWS
+                and self.ops.fp8_grouped_linear.__module__ == "dsv4.ops.triton_dense"):
+            fp8 = exact_fp8_copy(self.wo_a)
+            if fp8 is not None:
+                return self.ops.fp8_grouped_linear(o.to(w.dtype), fp8[0], fp8[1],
+                                                   self.wo_a.block, w.dtype)
+        wo_a = w.view(self.n_groups, self.o_lora, -1)
+        return torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a)

@@ -19,7 +19,7 @@ from dsv4.ops.torch_dense import batch_invariant_linear
 
 __all__ = ["Linear", "RMSNorm", "fused_linears", "stacked_weight", "rope_cos_sin", "rope_inv_freq",
            "yarn_correction_range", "rope_params", "WEIGHT_FORMATS", "NUMERICS", "quantized_storage",
-           "keeps_quantized", "load_device", "set_parameter"]
+           "keeps_quantized", "load_device", "set_parameter", "exact_fp8_copy"]
 
 WEIGHT_FORMATS = ("fp8", "fp4", "bf16", "f32")
 NUMERICS = ("bf16", "official")
@@ -258,6 +258,28 @@ def stacked_weight(x: Tensor, linears: Sequence[Linear]) -> Tensor | None:
         row += lin.out_features
     first.__dict__["_stacked_weight"] = (tuple(id(lin.weight) for lin in linears), w)
     return w
+
+
+def exact_fp8_copy(lin: Linear) -> tuple[Tensor, Tensor] | None:
+    """(e4m3 weight, e8m0 block scales) of a dense bf16 Linear whose values are exactly an FP8
+    block weight — ``attn.wo_a``, which the loader dequantizes from the checkpoint's FP8 as the
+    reference does — for the 1-2-row FP8 GEMV (half the bytes; same products).  Re-quantized
+    with power-of-two scales on first use and kept only if it dequantizes back to the same
+    bits (the e8m0 checkpoints; not the fp32-scale *-Base ones): else None.  Never made
+    inside a CUDA-graph capture (None until an eager call made it); a reload makes it again."""
+    w = lin.weight
+    cache = lin.__dict__.get("_exact_fp8")
+    if cache is not None and cache[0] == id(w):
+        return cache[1]
+    if (w.dtype != torch.bfloat16 or w.shape != (lin.out_features, lin.in_features)
+            or (w.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    from dsv4.formats import dequant_fp8_block, quant_fp8_block
+    w8, scale = quant_fp8_block(w, lin.block, "e8m0")
+    exact = torch.equal(dequant_fp8_block(w8, scale, lin.block, w.dtype), w)
+    copy = (w8, scale) if exact else None
+    lin.__dict__["_exact_fp8"] = (id(w), copy)
+    return copy
 
 
 def _fuses_on(x: Tensor) -> bool:

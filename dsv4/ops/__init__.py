@@ -32,6 +32,7 @@ OP_NAMES = (
     "head_norm_rope", "norm_rope", "compress_entries", "compress_update_state",
     "indexer_queries", "encode_records", "write_records",
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre", "linear_fp32",
+    "fp8_grouped_linear",
 )
 
 # Written in the second session, when no GPU time was left (docs/PERFORMANCE.md).

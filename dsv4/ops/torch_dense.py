@@ -159,6 +159,36 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
     return F.linear(xq, w).to(out_dtype)
 
 
+def check_grouped_linear_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                              block: int) -> None:
+    """Raise a ValueError naming ``fp8_grouped_linear`` unless x is [T, G, K] float, w8 a
+    [G·R, K] e4m3 weight and w_scale its [ceil(G·R/block), K/block] block scales."""
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"fp8_grouped_linear: x must be a float tensor [T, G, K]; found "
+                         f"{x.dtype} of shape {tuple(x.shape)}")
+    G, K = x.shape[1], x.shape[2]
+    if w8.dim() != 2 or w8.dtype != torch.float8_e4m3fn or w8.shape[1] != K or G < 1 \
+            or w8.shape[0] % G:
+        raise ValueError(f"fp8_grouped_linear: w8 must be float8_e4m3fn [G·R, K] with G = {G}, "
+                         f"K = {K}; found {w8.dtype} of shape {tuple(w8.shape)}")
+    want = (-(-w8.shape[0] // block), -(-K // block))
+    if tuple(w_scale.shape) != want or K % block:
+        raise ValueError(f"fp8_grouped_linear: w_scale must be {list(want)} for block {block} "
+                         f"(K a multiple of it); found {list(w_scale.shape)}")
+
+
+def fp8_grouped_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Grouped projection by a block-FP8 weight without activation quantization: x [T, G, K],
+    w8 [G·R, K] (group g = rows g·R ..), out [T, G, R] = Σ_k x[t, g, k]·W[g·R + r, k] in fp32,
+    ``out_dtype`` (default x.dtype) — ``attn.wo_a`` as the reference runs it (bf16 GEMM of the
+    dequantized weight)."""
+    check_grouped_linear_args(x, w8, w_scale, block)
+    T, G, K = x.shape
+    w = dequant_fp8_block(w8, w_scale, block, torch.float32).view(G, -1, K)
+    return torch.einsum("tgk,grk->tgr", x.float(), w).to(out_dtype or x.dtype)
+
+
 # ------------------------------------------------------------------------------ fp32 GEMM
 # Below this many rows MKL takes a GEMV-like path whose sums are ordered differently from its
 # GEMM: rows are padded up to it on CPU so a token's result does not depend on the batch size.

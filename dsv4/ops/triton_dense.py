@@ -17,7 +17,7 @@ import math
 import functools
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Callable, TypeVar
 
@@ -25,10 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops import torch_dense
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.streams import current_lane
+from dsv4.ops.torch_dense import check_grouped_linear_args
 
-__all__ = ["fp8_linear", "fp8_linear_with_config", "act_quant", "Fp8GemmConfig",
+__all__ = ["fp8_linear", "fp8_linear_with_config", "fp8_grouped_linear", "act_quant",
+           "Fp8GemmConfig",
            "pick_fp8_config", "pick_fp8_gemv_config", "GEMV_MAX_M", "mma", "round_to_bf16",
            "store_rne"]
 
@@ -295,21 +298,27 @@ def _fp8_gemm_kernel(a_ptr, sa_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
 
 @triton.jit
 def _gemv_x_row(x_ptr, m, M, stride_xm, k0, k_hi, sw_row,
-                SW_E8M0: tl.constexpr, B: tl.constexpr, BK: tl.constexpr):
+                SW_E8M0: tl.constexpr, B: tl.constexpr, BK: tl.constexpr,
+                QUANT_X: tl.constexpr):
     """Activation row m's step [k0, k0 + BK) as the [BK/16, 16] fp32 tile x8·sx·sw, quantized
-    on its own (:func:`quantize_block_rows` on [BK/B, B]): the ``SPLIT_ROWS=False`` form of
-    :func:`_fp8_gemv_kernel` (zero past the split and for rows m >= M)."""
+    on its own (:func:`quantize_block_rows` on [BK/B, B]; x·sw when not QUANT_X): the
+    ``SPLIT_ROWS=False`` form of :func:`_fp8_gemv_kernel` (zero past the split and for rows
+    m >= M)."""
     NB: tl.constexpr = BK // B
     rb = tl.arange(0, NB)
     b_ok = (k0 + rb * B) < k_hi
     x = tl.load(x_ptr + m * stride_xm + k0 + rb[:, None] * B + tl.arange(0, B)[None, :],
                 mask=(b_ok & (m < M))[:, None], other=0.0)
-    q, sx = quantize_block_rows(x.to(tl.float32))
     if SW_E8M0:
         sw = e8m0_to_f32(tl.load(sw_row + k0 // B + rb, mask=b_ok, other=127))
     else:
         sw = tl.load(sw_row + k0 // B + rb, mask=b_ok, other=1.0)
-    return tl.reshape(q * (sx * sw)[:, None], (BK // 16, 16))
+    if QUANT_X:
+        q, sx = quantize_block_rows(x.to(tl.float32))
+        xs = q * (sx * sw)[:, None]
+    else:
+        xs = x.to(tl.float32) * sw[:, None]
+    return tl.reshape(xs, (BK // 16, 16))
 
 
 @triton.jit
@@ -318,10 +327,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
                      k_blocks_per_split,
                      SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
-                     SPLIT_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+                     SPLIT_ROWS: tl.constexpr, X_GROUP: tl.constexpr = 0,
+                     QUANT_X: tl.constexpr = True, PDL: tl.constexpr = False):
     """out[M, N] for M <= MP (1, 2 or 4 rows) on the CUDA cores: the numerics of the QUANT_A
     path of :func:`_fp8_gemm_kernel` (activation quantized per row and B-block as
     ``act_quant``; fp32 sums; bf16 out rounded to nearest-even), the sums in another order.
+
+    Grouped weights (``X_GROUP`` > 0, a multiple of BN: ``attn.wo_a``): weight rows
+    ``[g·X_GROUP, (g+1)·X_GROUP)`` read columns ``[g·K, (g+1)·K)`` of x.  QUANT_X=False: x is
+    used as it is (the reference's bf16 GEMM of a dequantized weight: x·w8·sw, exact products).
 
     Grid (N tiles of BN rows, SPLITS); BN divides B, so one weight-scale row serves the tile.
     Split s covers the K blocks ``[s·k_blocks_per_split, min((s+1)·k_blocks_per_split, n_kb))``
@@ -351,6 +365,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
     G: tl.constexpr = BK // 16
     rn = pid_n * BN + tl.arange(0, BN)
     n_mask = rn < N
+    if X_GROUP > 0:
+        x_ptr += ((pid_n * BN) // X_GROUP) * K
     kcol = tl.arange(0, G)[:, None, None] * 16 + tl.arange(0, 16)[None, None, :]  # [G, 1, 16]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + kcol
     # BN divides B: the whole tile reads one row of weight scales.
@@ -373,24 +389,29 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
         w = tl.load(w_ptrs + k0, mask=n_mask[None, :, None] & ((k0 + kcol) < k_hi), other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         if MP > 1 and not SPLIT_ROWS:
-            xs = _gemv_x_row(x_ptr, 0, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+            xs = _gemv_x_row(x_ptr, 0, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK, QUANT_X)
             acc0 += tl.sum(w * xs[:, None, :], axis=2)
-            xs = _gemv_x_row(x_ptr, 1, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+            xs = _gemv_x_row(x_ptr, 1, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK, QUANT_X)
             acc1 += tl.sum(w * xs[:, None, :], axis=2)
             if MP > 2:
-                xs = _gemv_x_row(x_ptr, 2, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+                xs = _gemv_x_row(x_ptr, 2, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK,
+                                 QUANT_X)
                 acc2 += tl.sum(w * xs[:, None, :], axis=2)
-                xs = _gemv_x_row(x_ptr, 3, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK)
+                xs = _gemv_x_row(x_ptr, 3, M, stride_xm, k0, k_hi, sw_row, SW_E8M0, B, BK,
+                                 QUANT_X)
                 acc3 += tl.sum(w * xs[:, None, :], axis=2)
         else:
             b_ok = (k0 + xb * B) < k_hi
             x = tl.load(x_ptrs + k0, mask=(b_ok & (xm < M))[:, None], other=0.0)
-            q, sx = quantize_block_rows(x.to(tl.float32))
             if SW_E8M0:
                 sw = e8m0_to_f32(tl.load(sw_row + k0 // B + xb, mask=b_ok, other=127))
             else:
                 sw = tl.load(sw_row + k0 // B + xb, mask=b_ok, other=1.0)
-            xs = q * (sx * sw)[:, None]
+            if QUANT_X:
+                q, sx = quantize_block_rows(x.to(tl.float32))
+                xs = q * (sx * sw)[:, None]
+            else:
+                xs = x.to(tl.float32) * sw[:, None]
             # Rows split off with tl.split (in registers): one layout change of the whole step
             # to the lanes of W (SASS: a quarter of the barriers of one quantization per row).
             if MP == 1:
@@ -459,6 +480,9 @@ _DECODE_MAX_M = 512
 GEMV_MAX_M = int(os.environ.get("DSV4_FP8_GEMV_MAX_M", "2"))
 # Rows the GEMV kernel holds (its accumulators are unrolled per row: MP = 1, 2 or 4).
 GEMV_LIMIT = 4
+# fp8_grouped_linear (attn.wo_a) runs the GEMV up to this many rows (the model's bf16 weight
+# takes more: cuBLAS on it beat the in-register-dequant MMA kernel from 16 rows, seventh session).
+GEMV_GROUPED_MAX_M = 2
 # 2-4 rows: quantize the rows' activation step together and split the rows off in registers
 # (True), or quantize each row on its own (False: the fallback form, see _fp8_gemv_kernel).
 GEMV_SPLIT_ROWS = os.environ.get("DSV4_FP8_GEMV_SPLIT_ROWS", "1") == "1"
@@ -691,10 +715,18 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
 
 
 def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: bool, block: int,
-              out_dtype: torch.dtype, cfg: Fp8GemmConfig) -> torch.Tensor:
-    """Launch ``_fp8_gemv_kernel`` for x2 [M <= 4, K] (contiguous rows): out [M, N]."""
+              out_dtype: torch.dtype, cfg: Fp8GemmConfig, groups: int = 0,
+              quant_x: bool = True) -> torch.Tensor:
+    """Launch ``_fp8_gemv_kernel`` for x2 [M <= 4, K] (contiguous rows): out [M, N].
+    ``groups`` > 0: x2 is [M, groups·K'] and weight rows of group g read its g-th K' columns."""
     M, K = x2.shape
     N = w8.shape[0]
+    x_group = N // groups if groups else 0
+    if groups:
+        K //= groups
+        if x_group % cfg.BN:
+            raise ValueError(f"fp8 grouped GEMV: BN {cfg.BN} must divide the rows per group "
+                             f"{x_group}")
     _check_gemv_plan(cfg, M, block)
     n_kb = K // block
     split = max(1, min(cfg.split_k, n_kb))
@@ -707,9 +739,45 @@ def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: boo
         x2, w8, sw, out, ws, counters, M, N, K, x2.stride(0), w8.stride(0), out.stride(0),
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
         SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK,
-        SPLITS=split, SPLIT_ROWS=GEMV_SPLIT_ROWS or M == 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(x2))
+        SPLITS=split, SPLIT_ROWS=GEMV_SPLIT_ROWS or M == 1, X_GROUP=x_group, QUANT_X=quant_x,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
     return out
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def fp8_grouped_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out[t, g, r] = Σ_k x[t, g, k] · W[g·R + r, k] for a block-FP8 weight W (w8 [G·R, K],
+    w_scale [ceil(G·R/block), K/block]) and x [T, G, K], fp32 sums, ``out_dtype`` (default
+    x.dtype): the reference's bf16 GEMM of the dequantized ``attn.wo_a`` (no activation
+    quantization; bf16 x times e4m3·2^e products are exact in fp32).
+
+    1-2 rows: the CUDA-core GEMV kernel reading the FP8 bytes (half of bf16's); more rows: the
+    dequantized weight through torch (the model keeps its bf16 ``wo_a`` for those)."""
+    check_grouped_linear_args(x, w8, w_scale, block)
+    out_dtype = out_dtype or x.dtype
+    T, G, K = x.shape
+    R = w8.shape[0] // G
+    if T == 0:
+        return torch.empty(0, G, R, dtype=out_dtype, device=x.device)
+    if T > GEMV_GROUPED_MAX_M:
+        return torch_dense.fp8_grouped_linear(x, w8, w_scale, block, out_dtype)
+    if w_scale.dtype == torch.float32:
+        sw, sw_e8m0 = w_scale.contiguous(), False
+    else:
+        sw, sw_e8m0 = w_scale.contiguous().view(torch.uint8), True
+    x2 = x.reshape(T, G * K)
+    if x2.stride(1) != 1 or x2.stride(0) != G * K:
+        x2 = x2.contiguous()
+    cfg = pick_fp8_gemv_config(T, G * R, K, block, x.device)
+    bn = cfg.BN
+    while R % bn:                            # an N tile inside one group
+        bn //= 2
+    if bn != cfg.BN:
+        cfg = replace(cfg, BN=bn, num_warps=max(1, min(cfg.num_warps, bn // 8)))
+    w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
+    return _fp8_gemv(x2, w8, sw, sw_e8m0, block, out_dtype, cfg, groups=G,
+                     quant_x=False).view(T, G, R)
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")

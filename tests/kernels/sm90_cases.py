@@ -983,7 +983,24 @@ def _fp8_gemv(m: ModelDims, Ms: tuple[int, ...], alternates: bool = False) -> No
                                               M, N, K, m.block, w.device))
 
 
+def _wo_a_gemv(m: ModelDims) -> None:
+    """attn.wo_a through fp8_grouped_linear (the GEMV with groups, no activation quantization)
+    at 1 and 2 tokens, all groups and a TP=2 shard, bf16 and fp32 out."""
+    import torch
+
+    from dsv4.ops import triton_dense as td
+    K = m.heads * m.head_dim // m.o_groups
+    for G in (m.o_groups, m.o_groups // 2):
+        w = _empty(G * m.o_lora, K, dtype=torch.float8_e4m3fn)
+        s = _empty(G * m.o_lora // m.block, K // m.block, dtype=torch.float8_e8m0fnu)
+        for T in (1, 2):
+            for out in (torch.bfloat16, torch.float32):
+                td.fp8_grouped_linear(_empty(T, G, K, dtype=torch.bfloat16), w, s, m.block, out)
+
+
 scenario("fp8_linear/v4_flash/gemv")(lambda: _fp8_gemv(V4_FLASH, (1, 2, 3, 4), True))
+scenario("fp8_linear/v4_flash/wo_a_gemv")(lambda: _wo_a_gemv(V4_FLASH))
+scenario("fp8_linear/v41_flash/wo_a_gemv")(lambda: _wo_a_gemv(V41_FLASH))
 scenario("fp8_linear/v4_pro/gemv")(lambda: _fp8_gemv(V4_PRO, (1,)))
 scenario("fp8_linear/v41_flash/gemv")(lambda: _fp8_gemv(V41_FLASH, (4,)))
 

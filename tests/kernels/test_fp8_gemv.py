@@ -157,6 +157,47 @@ def test_interp_gemv_matches_twin(case: tuple, scale_dtype: torch.dtype) -> None
         assert _rel(y, y_ref) < FP32_BOUND, (M, _rel(y, y_ref))
 
 
+# (G, R, K, block, scale dtype): the grouped, unquantized form (attn.wo_a) at toy widths.
+GROUPED_CASES = [(2, 32, 256, 128, E8M0), (4, 16, 128, 128, torch.float32),
+                 (3, 64, 256, 32, E8M0)]
+
+
+@interp_only
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: "G{}-R{}-K{}-b{}".format(*c[:4]))
+def test_interp_grouped_linear_matches_twin(case: tuple) -> None:
+    """fp8_grouped_linear at 1-2 rows (the GEMV kernel, groups reading their own K-slice of x,
+    no activation quantization) against its torch twin; 3 rows take the twin itself."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_dense as tri
+    G, R, K, block, scale_dtype = case
+    gen = torch.Generator().manual_seed(G * R + K)
+    w8, ws = _fp8_weight(G * R, K, block, scale_dtype, gen)
+    for T in (1, 2, 3):
+        x = (torch.randn(T, G, K, generator=gen) * 2).to(torch.bfloat16)
+        for out_dtype, bound in ((torch.float32, FP32_BOUND), (torch.bfloat16, BF16_BOUND)):
+            y = tri.fp8_grouped_linear(x, w8, ws, block, out_dtype)
+            y_ref = ref.fp8_grouped_linear(x, w8, ws, block, out_dtype)
+            assert y.shape == (T, G, R) and y.dtype == out_dtype
+            assert _rel(y, y_ref) < bound, (T, out_dtype, _rel(y, y_ref))
+        # Each group reads its own slice of x: zeroing group 0's input zeroes only its rows.
+        x[:, 0] = 0
+        y = tri.fp8_grouped_linear(x, w8, ws, block, torch.float32)
+        assert not y[:, 0].any() and y[:, 1:].abs().sum() > 0
+
+
+def test_grouped_linear_rejects_bad_inputs() -> None:
+    from dsv4.ops import torch_dense as ref
+    gen = torch.Generator().manual_seed(0)
+    w8, ws = _fp8_weight(64, 256, 128, E8M0, gen)
+    x = torch.randn(1, 2, 256)
+    for bad, msg in ((x[0], "x must be"), (torch.randn(1, 3, 256), "w8 must be"),
+                     (torch.randn(1, 2, 128), "w8 must be")):
+        with pytest.raises(ValueError, match=msg):
+            ref.fp8_grouped_linear(bad, w8, ws, 128)
+    with pytest.raises(ValueError, match="w_scale must be"):
+        ref.fp8_grouped_linear(x, w8, ws[:, :1], 128)
+
+
 @interp_only
 @pytest.mark.parametrize("M", [1, 3, 4])
 def test_interp_gemv_matches_mma_kernel(M: int) -> None:
@@ -237,6 +278,34 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@needs_gpu
+@pytest.mark.usefixtures("_no_tf32")
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("groups", [8, 4], ids=["wo_a", "wo_a_tp2"])
+def test_gpu_grouped_linear_wo_a(T: int, groups: int) -> None:
+    """attn.wo_a of V4-Flash (8 groups of 1024 rows over 4096 columns; 4 under TP=2) through
+    the grouped GEMV: against the twin and the bf16 einsum the model runs otherwise (the same
+    exact products), every element written."""
+    from dsv4.formats import dequant_fp8_block
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_dense as tri
+    gen = torch.Generator(device="cuda").manual_seed(T + groups)
+    R, K = 1024, 4096
+    w8, ws = _fp8_weight(groups * R, K, 128, E8M0, gen, "cuda")
+    x = (torch.randn(T, groups, K, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    y_ref = ref.fp8_grouped_linear(x, w8, ws, 128, torch.float32)
+    _poison()
+    y32 = tri.fp8_grouped_linear(x, w8, ws, 128, torch.float32)
+    _poison()
+    y = tri.fp8_grouped_linear(x, w8, ws, 128, torch.bfloat16)
+    w = dequant_fp8_block(w8, ws, 128, torch.bfloat16).view(groups, R, K)
+    einsum = torch.einsum("tgd,grd->tgr", x, w)
+    assert bool(torch.isfinite(y32).all()) and bool(torch.isfinite(y.float()).all())
+    assert _rel(y32, y_ref) < FP32_BOUND, _rel(y32, y_ref)
+    assert torch.equal(y, y32.to(torch.bfloat16))
+    assert _rel(y, einsum) < BF16_BOUND, _rel(y, einsum)
 
 
 @needs_gpu

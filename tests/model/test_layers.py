@@ -152,3 +152,25 @@ def test_linear_loads_quantized_weight_and_fake_quantizes_input() -> None:
     torch.testing.assert_close(official(x), xq @ dense.T)
     with pytest.raises(ValueError, match="logical shape"):
         Linear(128, 256, fmt="fp8").load_weight(qw)
+
+
+def test_exact_fp8_copy_of_a_dequantized_weight() -> None:
+    """wo_a's FP8 form for the decode GEMV: kept only when it dequantizes back to the same
+    bits (e8m0 checkpoints), remade after a reload, absent for other values."""
+    from dsv4.formats import dequant_fp8_block, quant_fp8_block
+    from dsv4.model.layers import Linear, exact_fp8_copy
+
+    gen = torch.Generator().manual_seed(3)
+    lin = Linear(256, 384, fmt="bf16", block=128, dtype=torch.bfloat16)
+    w8, s = quant_fp8_block(torch.randn(384, 256, generator=gen) * 0.05, 128, "e8m0")
+    lin.load_weight(dequant_fp8_block(w8, s, 128, torch.bfloat16))
+    copy = exact_fp8_copy(lin)
+    assert copy is not None and exact_fp8_copy(lin) is copy            # made once
+    assert torch.equal(dequant_fp8_block(copy[0], copy[1], 128, torch.bfloat16), lin.weight)
+    # fp32 block scales (the *-Base checkpoints): the bf16 values are off the e8m0 grid.
+    w8b, s32 = quant_fp8_block(torch.randn(384, 256, generator=gen) * 0.05, 128, "float32")
+    lin.load_weight(dequant_fp8_block(w8b, s32, 128, torch.bfloat16))
+    assert exact_fp8_copy(lin) is None
+    lin.load_weight(dequant_fp8_block(w8, s, 128, torch.bfloat16))   # a reload: made again
+    again = exact_fp8_copy(lin)
+    assert again is not None and torch.equal(again[0].view(torch.uint8), copy[0].view(torch.uint8))
