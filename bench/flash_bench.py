@@ -16,7 +16,10 @@ Reported, each with its floor and ratio = measured / floor:
   prefill and copied to the other requests' pages and slots), logits included (floor: bytes of
   weights in checkpoint formats + KV read / 4.29 TB/s), eager and as a CUDA-graph replay of one
   captured step;
-* the routed-expert op alone (graph replay) at the decode batches.
+* the routed-expert op alone (graph replay) at the decode batches;
+* with ``--launch-ab``: each decode step captured once per :data:`LAUNCH_VARIANTS` entry (plain
+  launches, programmatic dependent launch, ...) and the graphs' replays timed interleaved in
+  one process, with each variant's logits compared to the plain one's.
 
 Floors count the ideal bytes and FLOPs of the workload, not those of this implementation (which,
 e.g., holds the head and the compressor weights in fp32): see docs/PERFORMANCE.md.
