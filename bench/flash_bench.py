@@ -44,7 +44,7 @@ import torch
 from dsv4.cache.formats import RECORD_DTYPE, cache_formats, is_record_dtype
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
-from dsv4.formats import QuantWeight, dequant_fp8_block
+from dsv4.formats import QuantWeight
 from dsv4.model.context import StepContext, pages_needed
 from dsv4.model.layers import Linear, quantized_storage
 from dsv4.model.moe import Experts
@@ -112,34 +112,31 @@ def fill_random(model: Transformer, seed: int = 0) -> None:
     the activations O(1) (FP8 Linears: |W| ~ 1/sqrt(K); MXFP4 experts likewise)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     done: set[int] = set()
-    for module in model.modules():
+
+    def fp8_weight(lin: Linear) -> QuantWeight:
+        n, k, b = lin.out_features, lin.in_features, lin.block
+        w8 = (torch.randn(n, k, generator=gen, device=DEV) * 64).clamp(-448, 448)
+        center = 127 - 6 - int(math.log2(math.sqrt(k)))
+        return QuantWeight(w8.to(torch.float8_e4m3fn), _e8m0((-(-n // b), -(-k // b)), center,
+                                                             gen), "fp8", b, (n, k))
+
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantized_storage:
-            n, k, b = module.out_features, module.in_features, module.block
-            w8 = (torch.randn(n, k, generator=gen, device=DEV) * 64).clamp(-448, 448)
-            center = 127 - 6 - int(math.log2(math.sqrt(k)))
-            qw = QuantWeight(w8.to(torch.float8_e4m3fn), _e8m0((-(-n // b), -(-k // b)), center,
-                                                              gen), "fp8", b, (n, k))
-            module.load_weight(qw)
+            module.load_weight(fp8_weight(module))
+            done.update(id(p) for p in module.parameters())
+        elif isinstance(module, Linear) and name.endswith("attn.wo_a"):
+            # The checkpoint's FP8 wo_a, dequantized to bf16 as the loader does.
+            module.weight.copy_(fp8_weight(module).dequantize(module.weight.dtype))
             done.update(id(p) for p in module.parameters())
         elif isinstance(module, Experts) and module.fmt == "fp4":
-            for name in ("w1", "w3", "w2"):
-                w = getattr(module, name)
+            for wname in ("w1", "w3", "w2"):
+                w = getattr(module, wname)
                 w.copy_(torch.randint(-128, 128, w.shape, generator=gen, device=DEV,
                                       dtype=torch.int8))
-                s = getattr(module, f"{name}_scale")
+                s = getattr(module, f"{wname}_scale")
                 k = w.shape[-1] * 2
                 center = 127 - 2 - int(math.log2(math.sqrt(k)))
                 s.copy_(_e8m0(tuple(s.shape), center, gen))
-            done.update(id(p) for p in module.parameters())
-    for name, module in model.named_modules():
-        if name.endswith("attn.wo_a") and isinstance(module, Linear):
-            # The checkpoint's FP8 wo_a, dequantized to bf16 as the loader does.
-            n, k, b = module.out_features, module.in_features, module.block
-            w8 = (torch.randn(n, k, generator=gen, device=DEV) * 64).clamp(-448, 448)
-            center = 127 - 6 - int(math.log2(math.sqrt(k)))
-            scale = _e8m0((-(-n // b), -(-k // b)), center, gen)
-            module.weight.copy_(dequant_fp8_block(w8.to(torch.float8_e4m3fn), scale, b,
-                                                  module.weight.dtype))
             done.update(id(p) for p in module.parameters())
     for name, p in model.named_parameters():
         if id(p) in done:

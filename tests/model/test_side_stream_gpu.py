@@ -38,18 +38,11 @@ def _step_fn(monkeypatch: pytest.MonkeyPatch):
     return lambda: model.compute_logits(model.forward(c, cache))
 
 
-def test_side_stream_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+def _assert_replays_equal(step, expected: torch.Tensor, replays: int) -> None:
+    """``step`` captured in a CUDA graph (warmed on a side stream) gives ``expected`` bit for
+    bit on every replay, and leaves every split-K arrival counter at zero."""
     from dsv4.ops import triton_dense as td
 
-    step = _step_fn(monkeypatch)
-    monkeypatch.setenv("DSV4_SIDE_STREAM", "0")
-    plain = step().clone()
-    monkeypatch.setenv("DSV4_SIDE_STREAM", "1")
-    side = step().clone()
-    torch.cuda.synchronize()
-    assert torch.isfinite(plain).all()
-    assert torch.equal(side, plain)
-    # The fork / join captured as graph edges.
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -58,21 +51,32 @@ def test_side_stream_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = step()
-    for _ in range(3):
+    for _ in range(replays):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+        assert torch.equal(out, expected)
     del g
     for buf in td._splitk_counter_cache.values():
         assert not buf.any(), "arrival counters left non-zero"
+
+
+def test_side_stream_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    step = _step_fn(monkeypatch)
+    monkeypatch.setenv("DSV4_SIDE_STREAM", "0")
+    plain = step().clone()
+    monkeypatch.setenv("DSV4_SIDE_STREAM", "1")
+    side = step().clone()
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain).all()
+    assert torch.equal(side, plain)
+    _assert_replays_equal(step, plain, 3)          # the fork / join captured as graph edges
 
 
 def test_pdl_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that read its predecessor's output before the grid dependency wait would show
     here as a changed bit (in eager steps or replays, which run the chain back to back)."""
     from dsv4.ops import pdl
-    from dsv4.ops import triton_dense as td
 
     step = _step_fn(monkeypatch)
     x = torch.empty(1, device="cuda")
@@ -85,19 +89,4 @@ def test_pdl_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> Non
         assert torch.equal(step(), plain)
     torch.cuda.synchronize()
     assert torch.isfinite(plain).all()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
-    for _ in range(5):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
-    del g
-    for buf in td._splitk_counter_cache.values():
-        assert not buf.any(), "arrival counters left non-zero"
+    _assert_replays_equal(step, plain, 5)
