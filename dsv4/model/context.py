@@ -93,7 +93,8 @@ class StepContext:
     * ``cu_seqlens`` [R+1] int64, ``start_pos`` [R] int64 (tokens cached before this step);
     * ``slots`` [R] int64 (state slot of each request in HybridCache);
     * ``block_tables`` [R, max_pages] int64 (page ids, −1 where unused);
-    * ``logits_indices`` [N] int64 (rows whose logits are wanted);
+    * ``logits_indices`` [N] int64 (rows whose logits are wanted); ``logits_all`` (host flag):
+      they are every row in order, so the model skips the gather (one kernel per step);
     * ``seqlens_host``, ``start_pos_host`` (list[int]): host copies;
     * ``token_types`` [T] int64 or None (V4.1 image marks: −1 text, ≥ 0 image span).
 
@@ -122,6 +123,7 @@ class StepContext:
     block_tables_host: list[list[int]] | None = None
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
     static: StaticShape | None = None
+    logits_all: bool = False
 
     def __post_init__(self) -> None:
         R = len(self.seqlens_host)
@@ -144,6 +146,9 @@ class StepContext:
         if self.block_tables.dim() != 2 or self.block_tables.shape[0] != R:
             raise ValueError(f"StepContext: block_tables has shape {tuple(self.block_tables.shape)};"
                              f" expected [R={R}, max_pages]")
+        if self.logits_all and tuple(self.logits_indices.shape) != (T,):
+            raise ValueError(f"StepContext: logits_all needs logits_indices of every token "
+                             f"({T}); found shape {tuple(self.logits_indices.shape)}")
         if self.token_types is not None and tuple(self.token_types.shape) != (T,):
             raise ValueError(f"StepContext: token_types has shape {tuple(self.token_types.shape)};"
                              f" expected ({T},)")
@@ -190,6 +195,7 @@ class StepContext:
         bt = [[int(p) for p in b] + [-1] * (width - len(b)) for b in block_tables]
         if logits_indices is None:
             logits_indices = [c - 1 for c in cu[1:]]
+        logits_indices = [int(i) for i in logits_indices]
         tt = None if token_types is None else _as_long(token_types, device)
         return cls(
             input_ids=ids,
@@ -198,9 +204,10 @@ class StepContext:
             start_pos=torch.tensor(start_pos, dtype=torch.int64, device=device),
             slots=torch.tensor([int(s) for s in slots], dtype=torch.int64, device=device),
             block_tables=torch.tensor(bt, dtype=torch.int64, device=device),
-            logits_indices=torch.tensor(list(logits_indices), dtype=torch.int64, device=device),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             seqlens_host=seqlens, start_pos_host=start_pos, token_types=tt,
-            slots_host=[int(s) for s in slots], block_tables_host=bt)
+            slots_host=[int(s) for s in slots], block_tables_host=bt,
+            logits_all=logits_indices == list(range(cu[-1])))
 
     @classmethod
     def static_decode(cls, input_ids: Sequence[int], start_pos: Sequence[int],
@@ -252,7 +259,7 @@ class StepContext:
                             logits_indices: Tensor | None = None) -> "StepContext":
         """A static-shape decode step over given device tensors of B rows (e.g. views of a CUDA
         graph's persistent buffers): positions are ``start_pos`` itself, every row's logits are
-        wanted.  The host lists (only validated by the layers, never used for shapes) default to
+        wanted (``logits_indices``, when given, must be ``arange(B)``).  The host lists (only validated by the layers, never used for shapes) default to
         what the tensors hold when passed, else to the padding-row values; pass them to avoid a
         device read (under graph capture they must be given).
         """
@@ -273,7 +280,7 @@ class StepContext:
                    logits_indices=logits_indices, seqlens_host=[1] * B,
                    start_pos_host=list(start_pos_host), token_types=token_types,
                    slots_host=list(slots_host), block_tables_host=block_tables_host,
-                   static=static)
+                   static=static, logits_all=True)
 
     @classmethod
     def single(cls, input_ids: Tensor | Sequence[int], start_pos: int = 0, page_size: int = 256,

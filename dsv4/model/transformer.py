@@ -341,7 +341,8 @@ class Transformer(nn.Module):
                 x, pre = layer(x, ctx, cache, pre, nxt.hc_attn, nxt.attn_norm)
             else:
                 x = layer(x, ctx, cache, pre)
-        x = x[ctx.logits_indices]
+        if not ctx.logits_all:
+            x = x[ctx.logits_indices]
         # The final norm runs inside the collapse (one launch at decode).
         return self.hc_head(x, self.norm)
 
@@ -355,8 +356,10 @@ class Transformer(nn.Module):
         pre_mix = identity_pre_mix(self.cfg.hc_mult, x.shape[0], device=x.device)
         for layer in self.layers:
             x, pre_mix = layer(x, pre_mix, ctx, cache, engram_rows, token_mask)
-        rows = ctx.logits_indices
-        return self.norm(hc_final_collapse(x[rows], pre_mix[rows]))
+        if not ctx.logits_all:
+            rows = ctx.logits_indices
+            x, pre_mix = x[rows], pre_mix[rows]
+        return self.norm(hc_final_collapse(x, pre_mix))
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -130,3 +130,22 @@ def test_bad_inputs_and_unsupported_variants(tiny_paths: dict[str, str]) -> None
         model.forward_full([1, 2], token_types=[-1, -1])
     with pytest.raises(ValueError, match="numerics"):
         Transformer(model.cfg, numerics="fp8")
+
+
+def test_logits_all_flag_marks_every_row_in_order() -> None:
+    """``logits_all`` (the model then skips its row gather) holds exactly when the wanted rows
+    are every token in order."""
+    decode = StepContext.build([5, 6], [1, 1], [3, 7], [0, 1], [[0], [1]])
+    assert decode.logits_all                                  # one token per request
+    prefill = StepContext.build([5, 6, 7], [3], [0], [0], [[0]])
+    assert not prefill.logits_all                             # the last token only
+    every = StepContext.build([5, 6, 7], [3], [0], [0], [[0]], logits_indices=[0, 1, 2])
+    assert every.logits_all
+    shuffled = StepContext.build([5, 6, 7], [3], [0], [0], [[0]], logits_indices=[1, 0, 2])
+    assert not shuffled.logits_all
+    with pytest.raises(ValueError, match="logits_all"):
+        StepContext(input_ids=prefill.input_ids, positions=prefill.positions,
+                    cu_seqlens=prefill.cu_seqlens, start_pos=prefill.start_pos,
+                    slots=prefill.slots, block_tables=prefill.block_tables,
+                    logits_indices=prefill.logits_indices, seqlens_host=[3],
+                    start_pos_host=[0], logits_all=True)
