@@ -28,7 +28,6 @@ import triton.language as tl
 from dsv4.ops import torch_dense
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.streams import current_lane
-from dsv4.ops.torch_dense import check_grouped_linear_args
 
 __all__ = ["fp8_linear", "fp8_linear_with_config", "fp8_grouped_linear", "act_quant",
            "Fp8GemmConfig",
@@ -671,6 +670,13 @@ def _check_fp8_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bl
                          f"{x.device}, {w8.device}, {w_scale.device}")
 
 
+def _scale_operand(w_scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Block scales as the kernels take them: (fp32 scales, False) or (e8m0 bytes, True)."""
+    if w_scale.dtype == torch.float32:
+        return w_scale.contiguous(), False
+    return w_scale.contiguous().view(torch.uint8), True
+
+
 def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
                            out_dtype: torch.dtype | None, cfg: Fp8GemmConfig | None
                            ) -> torch.Tensor:
@@ -689,10 +695,7 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
     n_kb = K // block
     if cfg is None:
         cfg = pick_fp8_config(M, N, K, block, x.device)
-    if w_scale.dtype == torch.float32:
-        sw, sw_e8m0 = w_scale.contiguous(), False
-    else:
-        sw, sw_e8m0 = w_scale.contiguous().view(torch.uint8), True
+    sw, sw_e8m0 = _scale_operand(w_scale)
     if cfg.gemv:
         return _fp8_gemv(x2, w8, sw, sw_e8m0, block, out_dtype, cfg).view(*lead, N)
     if cfg.fuse_quant:
@@ -754,7 +757,7 @@ def fp8_grouped_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
 
     1-2 rows: the CUDA-core GEMV kernel reading the FP8 bytes (half of bf16's); more rows: the
     dequantized weight through torch (the model keeps its bf16 ``wo_a`` for those)."""
-    check_grouped_linear_args(x, w8, w_scale, block)
+    torch_dense.check_grouped_linear_args(x, w8, w_scale, block)
     out_dtype = out_dtype or x.dtype
     T, G, K = x.shape
     R = w8.shape[0] // G
@@ -762,10 +765,7 @@ def fp8_grouped_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
         return torch.empty(0, G, R, dtype=out_dtype, device=x.device)
     if T > GEMV_GROUPED_MAX_M:
         return torch_dense.fp8_grouped_linear(x, w8, w_scale, block, out_dtype)
-    if w_scale.dtype == torch.float32:
-        sw, sw_e8m0 = w_scale.contiguous(), False
-    else:
-        sw, sw_e8m0 = w_scale.contiguous().view(torch.uint8), True
+    sw, sw_e8m0 = _scale_operand(w_scale)
     x2 = x.reshape(T, G * K)
     if x2.stride(1) != 1 or x2.stride(0) != G * K:
         x2 = x2.contiguous()
