@@ -258,6 +258,11 @@ class LLMEngine:
             self.model = load_model(model_path, device=device, dtype=dtype,
                                     numerics=opts.numerics, backend=backend, **extra)
 
+        if device.type == "cuda" and hasattr(self.model, "prepare_decode_weights"):
+            # Decode-only weight forms count as weights in the cache sizing below.
+            extra_bytes = self.model.prepare_decode_weights()
+            if extra_bytes:
+                log.info("dsv4 engine: %.2f GiB of decode-only weight forms", extra_bytes / 2**30)
         profile = graph_pool = None
         use_graphs = device.type == "cuda" and not opts.enforce_eager and (
             not self.parallel.enabled or opts.cuda_graphs_under_tp)

@@ -448,13 +448,24 @@ class Attention(nn.Module):
         u = self._wo_a(o.reshape(T, G, -1))
         return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype)))
 
+    def _wo_a_gemv_on(self, device: torch.device) -> bool:
+        return (device.type == "cuda"
+                and self.ops.fp8_grouped_linear.__module__ == "dsv4.ops.triton_dense")
+
+    def prepare_decode_weights(self) -> int:
+        """Make the decode-only weight forms now (wo_a's exact FP8 copy for the 1-2-token
+        GEMV), so that the engine's memory sizing sees them; returns their bytes."""
+        if not self._wo_a_gemv_on(self.wo_a.weight.device):
+            return 0
+        fp8 = exact_fp8_copy(self.wo_a)
+        return 0 if fp8 is None else sum(t.numel() * t.element_size() for t in fp8)
+
     def _wo_a(self, o: Tensor) -> Tensor:
         """o [T, G, K] -> [T, G, o_lora] in wo_a's dtype.  At 1-2 tokens on the GPU the FP8
         GEMV reads the weight's exact FP8 form (:func:`exact_fp8_copy`: half of bf16's bytes,
         the same products); otherwise the bf16 weight (the reference's dense GEMM)."""
         w = self.wo_a.weight
-        if (o.is_cuda and o.shape[0] <= WO_A_GEMV_MAX_ROWS
-                and self.ops.fp8_grouped_linear.__module__ == "dsv4.ops.triton_dense"):
+        if o.shape[0] <= WO_A_GEMV_MAX_ROWS and self._wo_a_gemv_on(o.device):
             fp8 = exact_fp8_copy(self.wo_a)
             if fp8 is not None:
                 return self.ops.fp8_grouped_linear(o.to(w.dtype), fp8[0], fp8[1],

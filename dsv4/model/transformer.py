@@ -320,6 +320,13 @@ class Transformer(nn.Module):
         state.index_copy_(0, ctx.slots, new_lookback.to(state.dtype))
         return rows
 
+    @torch.no_grad()
+    def prepare_decode_weights(self) -> int:
+        """Make every decode-only weight form now (the attention's FP8 wo_a copies on the GPU),
+        before the engine sizes its cache; returns the bytes they take (0 on CPUs)."""
+        return sum(m.prepare_decode_weights() for m in self.modules()
+                   if m is not self and hasattr(m, "prepare_decode_weights"))
+
     # ------------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, ctx: Any, cache: Any) -> torch.Tensor:

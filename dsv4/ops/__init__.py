@@ -39,10 +39,10 @@ OP_NAMES = (
 # Empty: every kernel written without a GPU (rms_norm, apply_rope, head_norm_rope, norm_rope,
 # compress_entries, compress_update_state, indexer_queries, encode_records, write_records,
 # moe_route, swiglu_act, moe_combine, hc_post_pre) passed its GPU checks on the H200
-# (bench/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32 (2026-11-30).
-# A new kernel goes here until its GPU checks run: fp8_grouped_linear (attn.wo_a at 1-2
-# tokens, eighth session: interpreter + sm_90 compile only; bench/gpu_session_s8e.sh checks it).
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"fp8_grouped_linear"})
+# (bench/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32 (2026-11-30)
+# and fp8_grouped_linear (2026-12-01, bench/gpu_session_s8e.sh).  A new kernel goes here until
+# its GPU checks run.
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...))).
 _COMPOSED_TWINS = frozenset({"hc_post_pre"})

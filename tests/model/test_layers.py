@@ -174,3 +174,14 @@ def test_exact_fp8_copy_of_a_dequantized_weight() -> None:
     lin.load_weight(dequant_fp8_block(w8, s, 128, torch.bfloat16))   # a reload: made again
     again = exact_fp8_copy(lin)
     assert again is not None and torch.equal(again[0].view(torch.uint8), copy[0].view(torch.uint8))
+
+
+def test_prepare_decode_weights_is_a_no_op_off_the_gpu() -> None:
+    """The decode-only weight forms (wo_a's FP8 copy) exist only for the GPU kernels."""
+    from dsv4.config import ModelConfig
+    from dsv4.model.transformer import Transformer
+    from dsv4.tiny import tiny_config
+
+    model = Transformer(ModelConfig.from_dict(tiny_config()), numerics="bf16", backend="torch", dtype=torch.bfloat16)
+    assert model.prepare_decode_weights() == 0
+    assert all("_exact_fp8" not in m.__dict__ for m in model.modules())

@@ -90,3 +90,30 @@ def test_pdl_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> Non
     torch.cuda.synchronize()
     assert torch.isfinite(plain).all()
     _assert_replays_equal(step, plain, 5)
+
+
+def test_wo_a_gemv_in_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention's wo_a at 1-2 tokens: the engine makes its FP8 copy up front
+    (``prepare_decode_weights``, counted before the cache is sized), and the grouped GEMV on it
+    equals the bf16 weight's GEMM to fp32 rounding."""
+    from bench import flash_bench as fb
+    from dsv4.model import attention
+
+    model = fb.build_model(2, tiny=True)
+    made = model.prepare_decode_weights()
+    layers = list(model.layers)
+    per_layer = layers[0].attn.wo_a.weight.numel() * (1 + 1 / 128**2)      # e4m3 + e8m0 bytes
+    assert made == pytest.approx(len(layers) * per_layer, rel=1e-3)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for layer in layers:
+        att = layer.attn
+        for T in (1, 2):
+            o = torch.randn(T, att.n_groups, att.wo_a.in_features // att.n_groups,
+                            generator=gen, device="cuda").bfloat16()
+            y = att._wo_a(o)
+            monkeypatch.setattr(attention, "WO_A_GEMV_MAX_ROWS", 0)
+            ref = att._wo_a(o)
+            monkeypatch.undo()
+            assert y.dtype == ref.dtype == torch.bfloat16
+            rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert rel < 4e-3, rel                       # one bf16 rounding apart at most
