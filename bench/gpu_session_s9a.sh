@@ -7,9 +7,9 @@ source bench/gpu_stages.sh   # OUT, LOGS, stage
 stage t_model 90 python -m pytest -q -p no:cacheprovider tests/model/test_side_stream_gpu.py
 stage tl_pdl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1 \
     --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl_pdl.txt" --out "$LOGS/tl_pdl.json"
-DSV4_PDL=0 stage tl_plain 120 python bench/flash_bench.py --layers 4 --prefill "" \
+stage tl_plain 120 env DSV4_PDL=0 python bench/flash_bench.py --layers 4 --prefill "" \
     --decode-batches 1 --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl_plain.txt"
-DSV4_PDL=0 stage ncu 200 ncu --nvtx --nvtx-include "step/" --csv --page raw \
+stage ncu 200 env DSV4_PDL=0 ncu --nvtx --nvtx-include "step/" --csv --page raw \
     --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum \
     python bench/ncu_step.py --layers 4 --batch 1 --ctx 4096
