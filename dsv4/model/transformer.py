@@ -28,6 +28,7 @@ from dsv4.model.moe import Gate, MoE
 from dsv4.model.v41 import hc_final_collapse, identity_pre_mix, single_pass_block
 from dsv4.ops import get_ops
 from dsv4.ops.pdl import model_step
+from dsv4.ops.streams import deferred_comb
 
 log = logging.getLogger("dsv4")
 
@@ -332,10 +333,13 @@ class Transformer(nn.Module):
     def forward(self, ctx: Any, cache: Any) -> torch.Tensor:
         """Run the step ``ctx`` against ``cache``; hidden states [N, D] of ctx.logits_indices."""
         # Programmatic dependent launch for small steps only (dsv4/ops/pdl.py says why).
-        with model_step(int(ctx.input_ids.shape[0]), self.parallel.enabled):
+        tokens = int(ctx.input_ids.shape[0])
+        with model_step(tokens, self.parallel.enabled):
             if self.cfg.is_v41:
                 return self._forward_v41(ctx, cache)
-            return self._forward_v4(ctx, cache)
+            # The mHC Sinkhorn of each sublayer on a third stream (dsv4/ops/streams.py).
+            with deferred_comb(ctx.input_ids.device, tokens):
+                return self._forward_v4(ctx, cache)
 
     def _forward_v4(self, ctx: Any, cache: Any) -> torch.Tensor:
         x = expand_streams(self.embed(ctx.input_ids), self.cfg.hc_mult)

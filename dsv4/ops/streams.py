@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["side_lane", "join_side_lane", "current_lane", "side_stream_enabled"]
+__all__ = ["side_lane", "join_side_lane", "current_lane", "side_stream_enabled",
+           "deferred_comb", "comb_lane", "join_comb_lane", "comb_lane_active"]
 
 # Steps of more tokens run in order: their kernels fill the GPU on their own (4 V4-Flash layers
 # on the H200, 8K prefill: 86.9 ms with the side lane, 86.8 without; 1K: 28.3 vs 26.4).
@@ -89,3 +90,66 @@ def join_side_lane(device: torch.device) -> None:
     main = _forked.pop(device, None)
     if main is not None:
         main.wait_stream(_side_stream(device))
+
+
+# ------------------------------------------------------------------------------ the comb lane
+# The mHC Sinkhorn of a sublayer (hc_pre's ``comb``, spec §3.4) is ~6 µs of serial scalar code
+# in one program per token, and nothing reads comb before the sublayer's hc_post: inside a model
+# step (:func:`deferred_comb`) the collapse kernel leaves it to a third stream, which runs it
+# next to the sublayer.  The consumer joins first (:func:`join_comb_lane`: the hc_post ops), and
+# the step's end joins whatever is left, so no comb escapes a step unfinished.
+_comb_defer: dict[torch.device, bool] = {}
+_comb_streams: dict[torch.device, torch.cuda.Stream] = {}
+# Per device: tensors the lane's kernels read (made on the main stream), kept alive until the
+# join so the caching allocator cannot hand their blocks to later main-stream work.
+_comb_pending: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _comb_lane_enabled() -> bool:
+    return side_stream_enabled() and os.environ.get("DSV4_COMB_LANE", "1") != "0"
+
+
+@contextlib.contextmanager
+def deferred_comb(device: torch.device, tokens: int) -> Iterator[None]:
+    """Around a model step of ``tokens`` tokens: lets the hc ops compute comb on the comb lane
+    (CUDA, at most :data:`SIDE_LANE_MAX_TOKENS` tokens, unless ``DSV4_COMB_LANE=0`` or
+    ``DSV4_SIDE_STREAM=0``); joins it on exit."""
+    on = (device.type == "cuda" and tokens <= SIDE_LANE_MAX_TOKENS and _comb_lane_enabled()
+          and not _comb_defer.get(device, False))
+    if not on:
+        yield
+        return
+    _comb_defer[device] = True
+    try:
+        yield
+    finally:
+        _comb_defer[device] = False
+        join_comb_lane(device)
+
+
+def comb_lane_active(device: torch.device) -> bool:
+    """Whether hc ops on ``device`` may leave comb to the comb lane now (inside
+    :func:`deferred_comb`, on the main lane)."""
+    return _comb_defer.get(device, False) and not _lane
+
+
+@contextlib.contextmanager
+def comb_lane(device: torch.device, keep: tuple[torch.Tensor, ...]
+              ) -> Iterator[torch.cuda.Stream]:
+    """Issue the body on the comb lane after it waits for the current stream; ``keep``: the
+    main-stream tensors the body reads or writes, held until :func:`join_comb_lane`."""
+    main = torch.cuda.current_stream(device)
+    lane = _comb_streams.get(device)
+    if lane is None:
+        lane = _comb_streams[device] = torch.cuda.Stream(device=device)
+    lane.wait_stream(main)
+    _comb_pending.setdefault(device, []).extend(keep)
+    with torch.cuda.stream(lane):
+        yield lane
+
+
+def join_comb_lane(device: torch.device) -> None:
+    """Make the current stream wait for the comb lane's pending work (no-op when none)."""
+    pending = _comb_pending.pop(device, None)
+    if pending:
+        torch.cuda.current_stream(device).wait_stream(_comb_streams[device])

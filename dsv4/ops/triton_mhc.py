@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.streams import comb_lane, comb_lane_active, join_comb_lane
 from dsv4.ops.triton_dense import (
     _dot_bf16x3,
     round_as,
@@ -316,14 +317,16 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
                          comb_ptr, w_ptr, T, D, SPLITS, norm_eps, hc_eps, rms_eps,
                          ITERS: tl.constexpr, NJ: tl.constexpr, NJP: tl.constexpr,
                          SP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
-                         NORM: tl.constexpr, PDL: tl.constexpr = False):
+                         NORM: tl.constexpr, MODE: tl.constexpr = 0, PDL: tl.constexpr = False):
     """``_hc_collapse_kernel`` for n = 4 streams, gates and Sinkhorn in per-thread scalars.
 
     Grid (T, D blocks of BD).  NORM (one D block, BD >= D): y is rounded as its store would
     round it, then RMS-normed with weight ``w_ptr`` exactly as ``triton_norm._norm_rope_kernel``
     does (same [1, BD] tile, warps and reduction, IEEE div / sqrt; the launch compiles without
     FMA contraction, as the norm kernel's does), so the result is the bits of
-    ``rms_norm(collapse(x))``.  HEAD: the final hc_head (4 pre gates only)."""
+    ``rms_norm(collapse(x))``.  HEAD: the final hc_head (4 pre gates only).  MODE (not HEAD):
+    0 everything; 1 the collapse and the post gates, no comb; 2 comb alone (grid (T, 1), no
+    stream is read): 1 then 2 write the bits of 0 (the comb lane, ``_collapse``)."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -331,10 +334,11 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
     rd = pid_d * BD + tl.arange(0, BD)[None, :]
     d_mask = rd < D
     row = x_ptr + t * (4 * D) + rd
-    x0 = tl.load(row, mask=d_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(row + D, mask=d_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(row + 2 * D, mask=d_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(row + 3 * D, mask=d_mask, other=0.0).to(tl.float32)
+    if MODE != 2:
+        x0 = tl.load(row, mask=d_mask, other=0.0).to(tl.float32)
+        x1 = tl.load(row + D, mask=d_mask, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2 * D, mask=d_mask, other=0.0).to(tl.float32)
+        x3 = tl.load(row + 3 * D, mask=d_mask, other=0.0).to(tl.float32)
     # Σ over splits of the mixes and (column NJ) of Σ x²: one reduction for all of them.
     rs = tl.arange(0, SP)[:, None]
     rj = tl.arange(0, 32)[None, :]
@@ -357,7 +361,7 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
     p2 = tl.sigmoid(m2 * rstd * s0 + tl.load(base_ptr + 2)) + hc_eps
     p3 = tl.sigmoid(m3 * rstd * s0 + tl.load(base_ptr + 3)) + hc_eps
     if not HEAD:
-        if pid_d == 0:
+        if pid_d == 0 and MODE != 2:
             s1 = tl.load(scale_ptr + 1)
             tl.store(post_ptr + t * 4, 2.0 * tl.sigmoid(m4 * rstd * s1 + tl.load(base_ptr + 4)))
             tl.store(post_ptr + t * 4 + 1,
@@ -366,6 +370,7 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
                      2.0 * tl.sigmoid(m6 * rstd * s1 + tl.load(base_ptr + 6)))
             tl.store(post_ptr + t * 4 + 3,
                      2.0 * tl.sigmoid(m7 * rstd * s1 + tl.load(base_ptr + 7)))
+        if pid_d == 0 and MODE != 1:
             s2 = tl.load(scale_ptr + 2)
             a0, a1, a2, a3, a4, a5, a6, a7 = _unpack8(g1)
             b0, b1, b2, b3, b4, b5, b6, b7 = _unpack8(g2)
@@ -381,16 +386,18 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
                 hc_eps, ITERS)
             for i in tl.static_range(16):
                 tl.store(comb_ptr + t * 16 + i, c[i])
-    y = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
-    if NORM:
-        # rms_norm of the stored y: fp32 statistics over the rounded values, weight, rounding.
-        y = round_as(y, y_ptr)
-        mean_sq = tl.div_rn(tl.sum(y * y, axis=1), D.to(tl.float32))
-        r = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + rms_eps))
-        y = y * r[:, None]
-        w = tl.load(w_ptr + rd, mask=d_mask, other=0.0).to(tl.float32)
-        y = w * y
-    store_rne(y_ptr + t * D + rd, y, d_mask)
+    if MODE != 2:
+        y = p0 * x0 + p1 * x1 + p2 * x2 + p3 * x3
+        if NORM:
+            # rms_norm of the stored y: fp32 statistics over the rounded values, weight,
+            # rounding.
+            y = round_as(y, y_ptr)
+            mean_sq = tl.div_rn(tl.sum(y * y, axis=1), D.to(tl.float32))
+            r = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + rms_eps))
+            y = y * r[:, None]
+            w = tl.load(w_ptr + rd, mask=d_mask, other=0.0).to(tl.float32)
+            y = w * y
+        store_rne(y_ptr + t * D + rd, y, d_mask)
 
 
 # fp32 mixes as the reference computes them: "tf32x3" keeps ~fp32 accuracy on tensor cores;
@@ -492,11 +499,18 @@ def _collapse(x: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, splits: int
     if n == 4:
         BD = triton.next_power_of_2(D) if fused else min(1024, triton.next_power_of_2(D))
         w = norm_weight.float().contiguous() if fused else y
-        _hc_collapse4_kernel[(T, triton.cdiv(D, BD))](
-            x, part, sq, scale, base, y, y if head else post, y if head else comb, w, T, D,
-            splits, float(norm_eps), float(hc_eps), float(rms_eps or 0.0), ITERS=int(iters),
-            NJ=n if head else (2 + n) * n, NJP=njp, SP=SP, BD=BD, HEAD=head, NORM=fused,
-            num_warps=4, enable_fp_fusion=False, **pdl_args(x))
+        # Inside a model step the Sinkhorn (comb) runs on the comb lane, next to the sublayer
+        # that does not read it (dsv4.ops.streams.deferred_comb); same kernel, same bits.
+        lane = not head and comb_lane_active(x.device)
+        args = (x, part, sq, scale, base, y, y if head else post, y if head else comb, w, T, D,
+                splits, float(norm_eps), float(hc_eps), float(rms_eps or 0.0))
+        consts = dict(ITERS=int(iters), NJ=n if head else (2 + n) * n, NJP=njp, SP=SP, BD=BD,
+                      HEAD=head, NORM=fused, num_warps=4, enable_fp_fusion=False)
+        _hc_collapse4_kernel[(T, triton.cdiv(D, BD))](*args, **consts, MODE=1 if lane else 0,
+                                                      **pdl_args(x))
+        if lane:
+            with comb_lane(x.device, keep=(part, sq, scale, base, comb)):
+                _hc_collapse4_kernel[(T, 1)](*args, **consts, MODE=2, **pdl_args(x))
     else:
         BD = min(1024, triton.next_power_of_2(D))
         _hc_collapse_kernel[(T, triton.cdiv(D, BD))](
@@ -590,6 +604,7 @@ def hc_post_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Tensor
     """:func:`hc_post` with an explicit plan (``None``: :func:`pick_hc_plan`); one token per
     program (plan.BT must be 1), plan.BD columns of the n streams, plan.num_warps."""
     _check_post_args("hc_post", out, x_res, post, comb)
+    join_comb_lane(x_res.device)            # comb may come from the comb lane
     T, n, D = x_res.shape
     plan = plan or pick_hc_plan("post", T, n, D, x_res.dtype)
     if plan.BT != 1:
@@ -738,6 +753,7 @@ def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Te
     plan = plan or pick_hc_plan("post_pre", T, n, D, x_res.dtype)
     _check_plan("hc_post_pre", plan, n, dot=True)
     dev = x_res.device
+    join_comb_lane(dev)                     # comb may come from the comb lane
     x_new = torch.empty(T, n, D, dtype=x_res.dtype, device=dev)
     post_n = torch.empty(T, n, dtype=torch.float32, device=dev)
     comb_n = torch.empty(T, n, n, dtype=torch.float32, device=dev)

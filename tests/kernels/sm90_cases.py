@@ -1026,6 +1026,11 @@ def _mhc_norm(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
                                      _empty(T, n, n, dtype=f32), fn, scale, base, 1e-6, 1e-6,
                                      20, None, w, 1e-6, fuse)
             tm.hc_head_with_plan(x, fn[:n], scale[:1], base[:n], 1e-6, 1e-6, None, w, 1e-6, fuse)
+            if T < PREFILL_T:
+                for mode in (1, 2):   # the comb lane's split (dsv4.ops.streams.deferred_comb)
+                    with RECORDER.override(tm._hc_collapse4_kernel, MODE=mode):
+                        tm.hc_pre_with_plan(x, fn, scale, base, 1e-6, 1e-6, 20, None, w, 1e-6,
+                                            fuse)
     # Other stream counts keep the general collapse kernel (then the norm kernel): n = 2.
     x2 = _empty(Ts[0], 2, D, dtype=dtype)
     tm.hc_pre(x2, _empty(8, 2 * D, dtype=f32), scale, base[:8], 1e-6, 1e-6, 20, w)

@@ -215,3 +215,46 @@ def test_sinkhorn_fp32_streams_gpu() -> None:
         assert _finite(y, p, c, yn)
         assert _rel(y, y_r) < 1e-5 and _rel(p, p_r) < 1e-4 and _rel(c, c_r) < 1e-4
         assert torch.equal(yn, triton_norm.rms_norm(y, w, EPS[0]))
+
+
+@_gpu
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_comb_lane_same_bits_gpu(T: int) -> None:
+    """Inside a model step (``streams.deferred_comb``) hc_pre / hc_post_pre leave the Sinkhorn
+    to the comb lane: after the consumer's join (hc_post) y, post and comb are the bits of the
+    in-order launches, eagerly and as CUDA-graph replays (the fork / join captured as edges)."""
+    from dsv4.ops import streams, triton_mhc
+    x, fn, scale, base, w, out, *_ = _inputs(T, N, D_FLASH, torch.bfloat16, "cuda", seed=T + 5)
+    dev = x.device
+
+    def chain() -> tuple[torch.Tensor, ...]:
+        y, p, c = triton_mhc.hc_pre(x, fn, scale, base, *EPS, 20, w, 1e-6)
+        x_new, y2, p2, c2 = triton_mhc.hc_post_pre(out, x, p, c, fn, scale, base, *EPS, 20,
+                                                   w, 1e-6)
+        final = triton_mhc.hc_post(out, x_new, p2, c2)
+        return y, p, c, x_new, y2, p2, c2, final
+
+    _poison()
+    want = chain()
+    with streams.deferred_comb(dev, T):
+        assert streams.comb_lane_active(dev)
+        _poison()
+        got = chain()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), streams.deferred_comb(dev, T):
+        chain()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), streams.deferred_comb(dev, T):
+        outs = chain()
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(outs, want):
+            assert torch.equal(a, b)

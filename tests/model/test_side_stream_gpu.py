@@ -1,6 +1,7 @@
 """How kernels are issued changes no bit: a V4-Flash schedule model (toy widths, FP8 Linears and
 MXFP4 experts on the Triton kernels, fp8 cache) gives identical logits with the side lane
-(``dsv4.ops.streams``: the shared expert on a second CUDA stream) on and off, and with
+(``dsv4.ops.streams``: the shared expert on a second CUDA stream) on and off, the mHC
+Sinkhorn on a third (the comb lane) on and off, and with
 programmatic dependent launch (``dsv4.ops.pdl``) on and off, eagerly and as CUDA-graph replays,
 and leaves every split-K arrival counter at zero.  GPU only."""
 
@@ -92,6 +93,19 @@ def test_pdl_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> Non
     _assert_replays_equal(step, plain, 5)
 
 
+def test_comb_lane_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mHC Sinkhorn on the comb lane (``dsv4.ops.streams.deferred_comb``) changes no bit."""
+    step = _step_fn(monkeypatch)
+    monkeypatch.setenv("DSV4_COMB_LANE", "0")
+    plain = step().clone()
+    monkeypatch.setenv("DSV4_COMB_LANE", "1")
+    lane = step().clone()
+    torch.cuda.synchronize()
+    assert torch.isfinite(plain).all()
+    assert torch.equal(lane, plain)
+    _assert_replays_equal(step, plain, 3)
+
+
 def test_wo_a_gemv_in_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """The attention's wo_a at 1-2 tokens: the engine makes its FP8 copy up front
     (``prepare_decode_weights``, counted before the cache is sized), and the grouped GEMV on it
@@ -108,7 +122,7 @@ def test_wo_a_gemv_in_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     for layer in layers:
         att = layer.attn
         for T in (1, 2):
-            o = torch.randn(T, att.n_groups, att.wo_a.in_features // att.n_groups,
+            o = torch.randn(T, att.n_groups, att.wo_a.in_features,
                             generator=gen, device="cuda").bfloat16()
             y = att._wo_a(o)
             monkeypatch.setattr(attention, "WO_A_GEMV_MAX_ROWS", 0)

@@ -144,3 +144,29 @@ def test_bad_norm_weight_is_rejected() -> None:
         triton_mhc.hc_head(x, fn[:4], scale[:1], base[:4], *EPS, w[:16])
     with pytest.raises(ValueError, match="norm_weight"):
         ref.hc_pre(x, fn, scale, base, *EPS, 20, w[:16])
+
+
+@pytest.mark.parametrize("T,D,norm", [(1, 96, True), (5, 64, False), (3, 80, True)])
+def test_collapse4_modes_split_the_work_bit_for_bit(T: int, D: int, norm: bool) -> None:
+    """The comb lane's split of the collapse kernel (``MODE`` 1: y and post on the main
+    stream; 2: comb alone) writes exactly what the whole kernel (``MODE`` 0) writes, and each
+    mode leaves the other's outputs untouched."""
+    x, fn, scale, base, w = _inputs(T, 4, D, torch.bfloat16, seed=7 * T + D)
+    xc, part, sq, splits, njp = triton_mhc._hc_mix(x, fn, 24, "hc_pre", None)
+    BD = triton.next_power_of_2(D)
+    outs = {}
+    for mode in (0, 1, 2):
+        y = torch.full((T, D), float("nan")).to(x.dtype)
+        post = torch.full((T, 4), float("nan"))
+        comb = torch.full((T, 4, 4), float("nan"))
+        grid = (T, 1) if mode == 2 or norm else (T, triton.cdiv(D, BD))
+        triton_mhc._hc_collapse4_kernel[grid](
+            xc, part, sq, scale, base, y, post, comb, w if norm else y, T, D, splits, *EPS,
+            1e-5, ITERS=20, NJ=24, NJP=njp, SP=triton.next_power_of_2(splits), BD=BD,
+            HEAD=False, NORM=norm, MODE=mode)
+        outs[mode] = (y, post, comb)
+    y0, post0, comb0 = outs[0]
+    assert torch.equal(outs[1][0], y0) and torch.equal(outs[1][1], post0)
+    assert torch.isnan(outs[1][2]).all()
+    assert torch.equal(outs[2][2], comb0)
+    assert torch.isnan(outs[2][0].float()).all() and torch.isnan(outs[2][1]).all()
