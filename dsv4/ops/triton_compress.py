@@ -1,10 +1,29 @@
 """Triton kernels of the compressor ops (spec §3.7, §4.3); same signatures and row conventions as
 the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group's rows live).
 
-* ``compress_entries``: one program per entry locates its group's rows (this step's tokens or
-  the slot's carry-over state), pools them with the per-channel softmax (overlap and ``ape``
-  included), casts to the output dtype, applies the RMSNorm and the RoPE of the rope channels:
-  the whole finish of an entry in one launch instead of ~20 small torch kernels.
+* ``compress_entries``: locates an entry's group rows (this step's tokens or the slot's
+  carry-over state), pools them with the per-channel softmax (overlap and ``ape`` included),
+  casts to the output dtype, applies the RMSNorm and the RoPE of the rope channels: the whole
+  finish of an entry in one launch instead of ~20 small torch kernels.  Two plans (same
+  numerics, :func:`entries_plan` picks one by the entry count):
+
+  - ``"loop"`` (many entries, prefill): one program per entry walks the channel blocks in a
+    serial loop, then a second pass applies the norm and RoPE;
+  - ``"split"`` (few entries: decode steps, where the loop's serial chain of dependent loads,
+    float64 exps and cross-warp reductions is the whole time): one program per (entry, channel
+    block), grid (E, d / BLOCK_D), so the float64 pooling of an entry runs on many SMs at once;
+    each program stores its pooled block, and the program that arrives last at the entry's
+    arrival counter (``triton_dense.splitk_counters``, acq_rel atomics; it resets the counter
+    for the next launch and CUDA-graph replays) reads the row back from L2 and applies the norm
+    and RoPE (an entry of one block, d <= 128: finished in registers).  The group's row
+    locations are read speculatively at index ``e`` together with the entry (a static decode
+    step has request e = entry e), the norm weight and RoPE rows before the pooling, so the
+    chain is: entry → group rows → pooled block → arrival → finish.
+
+  ``DSV4_COMPRESS_PLAN=loop|split`` forces a plan (A/B on the GPU; ``DSV4_COMPRESS_TILE``
+  the split plan's block, see :func:`split_tiles`); ``auto`` (default) takes the split plan for
+  few entries once it is GPU-verified (:data:`SPLIT_PLAN_VERIFIED`; before that only with
+  ``DSV4_UNVERIFIED_KERNELS=1``).
 * ``compress_update_state``: one program per (request, channel block) rewrites the request's
   slot with the rows of its open group (and, with overlap, of the last complete group).
 
@@ -18,15 +37,18 @@ own cast truncates).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.ops import torch_compress as twin
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
-from dsv4.ops.triton_dense import round_to_bf16, torch_twin_off_gpu
+from dsv4.ops.triton_dense import round_to_bf16, splitk_counters, torch_twin_off_gpu
 
-__all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles"]
+__all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles",
+           "split_tiles", "entries_plan"]
 
 
 @triton.jit
@@ -149,6 +171,139 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
 
 
 @triton.jit
+def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_ptr,
+                                   valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr,
+                                   sin_ptr, out_ptr, arrivals_ptr,
+                                   T, D, W, SKV, SSC, HALF, NREQ, eps,
+                                   R: tl.constexpr, OVERLAP: tl.constexpr,
+                                   HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr,
+                                   OUT_BF16: tl.constexpr, SPLIT: tl.constexpr,
+                                   S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
+    """The "split" plan of ``compress_entries``: program (e, b) pools channel block b of entry
+    e (the loop plan's pass 1 for one block: the same tile code and float64 softmax).  SPLIT
+    (several blocks per entry): each stores its pooled block and the last one to arrive at the
+    entry's counter reads the row back and finishes it (norm, RoPE); one block (BLOCK_D = BLOCK_F
+    >= d): the program finishes its row in registers.  BLOCK_F = next_power_of_2(d)."""
+    grid_dependency_sync(PDL)
+    e = tl.program_id(0)
+    b = tl.program_id(1)
+    req = tl.load(req_ptr + e)
+    ent = tl.load(ent_ptr + e)
+    live = True
+    if HAS_VALID:
+        live = tl.load(valid_ptr + e) != 0
+    # Speculative: the request's rows at index e, read with the entry (no dependent round trip
+    # where request e is e, as in a static decode step); re-read below otherwise.
+    spec = e < NREQ
+    p0 = tl.load(start_ptr + e, mask=spec, other=0)
+    cu0 = tl.load(cu_ptr + e, mask=spec, other=0)
+    slot = tl.load(slot_ptr + e, mask=spec, other=0)
+    # The finish's operands, read before the pooling (with SPLIT only the last program uses
+    # them), as (even, odd) channel pairs; rope pairs are the last HALF.
+    cf = tl.arange(0, BLOCK_F)
+    fm = cf < D
+    w_e, w_o = tl.split(tl.reshape(tl.load(w_ptr + cf, mask=fm, other=0.0),
+                                   [BLOCK_F // 2, 2]))
+    h = tl.arange(0, BLOCK_F // 2)
+    i = h - (D // 2 - HALF)
+    rm = (h < D // 2) & (i >= 0)
+    if HAS_ROPE:
+        cs = tl.load(cos_ptr + e.to(tl.int64) * HALF + i, mask=rm, other=1.0)
+        sn = tl.load(sin_ptr + e.to(tl.int64) * HALF + i, mask=rm, other=0.0)
+    out_row = out_ptr + e.to(tl.int64) * D
+    c = b * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < D
+    if live:
+        if req != e:
+            p0 = tl.load(start_ptr + req)
+            cu0 = tl.load(cu_ptr + req)
+            slot = tl.load(slot_ptr + req)
+        s = tl.arange(0, S_BLOCK)
+        if OVERLAP:
+            n_slots = 2 * R
+            pos = ent * R - R + s
+            ch_off = tl.where(s < R, 0, D)
+        else:
+            n_slots = R
+            pos = ent * R + s
+            ch_off = s * 0
+        from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
+        slot_ok = s < n_slots
+        use_step = slot_ok & from_step
+        use_state = slot_ok & (pos < p0) & (state_row >= 0)
+        kv_base = step_row.to(tl.int64) * SKV + ch_off
+        sc_base = step_row.to(tl.int64) * SSC + ch_off
+        state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
+        m_step = use_step[:, None] & cm[None, :]
+        m_state = use_state[:, None] & cm[None, :]
+        k_step = tl.load(kv_ptr + kv_base[:, None] + c[None, :], mask=m_step, other=0.0)
+        k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state, other=0.0)
+        g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
+                         other=float("-inf"))
+        g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
+                          other=float("-inf"))
+        kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
+        g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
+        p = tl.exp(g - tl.max(g, axis=0)[None, :])
+        p = p / tl.sum(p, axis=0)[None, :]
+        pooled = tl.sum(p * kv, axis=0).to(tl.float32)
+        if OUT_BF16:
+            pooled = round_to_bf16(pooled)
+        pooled = tl.where(cm, pooled, 0.0)
+        if SPLIT:
+            tl.store(out_row + c, pooled.to(out_ptr.dtype.element_ty), mask=cm)
+            # Every thread's pooled stores are issued before the arrival, whose release
+            # publishes them to the last program's acquire.
+            tl.debug_barrier()
+            old = tl.atomic_add(arrivals_ptr + e, 1, sem="acq_rel", scope="gpu")
+            if old == tl.num_programs(1) - 1:
+                # One thread did the acquire: the barrier orders every thread's reads after it;
+                # .cg reads L2, never an L1 line older than the other programs' stores.
+                tl.debug_barrier()
+                x = tl.load(out_row + cf, mask=fm, other=0.0, cache_modifier=".cg")
+                y = _finish_row(x.to(tl.float32), w_e, w_o, cs if HAS_ROPE else w_e,
+                                sn if HAS_ROPE else w_o, rm, D, eps, HAS_ROPE, OUT_BF16, BLOCK_F)
+                # Other threads' reads of the row land before this program overwrites it.
+                tl.debug_barrier()
+                tl.store(out_row + cf, y.to(out_ptr.dtype.element_ty), mask=fm)
+                # Clean for the next launch (and CUDA-graph replays): no per-call zeroing.
+                tl.store(arrivals_ptr + e, 0)
+        else:
+            y = _finish_row(pooled, w_e, w_o, cs if HAS_ROPE else w_e, sn if HAS_ROPE else w_o,
+                            rm, D, eps, HAS_ROPE, OUT_BF16, BLOCK_F)
+            tl.store(out_row + cf, y.to(out_ptr.dtype.element_ty), mask=fm)
+    else:
+        tl.store(out_row + c, tl.zeros([BLOCK_D], dtype=tl.float32)
+                 .to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _finish_row(x, w_e, w_o, cs, sn, rm, D, eps, HAS_ROPE: tl.constexpr,
+                OUT_BF16: tl.constexpr, BLOCK_F: tl.constexpr):
+    """RMSNorm and RoPE of one pooled row ``x`` [BLOCK_F] fp32 (zeros beyond d), as the loop
+    plan's pass 2 computes each pair; returns the finished row [BLOCK_F] fp32."""
+    x_e, x_o = tl.split(tl.reshape(x, [BLOCK_F // 2, 2]))
+    # torch's order: mean = sum / d, then 1 / sqrt(mean + eps), each rounded (IEEE ops).
+    ss = tl.sum(x_e * x_e + x_o * x_o, axis=0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, D.to(tl.float32)) + eps))
+    y_e = w_e * (x_e * rstd)
+    y_o = w_o * (x_o * rstd)
+    if OUT_BF16:
+        y_e = round_to_bf16(y_e)
+        y_o = round_to_bf16(y_o)
+    if HAS_ROPE:
+        r_e = y_e * cs - y_o * sn
+        r_o = y_e * sn + y_o * cs
+        if OUT_BF16:
+            r_e = round_to_bf16(r_e)
+            r_o = round_to_bf16(r_o)
+        y_e = tl.where(rm, r_e, y_e)
+        y_o = tl.where(rm, r_o, y_o)
+    return tl.reshape(tl.join(y_e, y_o), [BLOCK_F])
+
+
+@triton.jit
 def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_ptr, slot_ptr,
                            T, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
                            S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
@@ -202,6 +357,46 @@ def entries_tiles(ratio: int, overlap: bool, d: int) -> tuple[int, int, int, int
     return s_block, block_d, block_h, 16 if s_block >= 64 else 8
 
 
+def split_tiles(ratio: int, overlap: bool, d: int) -> tuple[int, int, int, int]:
+    """(S_BLOCK, BLOCK_D, BLOCK_F, num_warps) of the split plan: one [S_BLOCK, BLOCK_D] tile
+    per program with ~4-8 float64 values per thread and array.  Groups of up to 16 rows: one
+    block (BLOCK_D = BLOCK_F, finished in registers) up to d = 128 (the V4 indexer's
+    compressor: 8 warps), else blocks of 32 channels over one warp (d 512: 16 programs an
+    entry, no cross-warp reductions); ratio-128 groups: blocks of 8 channels over 4 warps (d
+    512: 64 programs).  ``DSV4_COMPRESS_TILE=BLOCK_D,WARPS`` overrides the block (GPU A/B)."""
+    s_block = triton.next_power_of_2(2 * ratio if overlap else ratio)
+    block_f = triton.next_power_of_2(d)
+    if os.environ.get("DSV4_COMPRESS_TILE"):
+        block_d, num_warps = (int(v) for v in os.environ["DSV4_COMPRESS_TILE"].split(","))
+        return s_block, min(block_f, block_d), block_f, num_warps
+    if s_block <= 16 and block_f <= 128:
+        return s_block, block_f, block_f, max(1, min(8, s_block * block_f // 128))
+    num_warps = 1 if s_block <= 16 else 4
+    return s_block, min(block_f, max(4, 256 * num_warps // s_block)), block_f, num_warps
+
+
+# Entry counts up to this take the split plan (every static decode step of up to 256
+# sequences; prefill chunks of few entries, e.g. a ratio-128 compressor's).
+SPLIT_MAX_ENTRIES = 256
+# The split plan has not run its GPU checks yet (tests/kernels/test_compress_decode.py): until
+# it has, "auto" picks it only with DSV4_UNVERIFIED_KERNELS=1 (as dsv4.ops does for kernels).
+SPLIT_PLAN_VERIFIED = False
+
+
+def entries_plan(E: int) -> str:
+    """The plan of ``compress_entries`` for E entries: ``DSV4_COMPRESS_PLAN`` (``loop`` /
+    ``split``) when set, else ``split`` for up to :data:`SPLIT_MAX_ENTRIES` entries."""
+    plan = os.environ.get("DSV4_COMPRESS_PLAN", "auto")
+    if plan in ("loop", "split"):
+        return plan
+    if plan != "auto":
+        raise ValueError(f"DSV4_COMPRESS_PLAN must be auto, loop or split; found {plan!r}")
+    from dsv4.ops import unverified_kernels_enabled
+    if E <= SPLIT_MAX_ENTRIES and (SPLIT_PLAN_VERIFIED or unverified_kernels_enabled()):
+        return "split"
+    return "loop"
+
+
 def state_tiles(ratio: int, overlap: bool, width: int) -> tuple[int, int, int]:
     """(S_BLOCK, BLOCK_W, num_warps) of ``compress_update_state``: ~2K fp32 values per tile and
     array over 8 warps (no spills, < ~110 registers for sm_90)."""
@@ -240,21 +435,31 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
     out = torch.empty(E, d, dtype=out_dtype, device=kv.device)
     if E == 0:
         return out
-    s_block, block_d, block_h, num_warps = entries_tiles(ratio, overlap, d)
     has_rope = cos is not None
     half = cos.shape[1] if has_rope else 0
     cos_t = cos.float().contiguous() if has_rope else out
     sin_t = sin.float().contiguous() if has_rope else out
     valid_t = valid if valid is not None else out          # bool: read as i1, no conversion
     kv, score = _unit_cols(kv), _unit_cols(score)
+    args = (kv, score, state_kv, state_score, _index(request), _index(entry), valid_t,
+            _index(start_pos), _index(cu_seqlens), _index(slots), norm_weight.float().contiguous(),
+            cos_t, sin_t, out)
+    consts = dict(R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None,
+                  HAS_ROPE=has_rope, OUT_BF16=out_dtype == torch.bfloat16)
+    if entries_plan(E) == "split":
+        s_block, block_d, block_f, num_warps = split_tiles(ratio, overlap, d)
+        blocks = triton.cdiv(d, block_d)
+        arrivals = splitk_counters(kv.device, E, "compress_entries") if blocks > 1 else out
+        _compress_entries_split_kernel[(E, blocks)](
+            *args, arrivals, kv.shape[0], d, kv.shape[1], kv.stride(0), score.stride(0), half,
+            start_pos.shape[0], float(norm_eps), **consts, SPLIT=blocks > 1, S_BLOCK=s_block,
+            BLOCK_D=block_d, BLOCK_F=block_f, num_warps=num_warps, **pdl_args(kv))
+        return out
+    s_block, block_d, block_h, num_warps = entries_tiles(ratio, overlap, d)
     _compress_entries_kernel[(E,)](
-        kv, score, state_kv, state_score, _index(request),
-        _index(entry), valid_t, _index(start_pos), _index(cu_seqlens), _index(slots),
-        norm_weight.float().contiguous(), cos_t, sin_t, out,
-        kv.shape[0], d, kv.shape[1], kv.stride(0), score.stride(0), half, float(norm_eps),
-        R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None, HAS_ROPE=has_rope,
-        OUT_BF16=out_dtype == torch.bfloat16, S_BLOCK=s_block, BLOCK_D=block_d,
-        BLOCK_H=block_h, num_warps=num_warps, **pdl_args(kv))
+        *args, kv.shape[0], d, kv.shape[1], kv.stride(0), score.stride(0), half,
+        float(norm_eps), **consts, S_BLOCK=s_block, BLOCK_D=block_d, BLOCK_H=block_h,
+        num_warps=num_warps, **pdl_args(kv))
     return out
 
 

@@ -734,8 +734,8 @@ for _m in (V4_FLASH, V41_FLASH):
 
 def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
     """The compressor's two kernels (dsv4.ops.triton_compress): finished entries (pool, norm,
-    RoPE, bf16 out) and the carry-over state update, for a decode step (one token, one entry,
-    a static-shape valid mask) and a prefill (2048 tokens)."""
+    RoPE, bf16 out; both plans) and the carry-over state update, for a decode step (one token,
+    one entry, a static-shape valid mask) and a prefill (2048 tokens)."""
     import torch
     tc = importlib.import_module("dsv4.ops.triton_compress")
     f32, i64 = torch.float32, torch.int64
@@ -750,10 +750,22 @@ def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
         slots = torch.zeros(1, dtype=i64)
         cos = _empty(E, 32, dtype=f32) if rope else None
         sin = _empty(E, 32, dtype=f32) if rope else None
-        tc.compress_entries(kv, score, state_kv, state_score, torch.zeros(E, dtype=i64),
-                            torch.arange(E, dtype=i64),
-                            torch.ones(E, dtype=torch.bool) if valid else None, start, cu, slots,
-                            ratio, overlap, _empty(d, dtype=f32), 1e-6, cos, sin, torch.bfloat16)
+        # Both plans of compress_entries (loop; split, whose decode tiles differ by d) at both
+        # sizes: DSV4_COMPRESS_PLAN picks one on the GPU too.
+        for plan in ("loop", "split"):
+            before = os.environ.get("DSV4_COMPRESS_PLAN")
+            os.environ["DSV4_COMPRESS_PLAN"] = plan
+            try:
+                tc.compress_entries(kv, score, state_kv, state_score, torch.zeros(E, dtype=i64),
+                                    torch.arange(E, dtype=i64),
+                                    torch.ones(E, dtype=torch.bool) if valid else None, start,
+                                    cu, slots, ratio, overlap, _empty(d, dtype=f32), 1e-6, cos,
+                                    sin, torch.bfloat16)
+            finally:
+                if before is None:
+                    os.environ.pop("DSV4_COMPRESS_PLAN", None)
+                else:
+                    os.environ["DSV4_COMPRESS_PLAN"] = before
         tc.compress_update_state(kv, score, state_kv, state_score, start, cu, slots, ratio,
                                  overlap)
 

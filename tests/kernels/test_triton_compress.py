@@ -2,10 +2,13 @@
 
 * twin tests (CPU, always): argument checks, entries against the float64 formula over steps
   that split a sequence, the ``valid`` zeros;
-* interpreter tests (``test_interp_*``): the Triton kernels against the twin at tiny shapes;
-  they need ``TRITON_INTERPRET=1`` before triton is imported, so a normal run starts them in a
+* interpreter tests (``test_interp_*``): the Triton kernels against the twin at tiny shapes,
+  both plans of ``compress_entries`` (loop; split: one block finished in registers, several
+  blocks finished by the last arrival, forced by ``DSV4_COMPRESS_PLAN`` / ``_TILE``); they
+  need ``TRITON_INTERPRET=1`` before triton is imported, so a normal run starts them in a
   child pytest (``test_kernels_in_interpreter``);
-* GPU tests (``test_gpu_*``, skipped without CUDA): V4-Flash shapes, 64 requests.
+* GPU tests (``test_gpu_*``, skipped without CUDA): V4-Flash shapes, 64 requests (decode sizes
+  and every plan: tests/kernels/test_compress_decode.py).
 
 Tolerances, kernel vs twin: both pool in float64 and round once to fp32, but the norm's sum of
 squares is reduced in another order (and the GPU may fuse the RoPE products into FMAs), so fp32
@@ -204,7 +207,7 @@ def test_kernels_in_interpreter() -> None:
     """Run this file's interpreter tests with ``TRITON_INTERPRET=1`` in a child."""
     if INTERP:
         pytest.skip("TRITON_INTERPRET is set: the interp tests are collected directly")
-    run_in_interpreter(__file__, "interp", min_passed=14)
+    run_in_interpreter(__file__, "interp", min_passed=40)
 
 
 def _compare(case: Case, out_dtype: torch.dtype) -> None:
@@ -230,20 +233,88 @@ _STEPS = {4: ([0, 5, 3, 10, 14, 21], [9, 3, 1, 7, 2, 1]),
           2: ([0, 5, 3, 10, 14, 21], [9, 3, 1, 7, 2, 1])}
 
 
+# compress_entries plans: (DSV4_COMPRESS_PLAN, DSV4_COMPRESS_TILE); at d 16 / 24 the split
+# plan's default is one block finished in registers (ratio 128: blocks of 8 channels), "4,1"
+# four to six blocks finished by the last arrival, "8,2" two or three over two warps.
+PLANS = [("loop", None), ("split", None), ("split", "4,1"), ("split", "8,2")]
+_plan_ids = [p if t is None else f"{p}-{t}" for p, t in PLANS]
+
+
+@pytest.fixture(params=PLANS, ids=_plan_ids)
+def plan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    name, tile = request.param
+    monkeypatch.setenv("DSV4_COMPRESS_PLAN", name)
+    if tile:
+        monkeypatch.setenv("DSV4_COMPRESS_TILE", tile)
+    else:
+        monkeypatch.delenv("DSV4_COMPRESS_TILE", raising=False)
+    return name
+
+
+def _counters_clean() -> None:
+    from dsv4.ops.triton_dense import splitk_counters
+
+    assert not splitk_counters(torch.device("cpu"), 1).any(), "arrival counters left dirty"
+
+
 @needs_interp
 @pytest.mark.parametrize("ratio,overlap,rope", [(4, True, 8), (8, False, 8), (2, False, 0)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_interp_entries_and_state(ratio: int, overlap: bool, rope: int,
-                                  out_dtype: torch.dtype) -> None:
+                                  out_dtype: torch.dtype, plan: str) -> None:
     starts, lens = _STEPS[ratio]
     _compare(make_case(ratio, overlap, 16, starts, lens, rope=rope, seed=ratio), out_dtype)
+    _counters_clean()
 
 
 @needs_interp
-def test_interp_ratio_128_and_odd_width() -> None:
+def test_interp_ratio_128_and_odd_width(plan: str) -> None:
     # A full ratio-128 group from the state plus the step; d = 24 leaves a partial channel block.
     _compare(make_case(128, False, 24, [100, 0], [60, 130], rope=8, seed=5), torch.float32)
     _compare(make_case(4, True, 24, [2, 7], [11, 1], rope=8, seed=6), torch.bfloat16)
+    _counters_clean()
+
+
+@needs_interp
+def test_interp_split_plan_matches_loop_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan gives the loop plan's entries (within the norm's sum-order tolerance), also
+    where request e is not entry e (the split plan's speculative row reads miss)."""
+    from dsv4.ops import triton_compress as tri
+
+    case = make_case(4, True, 24, [0, 5, 3, 10, 14, 21], [9, 3, 1, 7, 2, 1], rope=8, seed=9)
+    assert (case.request != torch.arange(case.request.shape[0])).any()
+    outs = {}
+    for name, tile in PLANS:
+        monkeypatch.setenv("DSV4_COMPRESS_PLAN", name)
+        monkeypatch.setenv("DSV4_COMPRESS_TILE", tile or "")
+        outs[(name, tile)] = case.entries(tri.compress_entries, torch.float32)
+    for key, got in outs.items():
+        torch.testing.assert_close(got, outs[("loop", None)], rtol=2e-6, atol=1e-6, msg=str(key))
+    _counters_clean()
+
+
+def test_entries_plan_by_entry_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.ops import triton_compress as tri
+
+    monkeypatch.delenv("DSV4_COMPRESS_PLAN", raising=False)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    assert tri.entries_plan(1) == tri.entries_plan(tri.SPLIT_MAX_ENTRIES) == "split"
+    assert tri.entries_plan(tri.SPLIT_MAX_ENTRIES + 1) == "loop"
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "0")
+    assert tri.entries_plan(1) == ("split" if tri.SPLIT_PLAN_VERIFIED else "loop")
+    monkeypatch.setenv("DSV4_COMPRESS_PLAN", "split")
+    assert tri.entries_plan(10 ** 6) == "split"
+    monkeypatch.setenv("DSV4_COMPRESS_PLAN", "loop")
+    assert tri.entries_plan(1) == "loop"
+    monkeypatch.setenv("DSV4_COMPRESS_PLAN", "fast")
+    with pytest.raises(ValueError, match="DSV4_COMPRESS_PLAN"):
+        tri.entries_plan(1)
+    monkeypatch.delenv("DSV4_COMPRESS_PLAN")
+    # V4-Flash tiles: d 512 ratio 4 in 16 blocks over one warp, the indexer's d 128 in one
+    # block, ratio 128 in 64 blocks of 8 channels.
+    assert tri.split_tiles(4, True, 512) == (8, 32, 512, 1)
+    assert tri.split_tiles(4, True, 128) == (8, 128, 128, 8)
+    assert tri.split_tiles(128, False, 512) == (128, 8, 512, 4)
 
 
 @needs_interp
@@ -270,7 +341,7 @@ def test_interp_column_slices_read_in_place(ratio: int, overlap: bool) -> None:
 
 @needs_interp
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (128, False)])
-def test_interp_static_candidates_and_padding(ratio: int, overlap: bool) -> None:
+def test_interp_static_candidates_and_padding(ratio: int, overlap: bool, plan: str) -> None:
     starts = [ratio - 1, 2 * ratio + 1, 3 * ratio - 1, 0]
     case = make_case(ratio, overlap, 16, starts, [1] * 4, static=True, scratch_rows=2, seed=7)
     from dsv4.ops import triton_compress as tri
