@@ -314,7 +314,7 @@ def _comb_logit(m, rstd, scale2, base_ptr, i: tl.constexpr):
 
 @triton.jit
 def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, post_ptr,
-                         comb_ptr, w_ptr, T, D, SPLITS, norm_eps, hc_eps, rms_eps,
+                         comb_ptr, w_ptr, mix_ptr, T, D, SPLITS, norm_eps, hc_eps, rms_eps,
                          ITERS: tl.constexpr, NJ: tl.constexpr, NJP: tl.constexpr,
                          SP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr,
                          NORM: tl.constexpr, MODE: tl.constexpr = 0, PDL: tl.constexpr = False):
@@ -325,8 +325,9 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
     does (same [1, BD] tile, warps and reduction, IEEE div / sqrt; the launch compiles without
     FMA contraction, as the norm kernel's does), so the result is the bits of
     ``rms_norm(collapse(x))``.  HEAD: the final hc_head (4 pre gates only).  MODE (not HEAD):
-    0 everything; 1 the collapse and the post gates, no comb; 2 comb alone (grid (T, 1), no
-    stream is read): 1 then 2 write the bits of 0 (the comb lane, ``_collapse``)."""
+    0 everything; 1 the collapse and the post gates, no comb, and the split-K sums of the
+    mixes into ``mix_ptr`` [T, 32]; 2 comb alone from those sums (grid (T, 1), any warps: no
+    reduction, no stream read): 1 then 2 write the bits of 0 (the comb lane, ``_collapse``)."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -339,16 +340,23 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
         x1 = tl.load(row + D, mask=d_mask, other=0.0).to(tl.float32)
         x2 = tl.load(row + 2 * D, mask=d_mask, other=0.0).to(tl.float32)
         x3 = tl.load(row + 3 * D, mask=d_mask, other=0.0).to(tl.float32)
-    # Σ over splits of the mixes and (column NJ) of Σ x²: one reduction for all of them.
-    rs = tl.arange(0, SP)[:, None]
-    rj = tl.arange(0, 32)[None, :]
-    s_mask = rs < SPLITS
-    v = tl.load(part_ptr + (rs * T + t) * NJP + rj, mask=s_mask & (rj < NJ), other=0.0)
-    # (Addressed like the mixes, column NJ hitting sq[s, t]: the load then gets their layout
-    # and the compiler reduces in place instead of first moving the whole tile through shared
-    # memory into a threads-along-splits layout — 160 shuffles where 2 do.)
-    v += tl.load(sq_ptr + (rs * T + t) + (rj - NJ), mask=s_mask & (rj == NJ), other=0.0)
-    g0, g1, g2, g3 = _groups8(tl.sum(v, axis=0))
+    if MODE == 2:
+        sums = tl.load(mix_ptr + t * 32 + tl.arange(0, 32))
+    else:
+        # Σ over splits of the mixes and (column NJ) of Σ x²: one reduction for all of them.
+        rs = tl.arange(0, SP)[:, None]
+        rj = tl.arange(0, 32)[None, :]
+        s_mask = rs < SPLITS
+        v = tl.load(part_ptr + (rs * T + t) * NJP + rj, mask=s_mask & (rj < NJ), other=0.0)
+        # (Addressed like the mixes, column NJ hitting sq[s, t]: the load then gets their
+        # layout and the compiler reduces in place instead of first moving the whole tile
+        # through shared memory into a threads-along-splits layout — 160 shuffles where 2 do.)
+        v += tl.load(sq_ptr + (rs * T + t) + (rj - NJ), mask=s_mask & (rj == NJ), other=0.0)
+        sums = tl.sum(v, axis=0)
+        if MODE == 1:
+            if pid_d == 0:
+                tl.store(mix_ptr + t * 32 + tl.arange(0, 32), sums)
+    g0, g1, g2, g3 = _groups8(sums)
     m0, m1, m2, m3, m4, m5, m6, m7 = _unpack8(g0)
     if HEAD:
         sq = m4
@@ -502,15 +510,19 @@ def _collapse(x: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, splits: int
         # Inside a model step the Sinkhorn (comb) runs on the comb lane, next to the sublayer
         # that does not read it (dsv4.ops.streams.deferred_comb); same kernel, same bits.
         lane = not head and comb_lane_active(x.device)
-        args = (x, part, sq, scale, base, y, y if head else post, y if head else comb, w, T, D,
-                splits, float(norm_eps), float(hc_eps), float(rms_eps or 0.0))
+        mix = torch.empty(T, 32, dtype=torch.float32, device=x.device) if lane else part
+        args = (x, part, sq, scale, base, y, y if head else post, y if head else comb, w, mix,
+                T, D, splits, float(norm_eps), float(hc_eps), float(rms_eps or 0.0))
         consts = dict(ITERS=int(iters), NJ=n if head else (2 + n) * n, NJP=njp, SP=SP, BD=BD,
-                      HEAD=head, NORM=fused, num_warps=4, enable_fp_fusion=False)
+                      HEAD=head, NORM=fused, enable_fp_fusion=False)
         _hc_collapse4_kernel[(T, triton.cdiv(D, BD))](*args, **consts, MODE=1 if lane else 0,
-                                                      **pdl_args(x))
+                                                      num_warps=4, **pdl_args(x))
         if lane:
-            with comb_lane(x.device, keep=(part, sq, scale, base, comb)):
-                _hc_collapse4_kernel[(T, 1)](*args, **consts, MODE=2, **pdl_args(x))
+            # One warp: it then fits on an SM next to a GEMV's full wave (four warps took a
+            # wave slot and sent one of its programs into a second wave: no gain, run C).
+            with comb_lane(x.device, keep=(mix, scale, base, comb)):
+                _hc_collapse4_kernel[(T, 1)](*args, **consts, MODE=2, num_warps=1,
+                                             **pdl_args(x))
     else:
         BD = min(1024, triton.next_power_of_2(D))
         _hc_collapse_kernel[(T, triton.cdiv(D, BD))](

@@ -1017,6 +1017,19 @@ scenario("fp8_linear/v4_pro/gemv")(lambda: _fp8_gemv(V4_PRO, (1,)))
 scenario("fp8_linear/v41_flash/gemv")(lambda: _fp8_gemv(V41_FLASH, (4,)))
 
 
+@contextlib.contextmanager
+def _comb_lane_on(tm: Any) -> Iterator[None]:
+    """triton_mhc's collapse launches as inside a CUDA model step (the comb lane active), with
+    the lane's stream switch left out (CPU tensors)."""
+    saved = tm.comb_lane_active, tm.comb_lane
+    tm.comb_lane_active = lambda device: True
+    tm.comb_lane = lambda device, keep: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        tm.comb_lane_active, tm.comb_lane = saved
+
+
 def _mhc_norm(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
     """The mHC collapse with the sublayer input norm (triton_mhc ``norm_weight``): the n = 4
     collapse fused with the norm (one program per token; V4-Flash) and split + norm kernel
@@ -1038,11 +1051,10 @@ def _mhc_norm(m: ModelDims, Ts: tuple[int, ...], dtype: Any = None) -> None:
                                      _empty(T, n, n, dtype=f32), fn, scale, base, 1e-6, 1e-6,
                                      20, None, w, 1e-6, fuse)
             tm.hc_head_with_plan(x, fn[:n], scale[:1], base[:n], 1e-6, 1e-6, None, w, 1e-6, fuse)
-            if T < PREFILL_T:
-                for mode in (1, 2):   # the comb lane's split (dsv4.ops.streams.deferred_comb)
-                    with RECORDER.override(tm._hc_collapse4_kernel, MODE=mode):
-                        tm.hc_pre_with_plan(x, fn, scale, base, 1e-6, 1e-6, 20, None, w, 1e-6,
-                                            fuse)
+            if T == 1 and fuse:
+                # The comb lane's two launches (dsv4.ops.streams.deferred_comb), as on the GPU.
+                with _comb_lane_on(tm):
+                    tm.hc_pre_with_plan(x, fn, scale, base, 1e-6, 1e-6, 20, None, w, 1e-6, fuse)
     # Other stream counts keep the general collapse kernel (then the norm kernel): n = 2.
     x2 = _empty(Ts[0], 2, D, dtype=dtype)
     tm.hc_pre(x2, _empty(8, 2 * D, dtype=f32), scale, base[:8], 1e-6, 1e-6, 20, w)

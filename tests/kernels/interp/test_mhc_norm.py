@@ -148,22 +148,23 @@ def test_bad_norm_weight_is_rejected() -> None:
 
 @pytest.mark.parametrize("T,D,norm", [(1, 96, True), (5, 64, False), (3, 80, True)])
 def test_collapse4_modes_split_the_work_bit_for_bit(T: int, D: int, norm: bool) -> None:
-    """The comb lane's split of the collapse kernel (``MODE`` 1: y and post on the main
-    stream; 2: comb alone) writes exactly what the whole kernel (``MODE`` 0) writes, and each
-    mode leaves the other's outputs untouched."""
+    """The comb lane's split of the collapse kernel (``MODE`` 1: y, post and the summed mixes
+    on the main stream; 2: comb alone from those sums, one warp) writes exactly what the whole
+    kernel (``MODE`` 0) writes, and each mode leaves the other's outputs untouched."""
     x, fn, scale, base, w = _inputs(T, 4, D, torch.bfloat16, seed=7 * T + D)
     xc, part, sq, splits, njp = triton_mhc._hc_mix(x, fn, 24, "hc_pre", None)
     BD = triton.next_power_of_2(D)
     outs = {}
+    mix = torch.full((T, 32), float("nan"))
     for mode in (0, 1, 2):
         y = torch.full((T, D), float("nan")).to(x.dtype)
         post = torch.full((T, 4), float("nan"))
         comb = torch.full((T, 4, 4), float("nan"))
         grid = (T, 1) if mode == 2 or norm else (T, triton.cdiv(D, BD))
         triton_mhc._hc_collapse4_kernel[grid](
-            xc, part, sq, scale, base, y, post, comb, w if norm else y, T, D, splits, *EPS,
-            1e-5, ITERS=20, NJ=24, NJP=njp, SP=triton.next_power_of_2(splits), BD=BD,
-            HEAD=False, NORM=norm, MODE=mode)
+            xc, part, sq, scale, base, y, post, comb, w if norm else y, mix, T, D, splits,
+            *EPS, 1e-5, ITERS=20, NJ=24, NJP=njp, SP=triton.next_power_of_2(splits), BD=BD,
+            HEAD=False, NORM=norm, MODE=mode, num_warps=1 if mode == 2 else 4)
         outs[mode] = (y, post, comb)
     y0, post0, comb0 = outs[0]
     assert torch.equal(outs[1][0], y0) and torch.equal(outs[1][1], post0)
