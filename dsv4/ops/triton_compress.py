@@ -359,28 +359,30 @@ def entries_tiles(ratio: int, overlap: bool, d: int) -> tuple[int, int, int, int
 
 def split_tiles(ratio: int, overlap: bool, d: int) -> tuple[int, int, int, int]:
     """(S_BLOCK, BLOCK_D, BLOCK_F, num_warps) of the split plan: one [S_BLOCK, BLOCK_D] tile
-    per program with ~4-8 float64 values per thread and array.  Groups of up to 16 rows: one
-    block (BLOCK_D = BLOCK_F, finished in registers) up to d = 128 (the V4 indexer's
-    compressor: 8 warps), else blocks of 32 channels over one warp (d 512: 16 programs an
-    entry, no cross-warp reductions); ratio-128 groups: blocks of 8 channels over 4 warps (d
-    512: 64 programs).  ``DSV4_COMPRESS_TILE=BLOCK_D,WARPS`` overrides the block (GPU A/B)."""
+    per program.  Groups of up to 16 rows (ratio 4): blocks of 32 channels over one warp (d
+    512: 16 programs an entry, d 128: 4; no cross-warp reductions); ratio-128 groups: blocks
+    of 16 channels over 4 warps (d 512: 32 programs).  A row of one block (d <= the block) is
+    finished in registers.  From the H200 timing (bench/compress_sass.py --time, docs/
+    PERFORMANCE.md ninth session): d 128 one block over 8 warps took 5.8 µs an entry, 3.5 in
+    32-channel blocks; ratio 128 at 16 entries 10.5 µs in 8-channel blocks, 8.0 in 16-channel
+    ones.  ``DSV4_COMPRESS_TILE=BLOCK_D,WARPS`` overrides the block (GPU A/B)."""
     s_block = triton.next_power_of_2(2 * ratio if overlap else ratio)
     block_f = triton.next_power_of_2(d)
     if os.environ.get("DSV4_COMPRESS_TILE"):
         block_d, num_warps = (int(v) for v in os.environ["DSV4_COMPRESS_TILE"].split(","))
         return s_block, min(block_f, block_d), block_f, num_warps
-    if s_block <= 16 and block_f <= 128:
-        return s_block, block_f, block_f, max(1, min(8, s_block * block_f // 128))
-    num_warps = 1 if s_block <= 16 else 4
-    return s_block, min(block_f, max(4, 256 * num_warps // s_block)), block_f, num_warps
+    if s_block <= 16:
+        return s_block, min(block_f, 32), block_f, 1
+    return s_block, min(block_f, 16), block_f, 4
 
 
 # Entry counts up to this take the split plan (every static decode step of up to 256
 # sequences; prefill chunks of few entries, e.g. a ratio-128 compressor's).
 SPLIT_MAX_ENTRIES = 256
-# The split plan has not run its GPU checks yet (tests/kernels/test_compress_decode.py): until
-# it has, "auto" picks it only with DSV4_UNVERIFIED_KERNELS=1 (as dsv4.ops does for kernels).
-SPLIT_PLAN_VERIFIED = False
+# The split plan passed its GPU checks (tests/kernels/test_compress_decode.py, every tile above,
+# H200, 2026-12-01).  A new plan starts False: "auto" then picks it only with
+# DSV4_UNVERIFIED_KERNELS=1 (as dsv4.ops does for kernels).
+SPLIT_PLAN_VERIFIED = True
 
 
 def entries_plan(E: int) -> str:

@@ -310,11 +310,11 @@ def test_entries_plan_by_entry_count(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="DSV4_COMPRESS_PLAN"):
         tri.entries_plan(1)
     monkeypatch.delenv("DSV4_COMPRESS_PLAN")
-    # V4-Flash tiles: d 512 ratio 4 in 16 blocks over one warp, the indexer's d 128 in one
-    # block, ratio 128 in 64 blocks of 8 channels.
+    # V4-Flash tiles: d 512 ratio 4 in 16 blocks over one warp, the indexer's d 128 in 4,
+    # ratio 128 in 32 blocks of 16 channels over 4 warps.
     assert tri.split_tiles(4, True, 512) == (8, 32, 512, 1)
-    assert tri.split_tiles(4, True, 128) == (8, 128, 128, 8)
-    assert tri.split_tiles(128, False, 512) == (128, 8, 512, 4)
+    assert tri.split_tiles(4, True, 128) == (8, 32, 128, 1)
+    assert tri.split_tiles(128, False, 512) == (128, 16, 512, 4)
 
 
 @needs_interp
