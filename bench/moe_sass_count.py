@@ -2,15 +2,12 @@
 (``_moe_up_kernel``, ``_moe_down_kernel``) compiled for sm_90, per opcode: the measure used to
 make the in-register MXFP4 decode cheaper (the kernels are partly issue-bound).
 
-    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--decode asm|asm_v1|both]
-                                                [--dump DIR]
+    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--dump DIR]
 
-Plans: BM 16 / BN 128 / 4 warps and BM 16 / BN 64 / 4 warps (decode: BN 64 is the up GEMM's
-tile at one token), BM 128 / BN 128 / 8 warps (prefill), BK 128, unsplit, e8m0 scales, bf16;
-``--decode`` picks the inline-PTX decode (``triton_moe.FP4_DECODE``: "asm" builds the group
-scales four at a time, "asm_v1" one by one).  Pointers, strides, N and K get the
-divisibility-16 attribute a real launch gets (else the loads are not vectorized).  The loop is
-the longest backward branch.  TRITON_INTERPRET must be unset.
+Plans: BM 16 / BN 128 / 4 warps (decode) and BM 128 / BN 128 / 8 warps (prefill), BK 128,
+unsplit, e8m0 scales, bf16.  Pointers, strides, N and K get the divisibility-16 attribute a real
+launch gets (else the loads are not vectorized).  The loop is the longest backward branch.
+TRITON_INTERPRET must be unset.
 """
 
 from __future__ import annotations
@@ -33,16 +30,13 @@ from dsv4.ops import triton_moe as tm  # noqa: E402
 
 _PTR = {"xs_ptr": "*bf16", "act_ptr": "*bf16", "y_ptr": "*bf16", "wt_ptr": "*fp32",
         "part_ptr": "*fp32", "part1_ptr": "*fp32", "part3_ptr": "*fp32"}
-PLANS = ((16, 128, 4), (16, 64, 4), (128, 128, 8))
+PLANS = ((16, 128, 4), (128, 128, 8))
 
 
-def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool,
-                   decode: str = "asm") -> object:
-    """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan with the inline-PTX
-    decode ``decode`` ("asm" / "asm_v1")."""
+def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool) -> object:
+    """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan."""
     fn = tm._moe_up_kernel if which == "up" else tm._moe_down_kernel
-    fast = tm._FP4_DECODE_VER[decode]
-    consts = dict(FMT=1, SB=32, SW_E8M0=True, HAS_LIMIT=True, FAST_FP4=fast, SCALE_LE_128=fold,
+    consts = dict(FMT=1, SB=32, SW_E8M0=True, HAS_LIMIT=True, FAST_FP4=True, SCALE_LE_128=fold,
                   SPLIT=False, BM=BM, BN=BN, BK=128)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
@@ -83,24 +77,20 @@ def loop_counts(cubin: bytes) -> tuple[int, collections.Counter, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fold", choices=("0", "1", "both"), default="both")
-    ap.add_argument("--decode", choices=("asm", "asm_v1", "both"), default="both")
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     args = ap.parse_args()
     folds = {"0": (False,), "1": (True,), "both": (False, True)}[args.fold]
-    decodes = ("asm_v1", "asm") if args.decode == "both" else (args.decode,)
     for fold in folds:
         for which in ("down", "up"):
             for BM, BN, warps in PLANS:
-                for decode in decodes:
-                    k = compile_kernel(which, BM, BN, warps, fold, decode)
-                    n, ops, sass = loop_counts(k.asm["cubin"])
-                    if args.dump:
-                        Path(args.dump).mkdir(parents=True, exist_ok=True)
-                        Path(args.dump, f"{which}_bm{BM}_bn{BN}_fold{int(fold)}_{decode}.sass"
-                             ).write_text(sass)
-                    top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
-                    print(f"fold={int(fold)} {decode:6s} {which:4s} BM{BM:<3d} BN{BN:<3d} "
-                          f"w{warps}: {n:5d} instr per K step | {top}", flush=True)
+                k = compile_kernel(which, BM, BN, warps, fold)
+                n, ops, sass = loop_counts(k.asm["cubin"])
+                if args.dump:
+                    Path(args.dump).mkdir(parents=True, exist_ok=True)
+                    Path(args.dump, f"{which}_bm{BM}_fold{int(fold)}.sass").write_text(sass)
+                top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
+                print(f"fold={int(fold)} {which:4s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr "
+                      f"per K step | {top}", flush=True)
     return 0
 
 

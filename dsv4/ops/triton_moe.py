@@ -40,10 +40,8 @@ PTX (:data:`FP4_DECODE` "asm", :func:`_fp4_decode_asm`): four bytes -> eight bf1
 2^-126, the e2m1 subnormal landing on bf16's; 3 integer operations per pair of values), then
 one packed bf16 multiply by the group's 2^(s-1) when every scale byte of the stacks is <= 128
 (``SCALE_LE_128``: checked once per scale tensor, :func:`_fold_ok`; real checkpoints' scales
-are far below 2^1), else two (2^63, then 2^(s-64)); every step is exact.  The multipliers of a
-row's four groups per K step come from one more inline-PTX sequence (:func:`_fp4_scale_asm`, 6
-operations for 4 groups; ``FP4_DECODE="asm_v1"`` builds them one by one, same bits).  The
-interpreter and fp32 compute take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
+are far below 2^1), else two (2^63, then 2^(s-64)); every step is exact.  The interpreter and
+fp32 compute take the fp32 decode (:func:`_mxfp4_planes`), which is exact too.
 """
 
 from __future__ import annotations
@@ -155,46 +153,12 @@ _FP4_TO_BF16_ASM = tl.constexpr(_fp4_decode_asm(False))
 _FP4_TO_BF16_FOLD_ASM = tl.constexpr(_fp4_decode_asm(True))
 
 
-def _fp4_scale_asm(fold: bool) -> str:
-    """Inline PTX of the group-scale operand of the decode (:data:`FP4_DECODE` "asm"): four e8m0
-    bytes (one 32-bit register $2: the four 32-wide groups of one weight row in a K step of 128)
-    -> their bf16 multipliers, 2^(s-1) (``fold``) or 2^(s-64), as two bf16x2 registers ($0:
-    bytes 0, 1; $1: bytes 2, 3).
-
-    prmt puts bytes 0, 1 (2, 3) in the high bytes of the two 16-bit halves, zeros below; >> 1
-    moves each to bf16's exponent field (bits 14..7; bit 16 is zero, so nothing crosses into
-    half 0) and the add biases it (126 << 7 or 63 << 7: at most 0x7F80 + 0x3F00 < 2^16, no
-    carry between the halves).  The same bits as the "asm_v1" scale ``((s + bias) << 7)`` as
-    uint16, for every byte.  Four bytes in 6 integer operations instead of 2 per byte (a byte
-    extract and a shift-add), and the decode's multiplies read the halves directly
-    (``.H0_H0`` / ``.H1_H1`` operands)."""
-    bias = "0x3F003F00" if fold else "0x1F801F80"
-    lines = [".reg .b32 z, t;", "mov.b32 z, 0;"]
-    for d, sel in (("$0", "0x1404"), ("$1", "0x3424")):
-        lines += [f"prmt.b32 t, $2, z, {sel};", "shr.b32 t, t, 1;", f"add.u32 {d}, t, {bias};"]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_FP4_SCALE_ASM = tl.constexpr(_fp4_scale_asm(False))
-_FP4_SCALE_FOLD_ASM = tl.constexpr(_fp4_scale_asm(True))
-
-
 @triton.jit
-def _mxfp4_planes_bf16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr,
-                       VER: tl.constexpr = 1):
+def _mxfp4_planes_bf16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr):
     """:func:`_mxfp4_planes` for bf16 compute on the GPU, in packed bit operations (inline PTX,
     module docstring): exact for scales up to 2^64 (e8m0 byte <= 191); FOLD: one multiply per
-    pair instead of two, exact for scales up to 2^1 (byte <= 128).  VER 2 (:data:`FP4_DECODE`
-    "asm"): the scale operand from :func:`_fp4_scale_asm` when a row holds a multiple of four
-    groups per K step (the same bits as VER 1's, "asm_v1", in fewer instructions)."""
-    if VER == 2 and (BKH // 16) % 4 == 0:
-        if FOLD:
-            f = tl.inline_asm_elementwise(_FP4_SCALE_FOLD_ASM, "=r,=r,r", [scale],
-                                          dtype=tl.bfloat16, is_pure=True, pack=4)
-        else:
-            f = tl.inline_asm_elementwise(_FP4_SCALE_ASM, "=r,=r,r", [scale],
-                                          dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif FOLD:
+    pair instead of two, exact for scales up to 2^1 (byte <= 128)."""
+    if FOLD:
         f = ((scale.to(tl.int32) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         f = ((scale.to(tl.int32) + 63) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -239,9 +203,8 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
                       FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr):
     """One [BN, BK] weight tile of expert e at K offset k0, dequantized into ``OUT``.
 
-    FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2] (FAST_FP4 1 or 2: the inline-PTX
-    decode "asm_v1" or "asm", bf16 only; SCALE_LE_128: its one-multiply variant); FMT 2 (fp8)
-    and 0 (dense):
+    FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2] (FAST_FP4: the inline-PTX
+    decode, bf16 only; SCALE_LE_128: its one-multiply variant); FMT 2 (fp8) and 0 (dense):
     returns the tile twice (the second value unused)."""
     # 64-bit expert offsets: E × (N·K) passes 2^31 elements for V4-Pro stacks and for the
     # bf16 w1|w3 scratch of V4-Flash (255 × 16.8M).
@@ -257,7 +220,7 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
                      mask=n_mask[:, None], other=0)
         # The interpreter cannot run inline PTX: it takes the fp32 decode.
         if FAST_FP4 and not INTERPRET:
-            lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2, SCALE_LE_128, FAST_FP4)
+            lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2, SCALE_LE_128)
         else:
             lo, hi = _mxfp4_planes(byte, sc, BN, BK // 2, OUT)
         return lo, hi
@@ -606,16 +569,13 @@ def _dequant_experts_kernel(w_ptr, s_ptr, out_ptr, N, stride_we, stride_wn, stri
 
 # ------------------------------------------------------------------------------ host side
 # How the kernels decode MXFP4 weights for bf16 compute on the GPU: "asm" (packed bit operations
-# in inline PTX, ~2 operations per weight, the group scales built four at a time by
-# _fp4_scale_asm), "asm_v1" (the same decode with the scales built one by one, as before
-# _fp4_scale_asm: kept for A/B timing, bit-identical results) or "alu" (the fp32 decode of the
-# interpreter, ~9).  All are exact.  (A fourth variant, fp16 MMAs per 32-wide group with the
-# scales on the partial sums, measured 2x slower than "alu" on the H200 at every size and was
-# removed.)  DSV4_FP4_DECODE picks one (benchmarks compare them).
+# in inline PTX, ~2 operations per weight) or "alu" (the fp32 decode of the interpreter, ~9).
+# Both are exact.  (A third variant, fp16 MMAs per 32-wide group with the scales on the partial
+# sums, measured 2x slower than "alu" on the H200 at every size and was removed.)
+# DSV4_FP4_DECODE=alu picks the other one (benchmarks compare them).
 FP4_DECODE = os.environ.get("DSV4_FP4_DECODE", "asm")
-_FP4_DECODE_VER = {"alu": 0, "asm_v1": 1, "asm": 2}
-if FP4_DECODE not in _FP4_DECODE_VER:
-    raise ValueError(f"DSV4_FP4_DECODE={FP4_DECODE!r}: expected 'asm', 'asm_v1' or 'alu'")
+if FP4_DECODE not in ("asm", "alu"):
+    raise ValueError(f"DSV4_FP4_DECODE={FP4_DECODE!r}: expected 'asm' or 'alu'")
 # Whether the "asm" decode may take its one-multiply variant when every scale byte of the stack
 # is <= FOLD_MAX_SCALE_BYTE (bit-identical results; DSV4_FP4_FOLD=0 keeps two multiplies, for
 # the benchmarks and the equality test).
@@ -712,15 +672,10 @@ def _fit_stages(stages: int, rows: int, cols: int, BK: int, itemsize: int) -> in
     return max(1, min(stages, _SMEM_BUDGET // per_stage))
 
 
-def _fast_fp4(experts: ExpertWeights, dtype: torch.dtype) -> int:
-    """The kernels' FAST_FP4: 0 for the fp32 decode, 1 / 2 for the inline-PTX decode
-    "asm_v1" / "asm" (:data:`FP4_DECODE`; bf16 compute; the kernels ignore it in the
-    interpreter)."""
-    if experts.fmt != "fp4" or dtype != torch.bfloat16:
-        return 0
-    if FP4_DECODE not in _FP4_DECODE_VER:
-        raise ValueError(f"FP4_DECODE={FP4_DECODE!r}: expected 'asm', 'asm_v1' or 'alu'")
-    return _FP4_DECODE_VER[FP4_DECODE]
+def _fast_fp4(experts: ExpertWeights, dtype: torch.dtype) -> bool:
+    """Whether the kernels decode MXFP4 with the inline-PTX path (bf16 compute; the kernels
+    ignore it in the interpreter)."""
+    return FP4_DECODE == "asm" and experts.fmt == "fp4" and dtype == torch.bfloat16
 
 
 # Largest e8m0 byte for which the one-multiply decode (SCALE_LE_128) is exact: 2^(s-1) must be
@@ -947,7 +902,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     sb = experts.block if experts.fmt == "fp8" else 32
     fast = _fast_fp4(experts, x.dtype)
     # Only CUDA launches run the inline PTX (elsewhere: the interpreter, or the sm_90 recorder).
-    fold = bool(fast) and FP4_FOLD and x.is_cuda and _fold_ok(experts)
+    fold = fast and FP4_FOLD and x.is_cuda and _fold_ok(experts)
     stages_up, stages_down = cfg.stages, cfg.stages
     if experts.fmt == "dense":
         size = experts.w1.element_size()

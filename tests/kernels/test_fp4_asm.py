@@ -1,6 +1,6 @@
 """The inline-PTX MXFP4 decodes of ``dsv4.ops.triton_moe`` (``_FP4_TO_BF16_ASM``: two multiplies,
 and ``_FP4_TO_BF16_FOLD_ASM``: one), executed on CPU by a small interpreter of the PTX
-instructions they use (mov, prmt, shl, shr, and, or, add, mul.rn.bf16x2), against the exact value
+instructions they use (mov, prmt, shl, shr, and, or, mul.rn.bf16x2), against the exact value
 e2m1 × 2^(s-127) for every byte and every scale byte each decode supports (0..191; the one-
 multiply decode 0..128), and the host check that picks the one-multiply decode.
 
@@ -82,8 +82,6 @@ def run_asm(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             regs[d] = val(src[0]) >> val(src[1])
         elif op == "and.b32":
             regs[d] = val(src[0]) & val(src[1])
-        elif op == "add.u32":
-            regs[d] = (val(src[0]) + val(src[1])) & MASK32
         elif op == "or.b32":
             regs[d] = val(src[0]) | val(src[1])
         elif op == "mul.rn.bf16x2":

@@ -278,35 +278,3 @@ def test_fold_check_large_scales_and_capture_gpu() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, tri.moe_experts_with_config(x, ids, w, fresh, 10.0, cfg))
-
-
-@pytest.mark.parametrize("T", [1, 2, 16, 64, 8192])
-def test_decode_v2_bit_identical_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FP4_DECODE "asm" (group scales four at a time) against "asm_v1", bit for bit: the
-    default plan of T tokens (1, 2: split-K, BN_up 64; 16, 64: BM 16; 8192: BM 64), both
-    multiply variants (fold on / off), both numerics; and dequant_experts."""
-    from dsv4.ops import triton_moe as tri
-    gen = torch.Generator(device=DEV).manual_seed(700 + T)
-    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
-    ids, w = _routing(T, gen)
-    for act_block in (None, 128):
-        ex = _stacks(gen, act_block)
-        s2 = ex.s2.view(torch.uint8)
-        s2[:, :, 0] = torch.arange(0, 129, device=DEV, dtype=torch.uint8).repeat(D // 129 + 1)[:D]
-        for fold in (True, False):
-            monkeypatch.setattr(tri, "FP4_FOLD", fold)
-            monkeypatch.setattr(tri, "FP4_DECODE", "asm_v1")
-            y1 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
-            monkeypatch.setattr(tri, "FP4_DECODE", "asm")
-            _poison()
-            y2 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
-            assert torch.equal(y1, y2), (act_block, fold)
-            assert bool(torch.isfinite(y2).all())
-    out = torch.empty(4, INTER, D, dtype=torch.bfloat16, device=DEV)
-    sub = type(ex)(ex.w1[:4], ex.w3[:4], ex.w2[:4], ex.act_block, "fp4", ex.s1[:4], ex.s3[:4],
-                   ex.s2[:4], ex.block)
-    monkeypatch.setattr(tri, "FP4_DECODE", "asm_v1")
-    d1 = tri.dequant_experts(sub, "w1", out.clone())
-    monkeypatch.setattr(tri, "FP4_DECODE", "asm")
-    d2 = tri.dequant_experts(sub, "w1", out.clone())
-    assert torch.equal(d1, d2)
