@@ -316,13 +316,15 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 # How kernels are issued (env of the capture): plain stream order; programmatic dependent
 # launch as the engine uses it (dsv4/ops/pdl.py: steps of up to PDL_MAX_TOKENS tokens), with
-# and without the mHC Sinkhorn on the comb lane (dsv4/ops/streams.py), with the compressor's
-# loop plan (dsv4/ops/triton_compress.py), and PDL at every step size.  (A key "attention.NAME" sets that module constant instead of a variable.)
+# and without the mHC Sinkhorn on the comb lane and the attention compressor's branch lane
+# (dsv4/ops/streams.py), with the compressor's loop plan (dsv4/ops/triton_compress.py), and
+# PDL at every step size.  (A key "attention.NAME" sets that module constant instead of a variable.)
 LAUNCH_VARIANTS = {
     "plain": {"DSV4_PDL": "0"},
     "pdl": {"DSV4_PDL": "1"},
     "pdl, no comb lane": {"DSV4_PDL": "1", "DSV4_COMB_LANE": "0"},
     "pdl, compress loop plan": {"DSV4_PDL": "1", "DSV4_COMPRESS_PLAN": "loop"},
+    "pdl, no branch lane": {"DSV4_PDL": "1", "DSV4_BRANCH_LANE": "0"},
     "pdl at any size": {"DSV4_PDL": "1", "DSV4_PDL_MAX_TOKENS": str(1 << 30)},
 }
 

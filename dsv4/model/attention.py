@@ -46,7 +46,7 @@ from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
 from dsv4.model.layers import (Linear, RMSNorm, check_numerics, exact_fp8_copy, fused_linears,
                                rope_cos_sin, rope_params)
 from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
-from dsv4.ops.streams import join_side_lane, side_lane
+from dsv4.ops.streams import branch_lane, join_branch_lane, join_side_lane, side_lane
 
 __all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_TOKENS"]
 
@@ -346,11 +346,21 @@ class Attention(nn.Module):
             return self._compressed_source_v41(x, qr, ctx, cache, cos, sin, dtype)
         pool = cache.compressed_pool(self.layer_id)
         fmt = cache.compressed_format
-        if self.compressor is not None:
-            self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool, fmt)
-        kv_b, dense = self._entry_source(ctx, cache, dtype)
+        ids = None
         if self.indexer is not None:
-            ids = self.indexer(x, qr, ctx, cache, cos, sin)                    # [T, k]
+            # The index keys first: the step's compressor plans (ctx.memo, shared by both
+            # compressors of the ratio) are then made before the attention's compressor runs on
+            # a branch of this lane next to the indexer's scoring (dsv4.ops.streams).
+            self.indexer.write_keys(x, ctx, cache)
+        with branch_lane(x.device, x.shape[0]):
+            if self.compressor is not None:
+                self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool,
+                                fmt)
+        if self.indexer is not None:
+            ids = self.indexer.pick(x, qr, ctx, cache, cos, sin)               # [T, k]
+        join_branch_lane(x.device)
+        kv_b, dense = self._entry_source(ctx, cache, dtype)
+        if ids is not None:
             idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids, dense)
         else:
             idx_b = _visible_rows(ctx, self.ratio, cache.page_size, dense)

@@ -94,12 +94,21 @@ class Indexer(_IndexScorer):
         """Entry ids [T, index_topk] (ascending, −1 = none) picked for every token.
 
         x [T, D] is the attention input, qr [T, q_lora] the normalized query latent, cos/sin the
-        layer's RoPE rows at the tokens' positions.
+        layer's RoPE rows at the tokens' positions.  = :meth:`write_keys`, then :meth:`pick`.
         """
+        self.write_keys(x, ctx, cache)
+        return self.pick(x, qr, ctx, cache, cos, sin)
+
+    def write_keys(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> None:
+        """Compress this step's new index keys into the layer's key pool."""
+        self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"),
+                        cache.index_key_pool(self.layer_id), cache.index_key_format)
+
+    def pick(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
+             cos: Tensor, sin: Tensor) -> Tensor:
+        """The top-k entry ids of every token against the key pool (after :meth:`write_keys`)."""
         keys = cache.index_key_pool(self.layer_id)
         key_fmt = cache.index_key_format
-        self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"), keys, key_fmt)
-
         # Official numerics rotate (Hadamard) then FP4-quantize the queries.  fp4 record keys are
         # stored Hadamard-rotated in every numerics: the queries are rotated alike then (an
         # orthogonal rotation of both leaves q·k unchanged).

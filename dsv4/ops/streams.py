@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["side_lane", "join_side_lane", "current_lane", "side_stream_enabled",
+__all__ = ["side_lane", "join_side_lane", "branch_lane", "join_branch_lane", "current_lane",
+           "side_stream_enabled",
            "deferred_comb", "comb_lane", "join_comb_lane", "comb_lane_active"]
 
 # Steps of more tokens run in order: their kernels fill the GPU on their own (4 V4-Flash layers
@@ -49,7 +50,8 @@ def side_stream_enabled() -> bool:
 
 
 def current_lane() -> int:
-    """0 on the main stream, 1 inside :func:`side_lane`: the key of per-lane kernel state."""
+    """0 on the main stream, 1 inside :func:`side_lane`, 2 inside :func:`branch_lane`: the key
+    of per-lane kernel state."""
     return _lane
 
 
@@ -90,6 +92,45 @@ def join_side_lane(device: torch.device) -> None:
     main = _forked.pop(device, None)
     if main is not None:
         main.wait_stream(_side_stream(device))
+
+
+# A branch of the side lane (lane 2): inside it, two independent chains of the side branch run
+# concurrently (a V4 attention's compressor next to its indexer's scoring and top-k).  Same
+# rules as the side lane; its split-K counters are lane 2's.
+_branch_streams: dict[torch.device, torch.cuda.Stream] = {}
+_branch_forked: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def branch_lane(device: torch.device, tokens: int = 1) -> Iterator[torch.cuda.Stream | None]:
+    """Inside :func:`side_lane` only: issue the body on a third stream after it waits for the
+    side stream; yields it, or None (in order) anywhere else, when disabled
+    (``DSV4_BRANCH_LANE=0``, or the side lane off) or above :data:`SIDE_LANE_MAX_TOKENS`.
+    Pair with :func:`join_branch_lane` before the side branch uses what the body made."""
+    global _lane
+    if (device.type != "cuda" or _lane != 1 or tokens > SIDE_LANE_MAX_TOKENS
+            or os.environ.get("DSV4_BRANCH_LANE", "1") == "0"):
+        yield None
+        return
+    side = torch.cuda.current_stream(device)
+    branch = _branch_streams.get(device)
+    if branch is None:
+        branch = _branch_streams[device] = torch.cuda.Stream(device=device)
+    branch.wait_stream(side)
+    _branch_forked[device] = side
+    _lane = 2
+    try:
+        with torch.cuda.stream(branch):
+            yield branch
+    finally:
+        _lane = 1
+
+
+def join_branch_lane(device: torch.device) -> None:
+    """Make the side stream wait for the last :func:`branch_lane` body (no-op when none)."""
+    side = _branch_forked.pop(device, None)
+    if side is not None:
+        side.wait_stream(_branch_streams[device])
 
 
 # ------------------------------------------------------------------------------ the comb lane

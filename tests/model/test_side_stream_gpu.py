@@ -1,7 +1,8 @@
 """How kernels are issued changes no bit: a V4-Flash schedule model (toy widths, FP8 Linears and
 MXFP4 experts on the Triton kernels, fp8 cache) gives identical logits with the side lane
 (``dsv4.ops.streams``: the shared expert on a second CUDA stream) on and off, the mHC
-Sinkhorn on a third (the comb lane) on and off, and with
+Sinkhorn on a third (the comb lane) and the attention's compressor on a fourth (the branch
+lane) on and off, and with
 programmatic dependent launch (``dsv4.ops.pdl``) on and off, eagerly and as CUDA-graph replays,
 and leaves every split-K arrival counter at zero.  GPU only."""
 
@@ -93,12 +94,15 @@ def test_pdl_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> Non
     _assert_replays_equal(step, plain, 5)
 
 
-def test_comb_lane_same_logits_eager_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mHC Sinkhorn on the comb lane (``dsv4.ops.streams.deferred_comb``) changes no bit."""
+@pytest.mark.parametrize("var", ["DSV4_COMB_LANE", "DSV4_BRANCH_LANE"])
+def test_extra_lanes_same_logits_eager_and_graph(var: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mHC Sinkhorn on the comb lane (``streams.deferred_comb``) and a V4 attention's
+    compressor on a branch of the side lane (``streams.branch_lane``) change no bit."""
     step = _step_fn(monkeypatch)
-    monkeypatch.setenv("DSV4_COMB_LANE", "0")
+    monkeypatch.setenv(var, "0")
     plain = step().clone()
-    monkeypatch.setenv("DSV4_COMB_LANE", "1")
+    monkeypatch.setenv(var, "1")
     lane = step().clone()
     torch.cuda.synchronize()
     assert torch.isfinite(plain).all()

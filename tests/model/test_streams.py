@@ -45,3 +45,36 @@ def test_long_steps_run_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = torch.device("cuda", 0)   # never touched: the token check comes first
     with streams.side_lane(dev, streams.SIDE_LANE_MAX_TOKENS + 1) as lane:
         assert lane is None and streams.current_lane() == 0
+
+
+def test_branch_and_comb_lanes_off_cuda_and_outside_the_side_lane(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The branch lane forks only inside the side lane (and on CUDA); the comb lane only inside
+    a CUDA model step: elsewhere both run in order and their joins are no-ops."""
+    cpu, dev = torch.device("cpu"), torch.device("cuda", 0)
+    with streams.branch_lane(cpu) as lane:
+        assert lane is None and streams.current_lane() == 0
+    with streams.branch_lane(dev) as lane:       # on the main lane: never touches the GPU
+        assert lane is None and streams.current_lane() == 0
+    streams.join_branch_lane(cpu)
+    monkeypatch.setattr(streams, "_lane", 1)
+    monkeypatch.setenv("DSV4_BRANCH_LANE", "0")
+    with streams.branch_lane(dev) as lane:
+        assert lane is None and streams.current_lane() == 1
+    monkeypatch.setattr(streams, "_lane", 0)
+    with streams.deferred_comb(cpu, 1):
+        assert not streams.comb_lane_active(cpu)
+    streams.join_comb_lane(cpu)
+    monkeypatch.setenv("DSV4_COMB_LANE", "0")
+    with streams.deferred_comb(dev, 1):          # disabled: no state, no GPU touched
+        assert not streams.comb_lane_active(dev)
+
+
+def test_branch_lane_has_its_own_split_k_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(td, "_splitk_counter_cache", {})
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(streams, "_lane", 1)
+    side = td.splitk_counters(cpu, 8)
+    monkeypatch.setattr(streams, "_lane", 2)
+    branch = td.splitk_counters(cpu, 8)
+    assert branch is not side and set(td._splitk_counter_cache) == {(cpu, 1), (cpu, 2)}
