@@ -31,6 +31,8 @@ the values are the same, exact in bf16, so the output is the same bit for bit).
 
 from __future__ import annotations
 
+import contextlib
+
 from types import SimpleNamespace
 
 import torch
@@ -352,7 +354,9 @@ class Attention(nn.Module):
             # compressors of the ratio) are then made before the attention's compressor runs on
             # a branch of this lane next to the indexer's scoring (dsv4.ops.streams).
             self.indexer.write_keys(x, ctx, cache)
-        with branch_lane(x.device, x.shape[0]):
+        # (Without an indexer, as in HCA layers, nothing would run beside it: no branch.)
+        with (branch_lane(x.device, x.shape[0]) if self.indexer is not None
+              else contextlib.nullcontext()):
             if self.compressor is not None:
                 self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool,
                                 fmt)

@@ -337,7 +337,7 @@ class Transformer(nn.Module):
         with model_step(tokens, self.parallel.enabled):
             if self.cfg.is_v41:
                 return self._forward_v41(ctx, cache)
-            # The mHC Sinkhorn of each sublayer on a third stream (dsv4/ops/streams.py).
+            # The mHC Sinkhorn of each sublayer on its own stream (dsv4/ops/streams.py).
             with deferred_comb(ctx.input_ids.device, tokens):
                 return self._forward_v4(ctx, cache)
 

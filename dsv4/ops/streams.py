@@ -19,6 +19,11 @@ Kernels that keep state across launches in shared buffers (the split-K arrival c
 ``triton_dense.splitk_counters``) key it by :func:`current_lane`, so two launches running
 concurrently on the two lanes never share counters.
 
+Two more lanes follow the same rules: :func:`branch_lane` forks a third stream off the side
+lane (a V4 attention's compressor next to its indexer's scoring), and the comb lane
+(:func:`deferred_comb`, :func:`comb_lane`, :func:`join_comb_lane`) runs each sublayer's mHC
+Sinkhorn next to the sublayer, joined by the hc_post ops that read it.
+
 Off CUDA, or with ``DSV4_SIDE_STREAM=0``, everything runs in order on the current stream.
 """
 
@@ -136,8 +141,8 @@ def join_branch_lane(device: torch.device) -> None:
 # ------------------------------------------------------------------------------ the comb lane
 # The mHC Sinkhorn of a sublayer (hc_pre's ``comb``, spec §3.4) is ~6 µs of serial scalar code
 # in one program per token, and nothing reads comb before the sublayer's hc_post: inside a model
-# step (:func:`deferred_comb`) the collapse kernel leaves it to a third stream, which runs it
-# next to the sublayer.  The consumer joins first (:func:`join_comb_lane`: the hc_post ops), and
+# step (:func:`deferred_comb`) the collapse kernel leaves it to a stream of its own, which runs
+# it next to the sublayer.  The consumer joins first (:func:`join_comb_lane`: the hc_post ops), and
 # the step's end joins whatever is left, so no comb escapes a step unfinished.
 _comb_defer: dict[torch.device, bool] = {}
 _comb_streams: dict[torch.device, torch.cuda.Stream] = {}
