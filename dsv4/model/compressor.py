@@ -13,7 +13,11 @@ The whole batch is handled at once: a row of a group is located either among thi
 or in the request's state and read from there.  The forward runs two ops per compressor and step
 (``dsv4/ops/torch_compress.py`` documents them; Triton kernels in ``triton_compress.py``):
 ``compress_entries`` (pooling, cast, norm, RoPE of every completed entry) and
-``compress_update_state`` (the carry-over rows).
+``compress_update_state`` (the carry-over rows).  Both add the position bias themselves: the
+forward hands them ``ape`` and the unbiased ``wgate(x)`` rows (the same bits as adding it here,
+two launches fewer per call), unless the op table says its kernels do not fuse it yet
+(``ops.compress_entries.ape_fused()`` False: dsv4.ops.triton_compress.APE_FUSED_VERIFIED); the
+plain-torch :func:`pool_entries` path adds it in torch.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from dsv4.model.layers import (Linear, RMSNorm, check_numerics, fp32_math_dtype,
 from dsv4.ops import torch_compress
 
 __all__ = ["Compressor", "CompressorV2", "EntryPlan", "entry_plan", "entry_pool_rows",
-           "entry_write_rows", "write_entries", "pool_entries", "compress_step", "entry_rope"]
+           "entry_write_rows", "write_entries", "pool_entries", "compress_step", "entry_rope",
+           "ops_fuse_ape"]
 
 # Gathered group rows per block of entries stay near this many fp32 elements.
 _BLOCK_ELEMS = 1 << 24
@@ -201,10 +206,12 @@ def pool_entries(ctx: StepContext, state: CompressorState, kv: Tensor, score: Te
 
 def compress_step(ops: SimpleNamespace, ctx: StepContext, state: CompressorState, kv: Tensor,
                   score: Tensor, norm: RMSNorm, out_dtype: torch.dtype,
-                  rope: tuple[Tensor, Tensor] | None) -> tuple[EntryPlan, Tensor]:
+                  rope: tuple[Tensor, Tensor] | None, ape: Tensor | None = None
+                  ) -> tuple[EntryPlan, Tensor]:
     """The entries completed in this step, finished (pooled, cast to ``out_dtype``, ``norm``,
     RoPE with ``rope`` = (cos, sin) at the entries' positions when given), then the carry-over
-    state update: two ops (``compress_entries``, ``compress_update_state``).
+    state update: two ops (``compress_entries``, ``compress_update_state``).  ``ape`` [r, W]:
+    ``score`` is unbiased and the ops add ``ape[pos % r]`` (None: ``score`` is final).
 
     In a static-shape step the candidates that do not complete come out as zeros.
     """
@@ -214,10 +221,18 @@ def compress_step(ops: SimpleNamespace, ctx: StepContext, state: CompressorState
     entries = ops.compress_entries(kv, score, state.kv, state.score, plan.request, plan.entry,
                                    plan.valid, ctx.start_pos, ctx.cu_seqlens, ctx.slots,
                                    spec.ratio, spec.overlap, norm.weight, norm.eps, cos, sin,
-                                   out_dtype)
+                                   out_dtype, ape=ape)
     ops.compress_update_state(kv, score, state.kv, state.score, ctx.start_pos, ctx.cu_seqlens,
-                              ctx.slots, spec.ratio, spec.overlap)
+                              ctx.slots, spec.ratio, spec.overlap, ape=ape)
     return plan, entries
+
+
+def ops_fuse_ape(ops: SimpleNamespace) -> bool:
+    """Whether the op table's compressor ops add ``ape`` in their own launches: the torch twins
+    always do; Triton wrappers say so through their ``ape_fused()`` (False until GPU-verified,
+    where passing ``ape`` would only move the model's add into more torch launches)."""
+    check = getattr(ops.compress_entries, "ape_fused", None)
+    return check is None or bool(check())
 
 
 class Compressor(nn.Module):
@@ -264,11 +279,14 @@ class Compressor(nn.Module):
             raise ValueError(f"Compressor(layer {self.layer_id}): state is for {state.spec}; "
                              f"expected {self.spec}")
 
-    def _rows(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
-        """The step's fp32 rows: kv = wkv(x), score = wgate(x) + ape[pos % r]."""
+    def _rows(self, x: Tensor, ctx: StepContext, biased: bool = True) -> tuple[Tensor, Tensor]:
+        """The step's fp32 rows: kv = wkv(x), score = wgate(x) + ape[pos % r] (``biased``;
+        else wgate(x) alone, for ops that add ``ape`` themselves)."""
         # fp32 GEMMs on the Linears' weights (what their forward computes for fmt "bf16" held in
         # fp32: no activation fake quant), through the op table's skinny-GEMM kernel.
         kv, score = kv_score_rows(self.ops, x, self.wkv, self.wgate)
+        if not biased:
+            return kv, score
         # Each token's slot in its group: the same for every compressor of the ratio (memoized).
         key = ("group_slot", self.spec.ratio)
         if key not in ctx.memo:
@@ -285,11 +303,14 @@ class Compressor(nn.Module):
         update another; what ``pool`` + ``finish`` compute, to the bit on the torch backend.
         """
         self._check_state(state)
-        kv, score = self._rows(x, ctx)
+        # ape goes into the ops' own score reads where they fuse it (bit-identical to adding it
+        # here: one fp32 add of the same values); else the two-launch add of _rows.
+        fused = ops_fuse_ape(self.ops)
+        kv, score = self._rows(x, ctx, biased=not fused)
         plan = entry_plan(ctx, self.spec.ratio)
         rope = entry_rope(ctx, self.cfg, self.layer_id, plan) if plan.num_entries else None
         plan, entries = compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype,
-                                      rope)
+                                      rope, ape=self.ape if fused else None)
         if plan.num_entries:
             if fmt is not None:
                 # Record pool: packing rounds as the fake quant would; the indexer's Hadamard

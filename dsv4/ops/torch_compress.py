@@ -1,7 +1,7 @@
 """Plain-torch twin of the compressor ops (spec §3.7, §4.3): gated softmax pooling of a group's
-rows (with ``ape`` already in the scores and the ratio-4 overlap), RMSNorm, RoPE of the rope
-channels, and the carry-over state update.  It is the oracle of ``triton_compress.py`` and what
-runs on CPU; its numerics are those of the model since the first version (bit for bit).
+rows (``ape`` in the scores or added by the ops, and the ratio-4 overlap), RMSNorm, RoPE of the
+rope channels, and the carry-over state update.  It is the oracle of ``triton_compress.py`` and
+what runs on CPU; its numerics are those of the model since the first version (bit for bit).
 
 Where the rows of a group live
 ------------------------------
@@ -17,9 +17,18 @@ Ops (same signatures in the Triton module)::
 
     compress_entries(kv, score, state_kv, state_score, request, entry, valid, start_pos,
                      cu_seqlens, slots, ratio, overlap, norm_weight, norm_eps, cos, sin,
-                     out_dtype) -> [E, d]
+                     out_dtype, ape=None) -> [E, d]
     compress_update_state(kv, score, state_kv, state_score, start_pos, cu_seqlens, slots,
-                          ratio, overlap) -> None      # in place
+                          ratio, overlap, ape=None) -> None      # in place
+
+The position bias ``ape``
+-------------------------
+``score`` is either biased already (``ape=None``: the rows' scores include ``ape[pos % r]``) or
+unbiased with ``ape`` [r, W] fp32 given: both ops then add ``ape[pos % r]`` (one fp32 add) to
+every score they read from this step's rows, pos = ``start_pos[i] + (row − cu_seqlens[i])``
+the row's absolute position; never to state rows, which hold biased scores (the state update
+stores the biased score).  A single fp32 add of the same two values is the same wherever it
+runs, so both forms give the same bits (:func:`bias_step_scores` is the twin's add).
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from torch import Tensor
 from dsv4.ops.torch_attn import apply_rope, rms_norm
 
 __all__ = ["compress_entries", "compress_update_state", "compress_pool", "locate_rows",
-           "check_compress_args", "check_entry_args"]
+           "check_compress_args", "check_entry_args", "check_ape", "step_positions",
+           "bias_step_scores"]
 
 # Gathered group rows per block of entries stay near this many fp32 elements.
 BLOCK_ELEMS = 1 << 24
@@ -63,6 +73,40 @@ def check_compress_args(name: str, kv: Tensor, score: Tensor, state_kv: Tensor,
                          f"{tuple(start_pos.shape)}, {tuple(cu_seqlens.shape)}, "
                          f"{tuple(slots.shape)}")
     return W // coff
+
+
+def check_ape(name: str, ape: Tensor | None, score: Tensor, ratio: int) -> None:
+    """Validate the optional position bias ``ape`` [ratio, W] fp32 of the step's scores."""
+    if ape is None:
+        return
+    want = (ratio, score.shape[1])
+    if ape.dim() != 2 or tuple(ape.shape) != want or ape.dtype != torch.float32:
+        raise ValueError(f"{name}: ape must be a float32 [{want[0]}, {want[1]}] (ratio, W) or "
+                         f"None; found {ape.dtype} {tuple(ape.shape)}")
+    if ape.device != score.device:
+        raise ValueError(f"{name}: ape is on {ape.device}, score on {score.device}")
+
+
+def step_positions(start_pos: Tensor, cu_seqlens: Tensor, T: int) -> Tensor:
+    """[T] absolute position of each of this step's rows: ``start_pos[i] + (row −
+    cu_seqlens[i])`` with i the row's request (rows beyond ``cu_seqlens[-1]``, which no op
+    reads, count as the last request's)."""
+    R = start_pos.shape[0]
+    rows = torch.arange(T, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    if R == 0:
+        return rows
+    req = torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True).clamp_(max=R - 1)
+    return start_pos[req] + (rows - cu_seqlens[req])
+
+
+def bias_step_scores(score: Tensor, ape: Tensor | None, start_pos: Tensor, cu_seqlens: Tensor,
+                     ratio: int) -> Tensor:
+    """``score + ape[pos % ratio]`` over this step's rows (fp32, the model's unfused add);
+    ``score`` itself when ``ape`` is None."""
+    if ape is None:
+        return score
+    pos = step_positions(start_pos, cu_seqlens, score.shape[0])
+    return score + ape[pos % ratio]
 
 
 def check_entry_args(request: Tensor, entry: Tensor, valid: Tensor | None, norm_weight: Tensor,
@@ -179,12 +223,13 @@ def compress_entries(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: T
                      cu_seqlens: Tensor, slots: Tensor, ratio: int, overlap: bool,
                      norm_weight: Tensor,
                      norm_eps: float, cos: Tensor | None, sin: Tensor | None,
-                     out_dtype: torch.dtype) -> Tensor:
+                     out_dtype: torch.dtype, ape: Tensor | None = None) -> Tensor:
     """Finished entries [E, d] in ``out_dtype``: pooled (fp32) → cast to ``out_dtype`` →
     RMSNorm with ``norm_weight`` → RoPE of the last ``2·cos.shape[1]`` channels (none when
     ``cos`` is None: the V4.1 pre-RoPE latent).
 
-    kv / score [T, W] fp32 (score with ``ape``), state_kv / state_score [slots, coff·r, W]
+    kv / score [T, W] fp32 (score with ``ape`` already, or without it and ``ape`` [r, W] fp32
+    given: see the header), state_kv / state_score [slots, coff·r, W]
     fp32, request / entry [E] int64 (request index, entry id in the request), start_pos [R],
     cu_seqlens [R+1], slots [R] int64; cos / sin [E, rd/2] fp32 at the entries' positions j·r.
     ``valid`` [E] bool or None: entries marked False (the candidates of a static-shape step that
@@ -194,6 +239,8 @@ def compress_entries(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: T
     d = check_compress_args("compress_entries", kv, score, state_kv, state_score, start_pos,
                             cu_seqlens, slots, ratio, overlap)
     check_entry_args(request, entry, valid, norm_weight, d, cos, sin)
+    check_ape("compress_entries", ape, score, ratio)
+    score = bias_step_scores(score, ape, start_pos, cu_seqlens, ratio)
     pooled = compress_pool(kv, score, state_kv, state_score, request, entry, start_pos,
                            cu_seqlens, slots, ratio, overlap)
     out = rms_norm(pooled.to(out_dtype), norm_weight, norm_eps)
@@ -206,11 +253,14 @@ def compress_entries(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: T
 
 def compress_update_state(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tensor,
                           start_pos: Tensor, cu_seqlens: Tensor, slots: Tensor, ratio: int,
-                          overlap: bool) -> None:
+                          overlap: bool, ape: Tensor | None = None) -> None:
     """Keep, in every request's slot, the rows of its open group (and with overlap the last
-    complete group) after this step; other rows become empty (kv 0, score −inf)."""
+    complete group) after this step; other rows become empty (kv 0, score −inf).  With ``ape``
+    the step's rows are stored biased (``score + ape[pos % r]``), as the state always holds."""
     check_compress_args("compress_update_state", kv, score, state_kv, state_score, start_pos,
                         cu_seqlens, slots, ratio, overlap)
+    check_ape("compress_update_state", ape, score, ratio)
+    score = bias_step_scores(score, ape, start_pos, cu_seqlens, ratio)
     r, R, W = ratio, start_pos.shape[0], kv.shape[1]
     end = start_pos + (cu_seqlens[1:] - cu_seqlens[:-1])
     g_end = torch.div(end, r, rounding_mode="floor") * r                     # open group start

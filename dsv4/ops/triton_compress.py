@@ -26,6 +26,13 @@ the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group
   ``DSV4_UNVERIFIED_KERNELS=1``).
 * ``compress_update_state``: one program per (request, channel block) rewrites the request's
   slot with the rows of its open group (and, with overlap, of the last complete group).
+* ``ape`` (both ops, optional): the position bias ``ape[pos % r]`` added in fp32 to the scores
+  read from the step's rows (``HAS_APE``), which saves the model its gather and add launches
+  per compressor call (twin header: the same bits as scores biased before the call).  A step
+  row's slot s in the tile has ``pos % r == s % r`` (groups start at multiples of r), so the
+  bias row is ``s % r``.  GPU-gated: until :data:`APE_FUSED_VERIFIED`, the wrappers add it in
+  torch first (the twin's add) unless ``DSV4_UNVERIFIED_KERNELS=1``; :func:`ape_fused` says
+  which (the model asks it, through the ops' ``ape_fused`` attribute, before passing ``ape``).
 
 Numerics: the softmax pooling runs in float64 and is rounded once to fp32, as the twin does, so
 pooled values agree with the twin to the last fp32 bit but for rare rounding ties; the norm's
@@ -48,7 +55,7 @@ from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_to_bf16, splitk_counters, torch_twin_off_gpu
 
 __all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles",
-           "split_tiles", "entries_plan"]
+           "split_tiles", "entries_plan", "ape_fused", "APE_FUSED_VERIFIED"]
 
 
 @triton.jit
@@ -69,11 +76,12 @@ def _locate(pos, p0, cu0, slot, T, R: tl.constexpr, OVERLAP: tl.constexpr):
 
 
 @triton.jit
-def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_ptr, valid_ptr,
-                             start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
-                             T, D, W, SKV, SSC, HALF, eps,
+def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_ptr, ent_ptr,
+                             valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr, sin_ptr,
+                             out_ptr, T, D, W, SKV, SSC, HALF, eps,
                              R: tl.constexpr, OVERLAP: tl.constexpr, HAS_VALID: tl.constexpr,
-                             HAS_ROPE: tl.constexpr, OUT_BF16: tl.constexpr,
+                             HAS_ROPE: tl.constexpr, HAS_APE: tl.constexpr,
+                             OUT_BF16: tl.constexpr,
                              S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                              PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
@@ -107,6 +115,8 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
         kv_base = step_row.to(tl.int64) * SKV + ch_off
         sc_base = step_row.to(tl.int64) * SSC + ch_off
         state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
+        # ape row of a step row: pos % R == s % R (ape [R, W], the score's channels).
+        ape_base = (s % R) * W + ch_off
         # Pass 1: pool channel blocks (float64 softmax over the slots), store them rounded to
         # the output dtype (the norm's input) and sum their squares.
         ss = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -120,6 +130,10 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
                               other=0.0)
             g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
                              other=float("-inf"))
+            if HAS_APE:
+                # One fp32 add (what the model's score + ape gives); -inf + 0 where masked.
+                g_step = g_step + tl.load(ape_ptr + ape_base[:, None] + c[None, :],
+                                          mask=m_step, other=0.0)
             g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
                               other=float("-inf"))
             kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
@@ -171,14 +185,15 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_p
 
 
 @triton.jit
-def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr, ent_ptr,
-                                   valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr,
-                                   sin_ptr, out_ptr, arrivals_ptr,
+def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_ptr,
+                                   ent_ptr, valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr,
+                                   cos_ptr, sin_ptr, out_ptr, arrivals_ptr,
                                    T, D, W, SKV, SSC, HALF, NREQ, eps,
                                    R: tl.constexpr, OVERLAP: tl.constexpr,
                                    HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr,
-                                   OUT_BF16: tl.constexpr, SPLIT: tl.constexpr,
-                                   S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   HAS_APE: tl.constexpr, OUT_BF16: tl.constexpr,
+                                   SPLIT: tl.constexpr, S_BLOCK: tl.constexpr,
+                                   BLOCK_D: tl.constexpr,
                                    BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
     """The "split" plan of ``compress_entries``: program (e, b) pools channel block b of entry
     e (the loop plan's pass 1 for one block: the same tile code and float64 softmax).  SPLIT
@@ -241,6 +256,10 @@ def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, req_ptr,
         k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state, other=0.0)
         g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
                          other=float("-inf"))
+        if HAS_APE:
+            # ape row of a step row: pos % R == s % R; one fp32 add, -inf + 0 where masked.
+            g_step = g_step + tl.load(ape_ptr + ((s % R) * W + ch_off)[:, None] + c[None, :],
+                                      mask=m_step, other=0.0)
         g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
                           other=float("-inf"))
         kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
@@ -304,9 +323,10 @@ def _finish_row(x, w_e, w_o, cs, sn, rm, D, eps, HAS_ROPE: tl.constexpr,
 
 
 @triton.jit
-def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_ptr, slot_ptr,
-                           T, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
-                           S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, start_ptr, cu_ptr,
+                           slot_ptr, T, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
+                           HAS_APE: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+                           PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -335,8 +355,12 @@ def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, start_ptr, cu_pt
     m_state = use_state[:, None] & cm[None, :]
     kv = tl.where(from_step[:, None], tl.load(kv_ptr + kv_off, mask=m_step, other=0.0),
                   tl.load(skv_ptr + state_off, mask=m_state, other=0.0))
-    g = tl.where(from_step[:, None], tl.load(score_ptr + sc_off, mask=m_step,
-                                             other=float("-inf")),
+    g_step = tl.load(score_ptr + sc_off, mask=m_step, other=float("-inf"))
+    if HAS_APE:
+        # The state holds biased scores: a step row's is score + ape[pos % R], pos % R = s % R.
+        g_step = g_step + tl.load(ape_ptr + ((s % R) * W)[:, None] + c[None, :], mask=m_step,
+                                  other=0.0)
+    g = tl.where(from_step[:, None], g_step,
                  tl.load(ssc_ptr + state_off, mask=m_state, other=float("-inf")))
     # The slot's rows are read and rewritten by this block (rows move between the open and
     # the previous group): every read lands before any write.
@@ -383,6 +407,18 @@ SPLIT_MAX_ENTRIES = 256
 # H200, 2026-12-01).  A new plan starts False: "auto" then picks it only with
 # DSV4_UNVERIFIED_KERNELS=1 (as dsv4.ops does for kernels).
 SPLIT_PLAN_VERIFIED = True
+# The fused ``ape`` add (HAS_APE) of both ops passed its GPU checks (tests/kernels/
+# test_compress_decode.py's ape cases, bench/gpu_session_s10a.sh).  False: written without a GPU
+# run, so the wrappers add ``ape`` in torch first unless DSV4_UNVERIFIED_KERNELS=1.
+APE_FUSED_VERIFIED = False
+
+
+def ape_fused() -> bool:
+    """True when the kernels add ``ape`` themselves (:data:`APE_FUSED_VERIFIED`, or
+    ``DSV4_UNVERIFIED_KERNELS=1``); otherwise the wrappers add it in torch before the launch
+    (the same bits, more launches), and the model does its own add instead of passing it."""
+    from dsv4.ops import unverified_kernels_enabled
+    return APE_FUSED_VERIFIED or unverified_kernels_enabled()
 
 
 def entries_plan(E: int) -> str:
@@ -410,6 +446,18 @@ def _index(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous()
 
 
+def _ape_operand(score: torch.Tensor, ape: torch.Tensor | None, start_pos: torch.Tensor,
+                 cu_seqlens: torch.Tensor, ratio: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(score, ape) as the kernels take them: ``ape`` contiguous for the fused add, or, until
+    that add is GPU-verified (:func:`ape_fused`), the twin's biased scores and no ``ape``."""
+    if ape is None:
+        return score, None
+    if not ape_fused():
+        return twin.bias_step_scores(score, ape, start_pos, cu_seqlens, ratio), None
+    return score, ape.contiguous()
+
+
 def _unit_cols(t: torch.Tensor) -> torch.Tensor:
     """``t`` [T, W] as the kernels read it: any row stride (a column slice of a wider GEMM
     output is read in place), unit column stride (a copy only otherwise)."""
@@ -422,17 +470,20 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
                      valid: torch.Tensor | None, start_pos: torch.Tensor,
                      cu_seqlens: torch.Tensor, slots: torch.Tensor, ratio: int, overlap: bool,
                      norm_weight: torch.Tensor, norm_eps: float, cos: torch.Tensor | None,
-                     sin: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                     sin: torch.Tensor | None, out_dtype: torch.dtype,
+                     ape: torch.Tensor | None = None) -> torch.Tensor:
     """Finished entries [E, d] in ``out_dtype`` (fp32 or bf16; other dtypes run the twin):
-    pooled, cast, RMSNorm, RoPE, zeros where ``valid`` is False.  See the torch twin."""
+    pooled, cast, RMSNorm, RoPE, zeros where ``valid`` is False; ``ape`` [r, W] fp32: added to
+    the step's scores (fused when :func:`ape_fused`).  See the torch twin."""
     d = twin.check_compress_args("compress_entries", kv, score, state_kv, state_score,
                                  start_pos, cu_seqlens, slots, ratio, overlap)
     twin.check_entry_args(request, entry, valid, norm_weight, d, cos, sin)
+    twin.check_ape("compress_entries", ape, score, ratio)
     state_kv, state_score = state_kv.contiguous(), state_score.contiguous()
     if out_dtype not in (torch.float32, torch.bfloat16) or d % 2:
         return twin.compress_entries(kv, score, state_kv, state_score, request, entry, valid,
                                      start_pos, cu_seqlens, slots, ratio, overlap, norm_weight,
-                                     norm_eps, cos, sin, out_dtype)
+                                     norm_eps, cos, sin, out_dtype, ape)
     E = request.shape[0]
     out = torch.empty(E, d, dtype=out_dtype, device=kv.device)
     if E == 0:
@@ -442,12 +493,14 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
     cos_t = cos.float().contiguous() if has_rope else out
     sin_t = sin.float().contiguous() if has_rope else out
     valid_t = valid if valid is not None else out          # bool: read as i1, no conversion
+    score, ape = _ape_operand(score, ape, start_pos, cu_seqlens, ratio)
     kv, score = _unit_cols(kv), _unit_cols(score)
-    args = (kv, score, state_kv, state_score, _index(request), _index(entry), valid_t,
-            _index(start_pos), _index(cu_seqlens), _index(slots), norm_weight.float().contiguous(),
-            cos_t, sin_t, out)
+    args = (kv, score, state_kv, state_score, ape if ape is not None else score, _index(request),
+            _index(entry), valid_t, _index(start_pos), _index(cu_seqlens), _index(slots),
+            norm_weight.float().contiguous(), cos_t, sin_t, out)
     consts = dict(R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None,
-                  HAS_ROPE=has_rope, OUT_BF16=out_dtype == torch.bfloat16)
+                  HAS_ROPE=has_rope, HAS_APE=ape is not None,
+                  OUT_BF16=out_dtype == torch.bfloat16)
     if entries_plan(E) == "split":
         s_block, block_d, block_f, num_warps = split_tiles(ratio, overlap, d)
         blocks = triton.cdiv(d, block_d)
@@ -469,11 +522,12 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
 def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
                           state_score: torch.Tensor, start_pos: torch.Tensor,
                           cu_seqlens: torch.Tensor, slots: torch.Tensor, ratio: int,
-                          overlap: bool) -> None:
+                          overlap: bool, ape: torch.Tensor | None = None) -> None:
     """Rewrite every request's slot with its open group (and the last complete group with
-    overlap), in place.  See the torch twin."""
+    overlap), in place; ``ape``: the step's scores are stored biased.  See the torch twin."""
     twin.check_compress_args("compress_update_state", kv, score, state_kv, state_score,
                              start_pos, cu_seqlens, slots, ratio, overlap)
+    twin.check_ape("compress_update_state", ape, score, ratio)
     if not (state_kv.is_contiguous() and state_score.is_contiguous()):
         raise ValueError("compress_update_state: state_kv and state_score must be contiguous "
                          "(they are updated in place)")
@@ -481,9 +535,16 @@ def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch
     if R == 0:
         return
     s_block, block_w, num_warps = state_tiles(ratio, overlap, W)
+    score, ape = _ape_operand(score, ape, start_pos, cu_seqlens, ratio)
     kv, score = _unit_cols(kv), _unit_cols(score)
     _compress_state_kernel[(R, triton.cdiv(W, block_w))](
-        kv, score, state_kv, state_score, _index(start_pos),
+        kv, score, state_kv, state_score, ape if ape is not None else score, _index(start_pos),
         _index(cu_seqlens), _index(slots), kv.shape[0], W, kv.stride(0), score.stride(0),
-        R=ratio, OVERLAP=bool(overlap),
+        R=ratio, OVERLAP=bool(overlap), HAS_APE=ape is not None,
         S_BLOCK=s_block, BLOCK_W=block_w, num_warps=num_warps, **pdl_args(kv))
+
+
+# The model asks the ops whether to pass ``ape`` (dsv4.model.compressor); the twins, which have
+# no such attribute, always take it.
+compress_entries.ape_fused = ape_fused            # type: ignore[attr-defined]
+compress_update_state.ape_fused = ape_fused       # type: ignore[attr-defined]

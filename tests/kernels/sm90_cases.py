@@ -732,10 +732,27 @@ for _m in (V4_FLASH, V41_FLASH):
     scenario(f"norm_rope/{_m.name}")(lambda m=_m: _norm_rope(m))
 
 
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Environment variables set for the block (restored after it)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
     """The compressor's two kernels (dsv4.ops.triton_compress): finished entries (pool, norm,
     RoPE, bf16 out; both plans) and the carry-over state update, for a decode step (one token,
-    one entry, a static-shape valid mask) and a prefill (2048 tokens)."""
+    one entry, a static-shape valid mask) and a prefill (2048 tokens); each without and with
+    the fused ``ape`` add (HAS_APE; DSV4_UNVERIFIED_KERNELS=1 makes the wrappers fuse it until
+    APE_FUSED_VERIFIED)."""
     import torch
     tc = importlib.import_module("dsv4.ops.triton_compress")
     f32, i64 = torch.float32, torch.int64
@@ -743,6 +760,7 @@ def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
     W = coff * d
     state_kv = _empty(64, coff * ratio, W, dtype=f32)
     state_score = _empty(64, coff * ratio, W, dtype=f32)
+    ape = _empty(ratio, W, dtype=f32)
     for T, valid in ((1, True), (PREFILL_T, False)):
         E = max(1, T // ratio)
         kv, score = _empty(T, W, dtype=f32), _empty(T, W, dtype=f32)
@@ -750,24 +768,19 @@ def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
         slots = torch.zeros(1, dtype=i64)
         cos = _empty(E, 32, dtype=f32) if rope else None
         sin = _empty(E, 32, dtype=f32) if rope else None
-        # Both plans of compress_entries (loop; split, whose decode tiles differ by d) at both
-        # sizes: DSV4_COMPRESS_PLAN picks one on the GPU too.
-        for plan in ("loop", "split"):
-            before = os.environ.get("DSV4_COMPRESS_PLAN")
-            os.environ["DSV4_COMPRESS_PLAN"] = plan
-            try:
-                tc.compress_entries(kv, score, state_kv, state_score, torch.zeros(E, dtype=i64),
-                                    torch.arange(E, dtype=i64),
-                                    torch.ones(E, dtype=torch.bool) if valid else None, start,
-                                    cu, slots, ratio, overlap, _empty(d, dtype=f32), 1e-6, cos,
-                                    sin, torch.bfloat16)
-            finally:
-                if before is None:
-                    os.environ.pop("DSV4_COMPRESS_PLAN", None)
-                else:
-                    os.environ["DSV4_COMPRESS_PLAN"] = before
-        tc.compress_update_state(kv, score, state_kv, state_score, start, cu, slots, ratio,
-                                 overlap)
+        for a in (None, ape):
+            # Both plans of compress_entries (loop; split, whose decode tiles differ by d) at
+            # both sizes: DSV4_COMPRESS_PLAN picks one on the GPU too.
+            for plan in ("loop", "split"):
+                with _env(DSV4_COMPRESS_PLAN=plan, DSV4_UNVERIFIED_KERNELS="1"):
+                    tc.compress_entries(kv, score, state_kv, state_score,
+                                        torch.zeros(E, dtype=i64), torch.arange(E, dtype=i64),
+                                        torch.ones(E, dtype=torch.bool) if valid else None,
+                                        start, cu, slots, ratio, overlap, _empty(d, dtype=f32),
+                                        1e-6, cos, sin, torch.bfloat16, ape=a)
+            with _env(DSV4_UNVERIFIED_KERNELS="1"):
+                tc.compress_update_state(kv, score, state_kv, state_score, start, cu, slots,
+                                         ratio, overlap, ape=a)
 
 
 # V4: the overlapping ratio-4 KV and indexer compressors, the ratio-128 one; V4.1: ratios 2, 1.

@@ -2,8 +2,10 @@
 (loop; split with its default tiles and the alternatives bench/compress_sass.py times) at the
 V4-Flash compressors' shapes, static decode steps of E = 1, 16, 64 entries (all valid, all
 masked, mixed), against the torch twin; NaN-poisoned output memory (every element written),
-the arrival counters clean after each call, CUDA-graph replays with fresh inputs.  Skipped
-without CUDA (the CPU coverage is tests/kernels/test_triton_compress.py's interpreter tests).
+the arrival counters clean after each call, CUDA-graph replays with fresh inputs; the fused
+``ape`` add (HAS_APE) of every plan and of the state update against scores biased in torch
+before the call: bit-equal.  Skipped without CUDA (the CPU coverage is
+tests/kernels/test_triton_compress.py's interpreter tests).
 
     python -m pytest -q tests/kernels/test_compress_decode.py
 """
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from dsv4.ops import torch_compress as twin
-from tests.kernels.test_triton_compress import assert_within_ulp
+from tests.kernels.test_triton_compress import (_entry_args, assert_within_ulp, make_ape,
+                                                make_case, prebiased, with_score)
 
 needs_cuda = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1"
                                 or not torch.cuda.is_available(), reason="needs CUDA")
@@ -140,3 +143,87 @@ def test_gpu_decode_graph_replays(plan: str, tile: str | None, ratio: int, overl
         _check(out1, want, args[6])
         assert torch.equal(out1, out2)
         _counters_clean()
+
+
+def _skip_spilling_tile(ratio: int, overlap: bool, d: int, tile: str | None) -> None:
+    from dsv4.ops import triton_compress as tri
+
+    if tile:
+        s_block, block_d, _, warps = tri.split_tiles(ratio, overlap, d)
+        if s_block * block_d > 16 * 32 * warps:
+            pytest.skip(f"tile {tile}: {s_block}x{block_d} float64 tiles spill (not a plan)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan,tile", PLANS, ids=[p if t is None else f"{p}-{t}"
+                                                  for p, t in PLANS])
+@pytest.mark.parametrize("ratio,overlap,d", SHAPES)
+@pytest.mark.parametrize("E", [1, 16, 64])
+def test_gpu_decode_ape_fused(plan: str, tile: str | None, ratio: int, overlap: bool, d: int,
+                              E: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan with ``ape`` fused (gate open) gives the bits of the same plan on scores
+    biased in torch on the GPU (the model's old add), entries and state; the twin's entries
+    within tolerance.  Decode steps, as the model runs them: score a column slice of the
+    stacked wkv + wgate output."""
+    from dsv4.ops import triton_compress as tri
+
+    _set_plan(monkeypatch, plan, tile)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    assert tri.ape_fused()
+    _skip_spilling_tile(ratio, overlap, d, tile)
+    gen = torch.Generator().manual_seed(7 * E + ratio)
+    for k, (mode, dtype) in enumerate([("mixed", torch.bfloat16), ("live", torch.float32)]):
+        args = list(_decode_args(ratio, overlap, d, E, mode, seed=500 + 100 * E + k,
+                                 out_dtype=dtype))
+        W = args[0].shape[1]
+        wide = torch.cat((args[0], args[1], torch.randn(E, 8, generator=gen).cuda()), dim=1)
+        args[0], args[1] = wide[:, :W], wide[:, W:2 * W]
+        ape = (torch.randn(ratio, W, generator=gen) * 3).cuda()
+        starts = args[7]
+        biased = list(args)
+        biased[1] = args[1] + ape[starts % ratio]          # one token per request: pos = start
+        want = tri.compress_entries(*biased)
+        torch.full((E, d), float("nan"), dtype=dtype, device="cuda")
+        got = tri.compress_entries(*args, ape=ape)
+        assert torch.equal(got, want), "fused ape: not the pre-biased bits"
+        _check(got, twin.compress_entries(*args, ape=ape), args[6])
+        _counters_clean()
+        geo = (args[7], args[8], args[9], ratio, overlap)
+        skv, ssc = args[2].clone(), args[3].clone()
+        tri.compress_update_state(args[0], args[1], skv, ssc, *geo, ape=ape)
+        bkv, bsc = args[2].clone(), args[3].clone()
+        tri.compress_update_state(biased[0], biased[1], bkv, bsc, *geo)
+        assert torch.equal(skv, bkv) and torch.equal(ssc, bsc)
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["loop", "split"])
+@pytest.mark.parametrize("ratio,overlap,d", SHAPES)
+def test_gpu_prefill_ape_fused(plan: str, ratio: int, overlap: bool, d: int,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step (prefill chunks across groups, decode rows, several requests) with ``ape``
+    fused: the bits of pre-biased scores (entries and state), the twin within tolerance."""
+    from dsv4.ops import triton_compress as tri
+
+    _set_plan(monkeypatch, plan, None)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(ratio + d)
+    starts = [0, ratio + 3] + torch.randint(0, 40 * ratio, (30,), generator=gen).tolist()
+    lens = [3 * ratio + 5, 2 * ratio, 1, 17] + [1] * 28
+    case = make_case(ratio, overlap, d, starts, lens, rope=0 if ratio == 2 else 64,
+                     device="cuda", seed=3)
+    ape = make_ape(case, seed=ratio)
+    biased = with_score(case, prebiased(case, ape))
+    for dtype in (torch.bfloat16, torch.float32):
+        got = tri.compress_entries(*_entry_args(case, dtype), ape=ape)
+        assert torch.equal(got, tri.compress_entries(*_entry_args(biased, dtype)))
+        want = twin.compress_entries(*_entry_args(case, dtype), ape=ape)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert_within_ulp(got, want)
+    geo = (case.start_pos, case.cu_seqlens, case.slots, ratio, overlap)
+    skv, ssc = case.state_kv.clone(), case.state_score.clone()
+    tri.compress_update_state(case.kv, case.score, skv, ssc, *geo, ape=ape)
+    twin.compress_update_state(biased.kv, biased.score, case.state_kv, case.state_score, *geo)
+    assert torch.equal(skv, case.state_kv) and torch.equal(ssc, case.state_score)

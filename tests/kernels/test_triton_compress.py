@@ -1,10 +1,12 @@
 """The compressor ops (dsv4/ops/torch_compress.py, triton_compress.py).
 
 * twin tests (CPU, always): argument checks, entries against the float64 formula over steps
-  that split a sequence, the ``valid`` zeros;
+  that split a sequence, the ``valid`` zeros; the ``ape`` argument (the ops add the position
+  bias) against scores biased before the call: the same bits, entries and state;
 * interpreter tests (``test_interp_*``): the Triton kernels against the twin at tiny shapes,
   both plans of ``compress_entries`` (loop; split: one block finished in registers, several
-  blocks finished by the last arrival, forced by ``DSV4_COMPRESS_PLAN`` / ``_TILE``); they
+  blocks finished by the last arrival, forced by ``DSV4_COMPRESS_PLAN`` / ``_TILE``), with the
+  fused ``ape`` add bit-equal to pre-biased scores in every plan and its GPU gate; they
   need ``TRITON_INTERPRET=1`` before triton is imported, so a normal run starts them in a
   child pytest (``test_kernels_in_interpreter``);
 * GPU tests (``test_gpu_*``, skipped without CUDA): V4-Flash shapes, 64 requests (decode sizes
@@ -192,6 +194,183 @@ def test_twin_rejects_bad_arguments() -> None:
     case.weight = case.weight[:8]
     with pytest.raises(ValueError, match="norm_weight"):
         case.entries(twin.compress_entries, torch.float32)
+
+
+def make_ape(case: Case, seed: int = 0) -> torch.Tensor:
+    """A random position bias [ratio, W] (magnitudes like the scores')."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    ape = torch.randn(case.ratio, case.kv.shape[1], generator=gen) * 3
+    return ape.to(case.kv.device)
+
+
+def prebiased(case: Case, ape: torch.Tensor) -> torch.Tensor:
+    """``score + ape[pos % r]`` with each row's position from the step's host lists (what the
+    model's Compressor._rows adds before the ops, independent of the ops' own row mapping)."""
+    starts, cu = case.start_pos.tolist(), case.cu_seqlens.tolist()
+    pos = [starts[i] + k for i in range(len(starts)) for k in range(cu[i + 1] - cu[i])]
+    pos += [0] * (case.score.shape[0] - len(pos))
+    pos_t = torch.tensor(pos, dtype=torch.int64, device=case.score.device)
+    return case.score + ape[pos_t % case.ratio]
+
+
+def with_score(case: Case, score: torch.Tensor) -> Case:
+    return Case(**{**vars(case), "score": score})
+
+
+def _ape_cases(device: str = "cpu", d: int = 16) -> list[tuple[str, Case]]:
+    """Steps for the ape checks: mixed chunks and decode rows, a static decode step with padding
+    rows, per compressor kind, and a ratio-128 group split between the state and the step."""
+    out = []
+    for ratio, overlap in ((4, True), (8, False), (2, False)):
+        starts, lens = _STEPS[ratio]
+        out.append((f"r{ratio}-mixed", make_case(ratio, overlap, d, starts, lens, seed=20 + ratio,
+                                                 device=device)))
+        st = [ratio - 1, 2 * ratio + 1, 3 * ratio - 1, 0]
+        out.append((f"r{ratio}-static", make_case(ratio, overlap, d, st, [1] * 4, static=True,
+                                                  scratch_rows=2, seed=30 + ratio,
+                                                  device=device)))
+    out.append(("r128", make_case(128, False, d, [100, 0], [60, 130], seed=41, device=device)))
+    return out
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_twin_ape_is_the_prebiased_scores(out_dtype: torch.dtype) -> None:
+    """The twins with ``ape`` give, to the bit, what they give on scores biased before the call
+    (the model's old add): entries, and the state (which stores the biased scores)."""
+    for name, case in _ape_cases():
+        ape = make_ape(case)
+        biased = with_score(case, prebiased(case, ape))
+        want = biased.entries(twin.compress_entries, out_dtype)
+        got = twin.compress_entries(*_entry_args(case, out_dtype), ape=ape)
+        assert torch.equal(got, want), name
+        skv, ssc = case.state_kv.clone(), case.state_score.clone()
+        biased.update(twin.compress_update_state, biased.state_kv, biased.state_score)
+        twin.compress_update_state(case.kv, case.score, skv, ssc, case.start_pos,
+                                   case.cu_seqlens, case.slots, case.ratio, case.overlap,
+                                   ape=ape)
+        assert torch.equal(skv, biased.state_kv) and torch.equal(ssc, biased.state_score), name
+
+
+def test_twin_ape_none_and_step_positions() -> None:
+    case = make_case(4, True, 16, [0, 5, 3], [9, 0, 2], seed=3)
+    # An empty request in the middle: rows map to the requests around it.
+    pos = twin.step_positions(case.start_pos, case.cu_seqlens, case.score.shape[0])
+    assert pos.tolist() == list(range(9)) + [3, 4]
+    assert twin.bias_step_scores(case.score, None, case.start_pos, case.cu_seqlens, 4) \
+        is case.score
+    ape = make_ape(case)
+    assert torch.equal(twin.bias_step_scores(case.score, ape, case.start_pos, case.cu_seqlens, 4),
+                       prebiased(case, ape))
+
+
+def test_twin_rejects_bad_ape() -> None:
+    case = make_case(4, True, 16, [0, 5], [9, 3])
+    ape = make_ape(case)
+    for bad in (ape[:3], ape[:, :16], ape.double(), ape[None]):
+        with pytest.raises(ValueError, match="ape"):
+            twin.compress_entries(*_entry_args(case, torch.float32), ape=bad)
+        with pytest.raises(ValueError, match="ape"):
+            twin.compress_update_state(case.kv, case.score, case.state_kv, case.state_score,
+                                       case.start_pos, case.cu_seqlens, case.slots, 4, True,
+                                       ape=bad)
+
+
+def _entry_args(case: Case, out_dtype: torch.dtype) -> tuple:
+    return (case.kv, case.score, case.state_kv, case.state_score, case.request, case.entry,
+            case.valid, case.start_pos, case.cu_seqlens, case.slots, case.ratio, case.overlap,
+            case.weight, 1e-6, case.cos, case.sin, out_dtype)
+
+
+def _unfused(fn):
+    """``fn`` behind a wrapper that says it does not fuse ``ape`` (a gated Triton op)."""
+    def op(*args, **kwargs):
+        return fn(*args, **kwargs)
+    op.ape_fused = lambda: False
+    return op
+
+
+def _model_compressors(layer_kind: str, tables: list[SimpleNamespace]) -> tuple:
+    """Compressors of one tiny layer (same random weights, a non-zero ape) over the op
+    ``tables``, each with its own cache; returns (cfg, layer, name, [(comp, cache, state)])."""
+    sys.path.insert(0, str(REPO / "tests" / "model"))
+    from test_attention_helpers import LAYER_CSA, LAYER_HCA, tiny_config
+
+    from dsv4.cache.tensors import HybridCache
+    from dsv4.model.compressor import Compressor
+
+    cfg = tiny_config()
+    layer = LAYER_HCA if layer_kind == "hca" else LAYER_CSA
+    name = "index" if layer_kind == "csa_index" else "attn"
+    gen = torch.Generator().manual_seed(3)
+    comps = []
+    for ops in tables:
+        cache = HybridCache.allocate(cfg, 4, 2, 128, torch.float32)
+        state = cache.compressor_state(layer, name)
+        comp = Compressor(cfg, layer, state.spec, "bf16", ops, torch.float32,
+                          rotate=name == "index")
+        comps.append((comp, cache, state))
+    with torch.no_grad():
+        for ps in zip(*(c[0].parameters() for c in comps)):
+            ps[0].copy_(torch.randn(ps[0].shape, generator=gen) * 0.5)
+            for p_k in ps[1:]:
+                p_k.copy_(ps[0])
+    assert comps[0][0].ape.abs().sum() > 0
+    return cfg, layer, name, comps
+
+
+def _run_model_steps(cfg, layer: int, name: str, comps: list, check) -> None:
+    """A prefill chunk and decode steps through every compressor; ``check(pools, states)``."""
+    from dsv4.model.context import StepContext
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(140, cfg.dim, generator=gen)
+    pos = 0
+    for n in (131, 1, 1, 1, 6):
+        ctx = StepContext.build(torch.zeros(n, dtype=torch.long), [n], [pos], [1], [[0, 1]])
+        pools = []
+        for comp, cache, state in comps:
+            pool = (cache.index_key_pool(layer) if name == "index"
+                    else cache.compressed_pool(layer))
+            comp(x[pos:pos + n], ctx, state, pool, None)
+            pools.append(pool)
+        check(pools, [c[2] for c in comps])
+        pos += n
+    assert pools[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("layer_kind", ["csa_attn", "csa_index", "hca"])
+def test_model_compressor_fused_ape_is_bit_identical(layer_kind: str) -> None:
+    """The model's Compressor handing ``ape`` to the (twin) ops stores the entries and state of
+    the old path that adds it in _rows (ops that say they do not fuse it), to the bit."""
+    from dsv4.model.compressor import ops_fuse_ape
+    from dsv4.ops import get_ops
+
+    fused = get_ops("torch")
+    unfused = SimpleNamespace(**{**vars(fused),
+                                 "compress_entries": _unfused(fused.compress_entries),
+                                 "compress_update_state": _unfused(fused.compress_update_state)})
+    assert ops_fuse_ape(fused) and not ops_fuse_ape(unfused)
+
+    def check(pools, states):
+        assert torch.equal(pools[0], pools[1])
+        assert torch.equal(states[0].kv, states[1].kv)
+        assert torch.equal(states[0].score, states[1].score)
+
+    _run_model_steps(*_model_compressors(layer_kind, [fused, unfused]), check)
+
+
+def test_ops_fuse_ape_follows_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.model.compressor import ops_fuse_ape
+    from dsv4.ops import get_ops, triton_compress as tri
+
+    assert ops_fuse_ape(get_ops("torch"))
+    ops = SimpleNamespace(compress_entries=tri.compress_entries)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    assert tri.ape_fused() and ops_fuse_ape(ops)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "0")
+    assert tri.ape_fused() == ops_fuse_ape(ops) == tri.APE_FUSED_VERIFIED
+    monkeypatch.setattr(tri, "APE_FUSED_VERIFIED", True)
+    assert tri.ape_fused() and ops_fuse_ape(ops)
 
 
 def test_ops_table_has_the_compressor_ops() -> None:
@@ -406,6 +585,105 @@ def test_interp_model_compressor_matches_torch_ops(layer_kind: str) -> None:
         assert torch.equal(comps[1][2].kv, comps[0][2].kv)
         pos += n
     assert pools[0].abs().sum() > 0
+
+
+@needs_interp
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_fused_ape(out_dtype: torch.dtype, plan: str,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan with the fused ``ape`` add (HAS_APE) gives, to the bit, the kernels' entries
+    and state on scores biased in torch before the call, also on column slices of a wider GEMM
+    output; and the twin's entries (within the kernels' tolerance) and state (bit-exact)."""
+    from dsv4.ops import triton_compress as tri
+
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    assert tri.ape_fused()
+    for name, case in _ape_cases():
+        ape = make_ape(case)
+        biased = with_score(case, prebiased(case, ape))
+        want = biased.entries(tri.compress_entries, out_dtype)
+        got = tri.compress_entries(*_entry_args(case, out_dtype), ape=ape)
+        assert torch.equal(got, want), name
+        ref = twin.compress_entries(*_entry_args(case, out_dtype), ape=ape)
+        if out_dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-6, msg=name)
+        else:
+            assert_within_ulp(got, ref)
+        # Column slices: kv and score read in place from one wider row (the stacked GEMM).
+        W = case.kv.shape[1]
+        wide = torch.cat((case.kv, case.score, torch.full_like(case.kv, float("nan"))), dim=1)
+        sliced = Case(**{**vars(case), "kv": wide[:, :W], "score": wide[:, W:2 * W]})
+        assert torch.equal(tri.compress_entries(*_entry_args(sliced, out_dtype), ape=ape), got)
+        for rows in (case, sliced):
+            skv, ssc = case.state_kv.clone(), case.state_score.clone()
+            tri.compress_update_state(rows.kv, rows.score, skv, ssc, case.start_pos,
+                                      case.cu_seqlens, case.slots, case.ratio, case.overlap,
+                                      ape=ape)
+            bkv, bsc = case.state_kv.clone(), case.state_score.clone()
+            twin.compress_update_state(biased.kv, biased.score, bkv, bsc, case.start_pos,
+                                       case.cu_seqlens, case.slots, case.ratio, case.overlap)
+            real = case.slots[:4] if case.valid is not None else case.slots
+            assert torch.equal(skv[real], bkv[real]) and torch.equal(ssc[real], bsc[real]), name
+    _counters_clean()
+
+
+@needs_interp
+def test_interp_ape_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until APE_FUSED_VERIFIED (and without DSV4_UNVERIFIED_KERNELS=1) the wrappers add ape in
+    torch (the twin's add) and launch without it; with the gate open they fuse it.  Same bits
+    either way."""
+    from dsv4.ops import triton_compress as tri
+
+    monkeypatch.setenv("DSV4_COMPRESS_PLAN", "split")
+    monkeypatch.delenv("DSV4_COMPRESS_TILE", raising=False)
+    monkeypatch.setattr(tri, "APE_FUSED_VERIFIED", False)
+    case = make_case(4, True, 16, *_STEPS[4], seed=12)
+    ape = make_ape(case)
+    calls = []
+    real_bias = twin.bias_step_scores
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real_bias(*args, **kwargs)
+
+    monkeypatch.setattr(twin, "bias_step_scores", spy)
+    outs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", env)
+        calls.clear()
+        skv, ssc = case.state_kv.clone(), case.state_score.clone()
+        outs[env] = tri.compress_entries(*_entry_args(case, torch.float32), ape=ape)
+        tri.compress_update_state(case.kv, case.score, skv, ssc, case.start_pos,
+                                  case.cu_seqlens, case.slots, 4, True, ape=ape)
+        assert len(calls) == (2 if env == "0" else 0)
+        outs[env, "state"] = (skv, ssc)
+    assert torch.equal(outs["0"], outs["1"])
+    assert all(torch.equal(a, b) for a, b in zip(outs["0", "state"], outs["1", "state"]))
+
+
+@needs_interp
+@pytest.mark.parametrize("layer_kind", ["csa_attn", "hca"])
+def test_interp_model_compressor_fused_ape(layer_kind: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's Compressor over the Triton table with the fused ape add (gate open) stores
+    the bits of the Triton table with the gate closed (the model's own add in _rows)."""
+    from dsv4.model.compressor import ops_fuse_ape
+    from dsv4.ops import get_ops
+
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    base = {**vars(get_ops("triton")), "linear_fp32": get_ops("torch").linear_fp32}
+    fused = SimpleNamespace(**base)
+    unfused = SimpleNamespace(**{**base,
+                                 "compress_entries": _unfused(base["compress_entries"]),
+                                 "compress_update_state": _unfused(base["compress_update_state"])})
+    assert ops_fuse_ape(fused) and not ops_fuse_ape(unfused)
+
+    def check(pools, states):
+        assert torch.equal(pools[0], pools[1])
+        assert torch.equal(states[0].kv, states[1].kv)
+        assert torch.equal(states[0].score, states[1].score)
+
+    _run_model_steps(*_model_compressors(layer_kind, [fused, unfused]), check)
 
 
 # ---------------------------------------------------------------------------------- GPU tests
