@@ -76,6 +76,84 @@ def _locate(pos, p0, cu0, slot, T, R: tl.constexpr, OVERLAP: tl.constexpr):
 
 
 @triton.jit
+def _group_rows(ent, p0, cu0, slot, T, D, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
+                S_BLOCK: tl.constexpr):
+    """Where the S_BLOCK slots of entry ``ent``'s group live for one request (start p0, first
+    step row cu0, state slot): (from_step, use_step, use_state, kv_base, sc_base, state_base,
+    ape_base) [S_BLOCK], the row offsets of the step's kv / score rows (row strides SKV / SSC:
+    column slices of a wider GEMM output are read in place), of the W-wide state rows and of
+    the ape rows (pos % R == slot % R)."""
+    s = tl.arange(0, S_BLOCK)
+    if OVERLAP:
+        # slots 0..R-1: the previous group's channels [:d]; R..2R-1: this group's [d:]
+        n_slots = 2 * R
+        pos = ent * R - R + s
+        ch_off = tl.where(s < R, 0, D)
+    else:
+        n_slots = R
+        pos = ent * R + s
+        ch_off = s * 0
+    from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
+    slot_ok = s < n_slots
+    use_step = slot_ok & from_step
+    use_state = slot_ok & (pos < p0) & (state_row >= 0)
+    kv_base = step_row.to(tl.int64) * SKV + ch_off
+    sc_base = step_row.to(tl.int64) * SSC + ch_off
+    state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
+    return from_step, use_step, use_state, kv_base, sc_base, state_base, (s % R) * W + ch_off
+
+
+@triton.jit
+def _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm, from_step, use_step,
+                use_state, kv_base, sc_base, state_base, ape_base, HAS_APE: tl.constexpr,
+                OUT_BF16: tl.constexpr):
+    """Channels ``c`` (mask ``cm``) of one entry: the float64 softmax over its group's slots of
+    the scores (step rows + ape when HAS_APE; state rows as stored) pooling the kv rows, rounded
+    once to fp32 (and to bf16 with OUT_BF16, the output's rounding); 0 where ``cm`` is False."""
+    m_step = use_step[:, None] & cm[None, :]
+    m_state = use_state[:, None] & cm[None, :]
+    k_step = tl.load(kv_ptr + kv_base[:, None] + c[None, :], mask=m_step, other=0.0)
+    k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state, other=0.0)
+    g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
+                     other=float("-inf"))
+    if HAS_APE:
+        # One fp32 add (what the model's score + ape gives); -inf + 0 where masked.
+        g_step = g_step + tl.load(ape_ptr + ape_base[:, None] + c[None, :], mask=m_step,
+                                  other=0.0)
+    g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
+                      other=float("-inf"))
+    kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
+    g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
+    p = tl.exp(g - tl.max(g, axis=0)[None, :])
+    p = p / tl.sum(p, axis=0)[None, :]
+    pooled = tl.sum(p * kv, axis=0).to(tl.float32)
+    if OUT_BF16:
+        pooled = round_to_bf16(pooled)
+    return tl.where(cm, pooled, 0.0)
+
+
+@triton.jit
+def _norm_rope_pairs(x_e, x_o, w_e, w_o, rstd, cs, sn, rm, HAS_ROPE: tl.constexpr,
+                     OUT_BF16: tl.constexpr):
+    """The finish of (even, odd) channel pairs of a pooled entry: ``w · (x · rstd)`` (rounded
+    to bf16 with OUT_BF16), then the RoPE rotation by (cs, sn) where ``rm`` (the rope pairs)."""
+    y_e = w_e * (x_e * rstd)
+    y_o = w_o * (x_o * rstd)
+    if OUT_BF16:
+        y_e = round_to_bf16(y_e)
+        y_o = round_to_bf16(y_o)
+    if HAS_ROPE:
+        r_e = y_e * cs - y_o * sn
+        r_o = y_e * sn + y_o * cs
+        if OUT_BF16:
+            r_e = round_to_bf16(r_e)
+            r_o = round_to_bf16(r_o)
+        y_e = tl.where(rm, r_e, y_e)
+        y_o = tl.where(rm, r_o, y_o)
+    return y_e, y_o
+
+
+@triton.jit
 def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_ptr, ent_ptr,
                              valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr, sin_ptr,
                              out_ptr, T, D, W, SKV, SSC, HALF, eps,
@@ -96,54 +174,17 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_p
         p0 = tl.load(start_ptr + req)
         cu0 = tl.load(cu_ptr + req)
         slot = tl.load(slot_ptr + req)
-        s = tl.arange(0, S_BLOCK)
-        if OVERLAP:
-            # slots 0..R-1: the previous group's channels [:d]; R..2R-1: this group's [d:]
-            n_slots = 2 * R
-            pos = ent * R - R + s
-            ch_off = tl.where(s < R, 0, D)
-        else:
-            n_slots = R
-            pos = ent * R + s
-            ch_off = s * 0
-        from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
-        slot_ok = s < n_slots
-        use_step = slot_ok & from_step
-        use_state = slot_ok & (pos < p0) & (state_row >= 0)
-        # This step's kv / score rows may be column slices of a wider GEMM output (row strides
-        # SKV / SSC); the state rows are W wide.
-        kv_base = step_row.to(tl.int64) * SKV + ch_off
-        sc_base = step_row.to(tl.int64) * SSC + ch_off
-        state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
-        # ape row of a step row: pos % R == s % R (ape [R, W], the score's channels).
-        ape_base = (s % R) * W + ch_off
+        from_step, use_step, use_state, kv_base, sc_base, state_base, ape_base = _group_rows(
+            ent, p0, cu0, slot, T, D, W, SKV, SSC, R, OVERLAP, S_BLOCK)
         # Pass 1: pool channel blocks (float64 softmax over the slots), store them rounded to
         # the output dtype (the norm's input) and sum their squares.
         ss = tl.zeros([BLOCK_D], dtype=tl.float32)
         for c0 in range(0, D, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
             cm = c < D
-            m_step = use_step[:, None] & cm[None, :]
-            m_state = use_state[:, None] & cm[None, :]
-            k_step = tl.load(kv_ptr + kv_base[:, None] + c[None, :], mask=m_step, other=0.0)
-            k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state,
-                              other=0.0)
-            g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
-                             other=float("-inf"))
-            if HAS_APE:
-                # One fp32 add (what the model's score + ape gives); -inf + 0 where masked.
-                g_step = g_step + tl.load(ape_ptr + ape_base[:, None] + c[None, :],
-                                          mask=m_step, other=0.0)
-            g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
-                              other=float("-inf"))
-            kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
-            g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
-            p = tl.exp(g - tl.max(g, axis=0)[None, :])
-            p = p / tl.sum(p, axis=0)[None, :]
-            pooled = tl.sum(p * kv, axis=0).to(tl.float32)
-            if OUT_BF16:
-                pooled = round_to_bf16(pooled)
-            pooled = tl.where(cm, pooled, 0.0)
+            pooled = _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm,
+                                 from_step, use_step, use_state, kv_base, sc_base, state_base,
+                                 ape_base, HAS_APE, OUT_BF16)
             ss += pooled * pooled
             tl.store(out_row + c, pooled.to(out_ptr.dtype.element_ty), mask=cm)
         # torch's order: mean = sum / d, then 1 / sqrt(mean + eps), each rounded (IEEE ops).
@@ -156,23 +197,17 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_p
             hm = h < D // 2
             x_e = tl.load(out_row + 2 * h, mask=hm, other=0.0).to(tl.float32)
             x_o = tl.load(out_row + 2 * h + 1, mask=hm, other=0.0).to(tl.float32)
-            y_e = tl.load(w_ptr + 2 * h, mask=hm, other=0.0) * (x_e * rstd)
-            y_o = tl.load(w_ptr + 2 * h + 1, mask=hm, other=0.0) * (x_o * rstd)
-            if OUT_BF16:
-                y_e = round_to_bf16(y_e)
-                y_o = round_to_bf16(y_o)
+            w_e = tl.load(w_ptr + 2 * h, mask=hm, other=0.0)
+            w_o = tl.load(w_ptr + 2 * h + 1, mask=hm, other=0.0)
+            i = h - (D // 2 - HALF)
+            rm = hm & (i >= 0)
+            cs = tl.full([BLOCK_H], 1.0, tl.float32)        # (unused without RoPE)
+            sn = tl.zeros([BLOCK_H], tl.float32)
             if HAS_ROPE:
-                i = h - (D // 2 - HALF)
-                rm = hm & (i >= 0)
                 cs = tl.load(cos_ptr + e.to(tl.int64) * HALF + i, mask=rm, other=1.0)
                 sn = tl.load(sin_ptr + e.to(tl.int64) * HALF + i, mask=rm, other=0.0)
-                r_e = y_e * cs - y_o * sn
-                r_o = y_e * sn + y_o * cs
-                if OUT_BF16:
-                    r_e = round_to_bf16(r_e)
-                    r_o = round_to_bf16(r_o)
-                y_e = tl.where(rm, r_e, y_e)
-                y_o = tl.where(rm, r_o, y_o)
+            y_e, y_o = _norm_rope_pairs(x_e, x_o, w_e, w_o, rstd, cs, sn, rm, HAS_ROPE,
+                                        OUT_BF16)
             # A pair is read and written by the same block: all reads first.
             tl.debug_barrier()
             tl.store(out_row + 2 * h, y_e.to(out_ptr.dtype.element_ty), mask=hm)
@@ -234,42 +269,11 @@ def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr,
             p0 = tl.load(start_ptr + req)
             cu0 = tl.load(cu_ptr + req)
             slot = tl.load(slot_ptr + req)
-        s = tl.arange(0, S_BLOCK)
-        if OVERLAP:
-            n_slots = 2 * R
-            pos = ent * R - R + s
-            ch_off = tl.where(s < R, 0, D)
-        else:
-            n_slots = R
-            pos = ent * R + s
-            ch_off = s * 0
-        from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
-        slot_ok = s < n_slots
-        use_step = slot_ok & from_step
-        use_state = slot_ok & (pos < p0) & (state_row >= 0)
-        kv_base = step_row.to(tl.int64) * SKV + ch_off
-        sc_base = step_row.to(tl.int64) * SSC + ch_off
-        state_base = tl.maximum(state_row, 0).to(tl.int64) * W + ch_off
-        m_step = use_step[:, None] & cm[None, :]
-        m_state = use_state[:, None] & cm[None, :]
-        k_step = tl.load(kv_ptr + kv_base[:, None] + c[None, :], mask=m_step, other=0.0)
-        k_state = tl.load(skv_ptr + state_base[:, None] + c[None, :], mask=m_state, other=0.0)
-        g_step = tl.load(score_ptr + sc_base[:, None] + c[None, :], mask=m_step,
-                         other=float("-inf"))
-        if HAS_APE:
-            # ape row of a step row: pos % R == s % R; one fp32 add, -inf + 0 where masked.
-            g_step = g_step + tl.load(ape_ptr + ((s % R) * W + ch_off)[:, None] + c[None, :],
-                                      mask=m_step, other=0.0)
-        g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
-                          other=float("-inf"))
-        kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
-        g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
-        p = tl.exp(g - tl.max(g, axis=0)[None, :])
-        p = p / tl.sum(p, axis=0)[None, :]
-        pooled = tl.sum(p * kv, axis=0).to(tl.float32)
-        if OUT_BF16:
-            pooled = round_to_bf16(pooled)
-        pooled = tl.where(cm, pooled, 0.0)
+        from_step, use_step, use_state, kv_base, sc_base, state_base, ape_base = _group_rows(
+            ent, p0, cu0, slot, T, D, W, SKV, SSC, R, OVERLAP, S_BLOCK)
+        pooled = _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm, from_step,
+                             use_step, use_state, kv_base, sc_base, state_base, ape_base,
+                             HAS_APE, OUT_BF16)
         if SPLIT:
             tl.store(out_row + c, pooled.to(out_ptr.dtype.element_ty), mask=cm)
             # Every thread's pooled stores are issued before the arrival, whose release
@@ -306,19 +310,7 @@ def _finish_row(x, w_e, w_o, cs, sn, rm, D, eps, HAS_ROPE: tl.constexpr,
     # torch's order: mean = sum / d, then 1 / sqrt(mean + eps), each rounded (IEEE ops).
     ss = tl.sum(x_e * x_e + x_o * x_o, axis=0)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, D.to(tl.float32)) + eps))
-    y_e = w_e * (x_e * rstd)
-    y_o = w_o * (x_o * rstd)
-    if OUT_BF16:
-        y_e = round_to_bf16(y_e)
-        y_o = round_to_bf16(y_o)
-    if HAS_ROPE:
-        r_e = y_e * cs - y_o * sn
-        r_o = y_e * sn + y_o * cs
-        if OUT_BF16:
-            r_e = round_to_bf16(r_e)
-            r_o = round_to_bf16(r_o)
-        y_e = tl.where(rm, r_e, y_e)
-        y_o = tl.where(rm, r_o, y_o)
+    y_e, y_o = _norm_rope_pairs(x_e, x_o, w_e, w_o, rstd, cs, sn, rm, HAS_ROPE, OUT_BF16)
     return tl.reshape(tl.join(y_e, y_o), [BLOCK_F])
 
 
