@@ -519,7 +519,8 @@ def _collapse(x: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, splits: int
                                                       num_warps=4, **pdl_args(x))
         if lane:
             # One warp: it then fits on an SM next to a GEMV's full wave (four warps took a
-            # wave slot and sent one of its programs into a second wave: no gain, run C).
+            # wave slot and sent one of its programs into a second wave: no gain on the H200,
+            # docs/PERFORMANCE.md ninth session).
             with comb_lane(x.device, keep=(mix, scale, base, comb)):
                 _hc_collapse4_kernel[(T, 1)](*args, **consts, MODE=2, num_warps=1,
                                              **pdl_args(x))
