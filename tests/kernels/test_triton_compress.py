@@ -544,47 +544,19 @@ def test_interp_static_candidates_and_padding(ratio: int, overlap: bool, plan: s
 def test_interp_model_compressor_matches_torch_ops(layer_kind: str) -> None:
     """The model's Compressor with the Triton op table stores the entries of the torch one over
     a prefill chunk and decode steps (its state carried by the kernels)."""
-    sys.path.insert(0, str(REPO / "tests" / "model"))
-    from test_attention_helpers import LAYER_CSA, LAYER_HCA, tiny_config
-
-    from dsv4.cache.tensors import HybridCache
-    from dsv4.model.compressor import Compressor
-    from dsv4.model.context import StepContext
     from dsv4.ops import get_ops
 
-    cfg = tiny_config()
-    layer = LAYER_HCA if layer_kind == "hca" else LAYER_CSA
-    name = "index" if layer_kind == "csa_index" else "attn"
-    gen = torch.Generator().manual_seed(3)
-    pools, comps = [], []
-    for backend in ("torch", "triton"):
-        cache = HybridCache.allocate(cfg, 4, 2, 128, torch.float32)
-        state = cache.compressor_state(layer, name)
-        # The projections stay the twin's (linear_fp32 sums in another order), so the compress
-        # kernels see the same rows and their state must match to the bit.
-        ops = SimpleNamespace(**{**vars(get_ops(backend)),
-                                 "linear_fp32": get_ops("torch").linear_fp32})
-        comp = Compressor(cfg, layer, state.spec, "bf16", ops, torch.float32,
-                          rotate=name == "index")
-        comps.append((comp, cache, state))
-    with torch.no_grad():
-        for p_t, p_k in zip(comps[0][0].parameters(), comps[1][0].parameters()):
-            p_t.copy_(torch.randn(p_t.shape, generator=gen) * 0.5)
-            p_k.copy_(p_t)
-    x = torch.randn(140, cfg.dim, generator=gen)
-    pos = 0
-    for n in (131, 1, 1, 1, 6):
-        ctx = StepContext.build(torch.zeros(n, dtype=torch.long), [n], [pos], [1], [[0, 1]])
-        pools = []
-        for comp, cache, state in comps:
-            pool = (cache.index_key_pool(layer) if name == "index"
-                    else cache.compressed_pool(layer))
-            comp(x[pos:pos + n], ctx, state, pool, None)
-            pools.append(pool)
+    # The projections stay the twin's (linear_fp32 sums in another order), so the compress
+    # kernels see the same rows and their state must match to the bit.
+    twin_linear = get_ops("torch").linear_fp32
+    tables = [SimpleNamespace(**{**vars(get_ops(backend)), "linear_fp32": twin_linear})
+              for backend in ("torch", "triton")]
+
+    def check(pools, states):
         torch.testing.assert_close(pools[1], pools[0], rtol=2e-6, atol=1e-6)
-        assert torch.equal(comps[1][2].kv, comps[0][2].kv)
-        pos += n
-    assert pools[0].abs().sum() > 0
+        assert torch.equal(states[1].kv, states[0].kv)
+
+    _run_model_steps(*_model_compressors(layer_kind, tables), check)
 
 
 @needs_interp
