@@ -30,9 +30,9 @@ the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group
   read from the step's rows (``HAS_APE``), which saves the model its gather and add launches
   per compressor call (twin header: the same bits as scores biased before the call).  A step
   row's slot s in the tile has ``pos % r == s % r`` (groups start at multiples of r), so the
-  bias row is ``s % r``.  GPU-gated: until :data:`APE_FUSED_VERIFIED`, the wrappers add it in
-  torch first (the twin's add) unless ``DSV4_UNVERIFIED_KERNELS=1``; :func:`ape_fused` says
-  which (the model asks it, through the ops' ``ape_fused`` attribute, before passing ``ape``).
+  bias row is ``s % r``.  GPU-gated by :data:`APE_FUSED_VERIFIED` (True since its GPU
+  checks): when False the wrappers add it in torch first (the twin's add) unless
+  ``DSV4_UNVERIFIED_KERNELS=1``; :func:`ape_fused` says which (the model asks it, through the ops' ``ape_fused`` attribute, before passing ``ape``).
 
 Numerics: the softmax pooling runs in float64 and is rounded once to fp32, as the twin does, so
 pooled values agree with the twin to the last fp32 bit but for rare rounding ties; the norm's
@@ -400,9 +400,11 @@ SPLIT_MAX_ENTRIES = 256
 # DSV4_UNVERIFIED_KERNELS=1 (as dsv4.ops does for kernels).
 SPLIT_PLAN_VERIFIED = True
 # The fused ``ape`` add (HAS_APE) of both ops passed its GPU checks (tests/kernels/
-# test_compress_decode.py's ape cases, bench/gpu_session_s10a.sh).  False: written without a GPU
-# run, so the wrappers add ``ape`` in torch first unless DSV4_UNVERIFIED_KERNELS=1.
-APE_FUSED_VERIFIED = False
+# test_compress_decode.py's ape cases: 89 passed; the model's side-lane bits tests: 5; H200,
+# 2026-12-01, bench/gpu_session_s10a.sh) and was faster at B=1 (955.8 vs 964.4 µs a 4-layer
+# step).  Set False for a new form: the wrappers then add ``ape`` in torch first unless
+# DSV4_UNVERIFIED_KERNELS=1.
+APE_FUSED_VERIFIED = True
 
 
 def ape_fused() -> bool:
