@@ -88,37 +88,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     ex = mxfp4_stacks(E, D, inter, gen, device)
     rows: list[dict[str, Any]] = []
-    print("| tokens | plan | bf16-MMA µs | TFLOP/s | FP8-MMA µs | TFLOP/s | speed-up | rel. diff "
-          "| finite |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | plan | weights | bf16-MMA µs | TFLOP/s | FP8-MMA µs | TFLOP/s | speed-up "
+          "| rel. diff | finite |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for T in tokens:
         x = torch.randn(T, D, generator=gen, device=device).to(torch.bfloat16)
         ids = torch.rand(T, E, generator=gen, device=device).topk(k, dim=-1).indices
         w = torch.rand(T, k, generator=gen, device=device) + 0.1
         w = w / w.sum(-1, keepdim=True) * 1.5
         flops = 2 * 3 * T * k * D * inter
-        y_bf16 = tri.moe_experts(x, ids, w, ex, 10.0)
-        t_bf16 = time_us(lambda: tri.moe_experts(x, ids, w, ex, 10.0), device)
+        y_bf16 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
+        t_bf16 = time_us(lambda: tri.moe_experts_with_config(x, ids, w, ex, 10.0, None), device)
         picked = f8.pick_fp8mma_config(T * k, E)
         plans: list[f8.MoeFp8Config | None] = [None] + (
             [c for c in SWEEP if c != picked] if args.sweep else [])
         for cfg in plans:
-            y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg)
-            t = time_us(lambda: f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg), device)
-            used = cfg or f8.pick_fp8mma_config(T * k, E)
-            name = (f"BM{used.BM} up {used.BN_up}/w{used.warps_up} down {used.BN_down}/"
-                    f"w{used.warps_down} s{used.stages}" + (" (pick)" if cfg is None else ""))
-            if not f8.fold_spread_ok(ex, f8.k_step(ex.act_block)):
-                name += " fallback"
-            row = {"tokens": T, "plan": name, "bf16_us": t_bf16, "fp8_us": t,
-                   "bf16_tflops": flops / t_bf16 / 1e6, "fp8_tflops": flops / t / 1e6,
-                   "speedup": t_bf16 / t, "rel_diff": rel_diff(y, y_bf16),
-                   "finite": bool(torch.isfinite(y).all())}
-            rows.append(row)
-            print(f"| {T} | {name} | {t_bf16:.0f} | {row['bf16_tflops']:.1f} | {t:.0f} | "
-                  f"{row['fp8_tflops']:.1f} | {row['speedup']:.2f}x | {row['rel_diff']:.2e} | "
-                  f"{row['finite']} |", flush=True)
-    result = {"shape": shape, "device": device, "rows": rows}
+            for predecode in (False, True):
+                def call(cfg=cfg, predecode=predecode) -> torch.Tensor:
+                    return f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
+                y = call()
+                t = time_us(call, device)
+                used = cfg or f8.pick_fp8mma_config(T * k, E)
+                name = (f"BM{used.BM} up {used.BN_up}/w{used.warps_up} down {used.BN_down}/"
+                        f"w{used.warps_down} s{used.stages}" + (" (pick)" if cfg is None else ""))
+                if not f8.fold_spread_ok(ex, f8.k_step(ex.act_block)):
+                    name += " fallback"
+                mode = "predecoded" if predecode else "decoded in the K loop"
+                row = {"tokens": T, "plan": name, "weights": mode, "bf16_us": t_bf16,
+                       "fp8_us": t, "bf16_tflops": flops / t_bf16 / 1e6,
+                       "fp8_tflops": flops / t / 1e6, "speedup": t_bf16 / t,
+                       "rel_diff": rel_diff(y, y_bf16), "finite": bool(torch.isfinite(y).all())}
+                rows.append(row)
+                print(f"| {T} | {name} | {mode} | {t_bf16:.0f} | {row['bf16_tflops']:.1f} | "
+                      f"{t:.0f} | {row['fp8_tflops']:.1f} | {row['speedup']:.2f}x | "
+                      f"{row['rel_diff']:.2e} | {row['finite']} |", flush=True)
+    # The re-encoding alone (every expert of the three stacks, one chunk at a time): bytes read
+    # (packed codes + scales) and written (e4m3 codes + fp32 step factors).
+    ks = f8.k_step(ex.act_block)
+    chunk = f8.predecode_chunk(E, inter, D)
+    q1, q3, f1, f3 = f8._predecode_buffers(chunk, inter, D, ks, torch.device(device))
+    asm = f8.FP8MMA_DECODE == "asm"
+
+    (w1, s1, _), (w3, s3, _), (w2, s2, _) = (tri._weight_args(ex, n) for n in ("w1", "w3", "w2"))
+
+    def predecode_all() -> None:
+        for e0 in range(0, E, chunk):
+            e1 = min(E, e0 + chunk)
+            f8._predecode(w1, s1, q1, f1, e0, e1, asm, ks)
+            f8._predecode(w3, s3, q3, f3, e0, e1, asm, ks)
+            f8._predecode(w2, s2, q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D),
+                          e0, e1, asm, ks)
+
+    t_pre = time_us(predecode_all, device)
+    moved = 3 * E * inter * D * (0.5 + 1 / 32 + 1 + 4 / ks)
+    print(f"predecode of the three stacks alone ({E} experts, {chunk} a chunk): {t_pre:.0f} µs, "
+          f"{moved / t_pre / 1e3:.0f} GB/s", flush=True)
+    result = {"shape": shape, "device": device, "rows": rows, "predecode_us": t_pre}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

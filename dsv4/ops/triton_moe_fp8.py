@@ -98,6 +98,20 @@ __all__ = ["FP8MMA_PREFILL", "MoeFp8Config", "fold_spread_ok", "fp8mma_applies",
 # Route prefill expert calls here (the lead wires it into the op table after timing).
 FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "0") == "1"
 
+# fp8mma_applies: the fewest (token, pick) pairs per local expert that take this path (the
+# expert count stands in for the active ones: no host sync).  The re-encoding streams every
+# expert once per call, a fixed cost the GEMMs' gain must pay for.
+MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "32"))
+# Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
+# decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
+FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
+# Scratch for the predecoded codes of one chunk of experts (w1 and w3, then w2 in w1's place):
+# experts are re-encoded a chunk at a time so the transient buffer stays bounded (V4-Flash:
+# 16 MiB of codes per expert, 64 experts a chunk at the default 1 GiB).
+PREDECODE_BYTES = int(os.environ.get("DSV4_FP8MMA_PREDECODE_MB", "1024")) << 20
+# Rows and K step of one predecode program.
+_PREDECODE_BN = 64
+
 # The MXFP4 scale group (host int and kernel constexpr).
 GROUP_SIZE = 32
 GROUP = tl.constexpr(GROUP_SIZE)
@@ -219,6 +233,27 @@ def _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stri
 
 
 @triton.jit
+def _weight_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se, stride_sn,
+                 PREDECODED: tl.constexpr, ASM_DECODE: tl.constexpr, BN: tl.constexpr,
+                 KS: tl.constexpr):
+    """One KS-wide K step of expert e's weight rows rn as (e4m3 codes [BN, KS] in the MMA K
+    order, fp32 step factors [BN]).  PREDECODED: read from the buffers that
+    ``_fp8_predecode_kernel`` wrote (codes [E, N, K] bytes, factors [E, K / KS, N]); else
+    decoded from the MXFP4 stack in registers (:func:`_mxfp4_e4m3_step`)."""
+    if PREDECODED:
+        ee = e.to(tl.int64)
+        codes = tl.load(w_ptr + ee * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+                        + (k0 + tl.arange(0, KS))[None, :], mask=n_mask[:, None], other=0)
+        w8 = codes.to(tl.float8e4nv, bitcast=True)
+        sw = tl.load(s_ptr + ee * stride_se + (k0 // KS) * stride_sn + rn, mask=n_mask,
+                     other=0.0)
+    else:
+        w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
+                                  stride_se, stride_sn, ASM_DECODE, BN, KS)
+    return w8, sw
+
+
+@triton.jit
 def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.constexpr,
               KS: tl.constexpr):
     """Rows rm of a prepped activation at the KS-wide K step k0: (e4m3 codes [BM, KS] in the
@@ -232,6 +267,29 @@ def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.const
 
 
 # ------------------------------------------------------------------------------ kernels
+@triton.jit
+def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_wn, stride_se,
+                          stride_sn, stride_qe, stride_qn, stride_fe, stride_fk,
+                          ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """One (expert e0 + program 0, BN rows, KS-wide K step) of an MXFP4 stack re-encoded
+    losslessly: q[e, n, k] = the scale-folded e4m3 byte (MMA K order within the step),
+    f[e, step, n] = the step's fp32 column factor.  The GEMMs then stream plain FP8 tiles that
+    the software pipeliner can prefetch, instead of decoding between their MMAs."""
+    grid_dependency_sync(PDL)
+    el = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    k0 = tl.program_id(2) * KS
+    w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we, stride_wn,
+                              stride_se, stride_sn, ASM_DECODE, BN, KS)
+    el64 = el.to(tl.int64)
+    tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
+             + (k0 + tl.arange(0, KS))[None, :], w8.to(tl.uint8, bitcast=True),
+             mask=n_mask[:, None])
+    tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
+
+
 @triton.jit
 def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stride_src,
                      stride_q, stride_s, GATHER: tl.constexpr, BM: tl.constexpr,
@@ -263,20 +321,22 @@ def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stri
 
 @triton.jit
 def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr,
-                      wt_ptr, act_ptr, P, N, K, E, stride_xm, stride_xsm, stride_actm,
+                      wt_ptr, act_ptr, P, N, K, e0, e1, stride_xm, stride_xsm, stride_actm,
                       stride_we, stride_wn, stride_se, stride_sn, limit,
                       HAS_LIMIT: tl.constexpr, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
                       KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      PREDECODED: tl.constexpr = False, PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) (bf16) for the pairs of one row block and N tile;
     x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``).
     One FP8 dot per KS-wide K step and weight, its row and column powers of two applied in fp32
-    (part · sa is exact, the fma rounds once, as an add)."""
+    (part · sa is exact, the fma rounds once, as an add).  Only the blocks of experts
+    e0 <= e < e1 run (a chunk of predecoded experts, weights indexed e - e0; else 0, E)."""
     grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
-    if e < E:
+    if (e >= e0) & (e < e1):
+        ew = e - e0
         rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
@@ -284,37 +344,39 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, KS):
             a8, sa = _act_step(xq_ptr, xs_ptr, rm, m_mask, k0, stride_xm, stride_xsm, AB, KS)
-            g8, sg = _mxfp4_e4m3_step(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                      stride_se, stride_sn, ASM_DECODE, BN, KS)
+            g8, sg = _weight_step(w1_ptr, s1_ptr, ew, rn, n_mask, k0, stride_we, stride_wn,
+                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
             acc1 = tl.fma(tl.dot(a8, tl.trans(g8)) * sa[:, None], sg[None, :], acc1)
-            u8, su = _mxfp4_e4m3_step(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                      stride_se, stride_sn, ASM_DECODE, BN, KS)
+            u8, su = _weight_step(w3_ptr, s3_ptr, ew, rn, n_mask, k0, stride_we, stride_wn,
+                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
             acc3 = tl.fma(tl.dot(a8, tl.trans(u8)) * sa[:, None], su[None, :], acc3)
         _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
                      limit, tl.bfloat16, HAS_LIMIT)
 
 
 @triton.jit
-def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, P, N, K, E,
-                        stride_am, stride_asm, stride_ym, stride_we, stride_wn, stride_se,
+def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, P, N, K, e0,
+                        e1, stride_am, stride_asm, stride_ym, stride_we, stride_wn, stride_se,
                         stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
                         KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PREDECODED: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] (bf16) for the pairs of one row block and N tile; act given as
-    e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step."""
+    e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step.
+    Experts e0 <= e < e1 only, as the up kernel."""
     grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
-    if e < E:
+    if (e >= e0) & (e < e1):
+        ew = e - e0
         rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, KS):
             a8, sa = _act_step(aq_ptr, as_ptr, rm, m_mask, k0, stride_am, stride_asm, AB, KS)
-            w8, sw = _mxfp4_e4m3_step(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                      stride_se, stride_sn, ASM_DECODE, BN, KS)
+            w8, sw = _weight_step(w2_ptr, s2_ptr, ew, rn, n_mask, k0, stride_we, stride_wn,
+                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
             acc = tl.fma(tl.dot(a8, tl.trans(w8)) * sa[:, None], sw[None, :], acc)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         store_rne(y_ptrs, acc, m_mask[:, None] & n_mask[None, :])
@@ -414,9 +476,9 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     :data:`FP8MMA_PREFILL`): MXFP4 stacks with e8m0 (uint8) scales under official numerics with
     an act block that is a multiple of 128 (one dot per 128-wide K step; smaller act blocks
     work but are slower than the bf16-MMA kernels), bf16 x [T, D] with D and I multiples of the
-    act block, at least 32 pairs per local expert (the expert count stands in for the active
-    ones: no host sync), and every scale spread within :data:`FOLD_SPREAD` (checked once per
-    scale tensor; the first check syncs)."""
+    act block, at least :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert, and every
+    scale spread within :data:`FOLD_SPREAD` (checked once per scale tensor; the first check
+    syncs)."""
     ab = experts.act_block
     if experts.fmt != "fp4" or not ab or ab % MAX_STEP or x.dtype != torch.bfloat16:
         return False
@@ -424,9 +486,35 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
         return False
     if any(getattr(experts, n).dtype not in (_E8M0, torch.uint8) for n in ("s1", "s3", "s2")):
         return False
-    if topk_ids.numel() < 32 * experts.num_experts:
+    if topk_ids.numel() < MIN_PAIRS_PER_EXPERT * experts.num_experts:
         return False
     return fold_spread_ok(experts, k_step(ab))
+
+
+def predecode_chunk(num_experts: int, inter: int, dim: int) -> int:
+    """Experts re-encoded per chunk: as many as :data:`PREDECODE_BYTES` holds (w1 + w3 codes,
+    2 · I · D bytes an expert), at least one."""
+    return max(1, min(num_experts, PREDECODE_BYTES // (2 * inter * dim)))
+
+
+def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.device
+                       ) -> tuple[torch.Tensor, ...]:
+    """Codes [chunk, I, D] (uint8 e4m3 bits) and step factors [chunk, D / ks, I] (fp32) for w1
+    and w3 (w2's [chunk, D, I] / [chunk, I / ks, D] reuse w1's)."""
+    q1 = torch.empty(chunk, inter, dim, dtype=torch.uint8, device=device)
+    f1 = torch.empty(chunk, dim // ks, inter, dtype=torch.float32, device=device)
+    return q1, torch.empty_like(q1), f1, torch.empty_like(f1)
+
+
+def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tensor, e0: int,
+               e1: int, asm: bool, ks: int) -> None:
+    """q[e - e0], f[e - e0] = the FP8 re-encoding of MXFP4 experts e0 <= e < e1 of (w, s)."""
+    n, k = q.shape[1], q.shape[2]
+    grid = (e1 - e0, triton.cdiv(n, _PREDECODE_BN), k // ks)
+    _fp8_predecode_kernel[grid](w, s, q, f, e0, n, w.stride(0), w.stride(1), s.stride(0),
+                                s.stride(1), q.stride(0), q.stride(1), f.stride(0), f.stride(1),
+                                ASM_DECODE=asm, BN=_PREDECODE_BN, KS=ks, num_warps=4,
+                                **pdl_args(w))
 
 
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
@@ -454,13 +542,16 @@ def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
 
 def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: ExpertWeights, swiglu_limit: float,
-                       cfg: MoeFp8Config | None = None) -> torch.Tensor:
+                       cfg: MoeFp8Config | None = None,
+                       predecode: bool | None = None) -> torch.Tensor:
     """Weighted sum of the routed experts picked per token (spec §3.9), fp32 [T, D], with the
     GEMMs on FP8 tensor cores: the contract of ``triton_moe.moe_experts`` restricted to MXFP4
     stacks under official numerics (``act_block`` set) and bf16 compute (ValueError otherwise).
 
     x [T, D] bf16; topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights [T, k];
-    ``cfg``: the tile plan (None: :func:`pick_fp8mma_config`).  Stacks whose scale spread is
+    ``cfg``: the tile plan (None: :func:`pick_fp8mma_config`); ``predecode``: re-encode each
+    chunk of experts to FP8 codes first and run the GEMMs on them (same bytes, same dots), or
+    decode in the GEMMs' K loop (None: :data:`FP8MMA_PREDECODE`).  Stacks whose scale spread is
     beyond :data:`FOLD_SPREAD` somewhere (or unchecked inside a CUDA-graph capture) run the
     bf16-MMA kernels (``triton_moe.moe_experts_with_config``).  Off CUDA without the Triton
     interpreter it runs the torch twin.
@@ -497,6 +588,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                          f"found {w1.stride()} / {w3.stride()}, {s1.stride()} / {s3.stride()}")
     e4m3 = torch.float8_e4m3fn
     asm = FP8MMA_DECODE == "asm"
+    predecode = FP8MMA_PREDECODE if predecode is None else bool(predecode)
 
     xq = torch.empty(rows, D, dtype=e4m3, device=x.device)
     xs = torch.empty(rows, D // ab, dtype=torch.float32, device=x.device)
@@ -504,12 +596,28 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                                     xq.stride(0), xs.stride(0), GATHER=True, BM=cfg.BM, AB=ab,
                                     num_warps=4, **pdl_args(x))
     act = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
-    _fp8mma_up_kernel[(nb, triton.cdiv(inter, cfg.BN_up))](
-        xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, E, xq.stride(0),
-        xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0,
-        ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_up,
-        num_warps=cfg.warps_up, num_stages=cfg.stages, **pdl_args(xq))
+    n_up, n_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
+    up = dict(HAS_LIMIT=swiglu_limit > 0, ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM,
+              BN=cfg.BN_up, num_warps=cfg.warps_up, num_stages=cfg.stages)
+    down = dict(ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_down,
+                num_warps=cfg.warps_down, num_stages=cfg.stages)
+    if not predecode:
+        _fp8mma_up_kernel[(nb, n_up)](
+            xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, 0, E,
+            xq.stride(0), xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
+            s1.stride(1), float(swiglu_limit), **up, **pdl_args(xq))
+    else:
+        chunk = predecode_chunk(E, inter, D)
+        q1, q3, f1, f3 = _predecode_buffers(chunk, inter, D, ks, x.device)
+        for e0 in range(0, E, chunk):
+            e1 = min(E, e0 + chunk)
+            for w, sc, q, f in ((w1, s1, q1, f1), (w3, s3, q3, f3)):
+                _predecode(w, sc, q, f, e0, e1, asm, ks)
+            _fp8mma_up_kernel[(nb, n_up)](
+                xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
+                xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
+                f1.stride(0), f1.stride(1), float(swiglu_limit), **up, PREDECODED=True,
+                **pdl_args(xq))
     del xq, xs
     aq = torch.empty(rows, inter, dtype=e4m3, device=x.device)
     as_ = torch.empty(rows, inter // ab, dtype=torch.float32, device=x.device)
@@ -519,11 +627,24 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                                         **pdl_args(act))
     del act
     y = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
-    _fp8mma_down_kernel[(nb, triton.cdiv(D, cfg.BN_down))](
-        aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, E, aq.stride(0), as_.stride(0),
-        y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), ASM_DECODE=asm,
-        AB=ab, KS=ks, BM=cfg.BM,
-        BN=cfg.BN_down, num_warps=cfg.warps_down, num_stages=cfg.stages, **pdl_args(aq))
+    if not predecode:
+        _fp8mma_down_kernel[(nb, n_down)](
+            aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, 0, E, aq.stride(0),
+            as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+            **down, **pdl_args(aq))
+    else:
+        # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size); w3's freed.
+        del q3, f3
+        q2 = q1.view(chunk, D, inter)
+        f2 = f1.view(chunk, inter // ks, D)
+        for e0 in range(0, E, chunk):
+            e1 = min(E, e0 + chunk)
+            _predecode(w2, s2, q2, f2, e0, e1, asm, ks)
+            _fp8mma_down_kernel[(nb, n_down)](
+                aq, as_, q2, f2, pairs, block_expert, y, P, D, inter, e0, e1, aq.stride(0),
+                as_.stride(0), y.stride(0), q2.stride(0), q2.stride(1), f2.stride(0),
+                f2.stride(1), **down, PREDECODED=True, **pdl_args(aq))
+        del q1, f1, q2, f2
     del aq, as_
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,

@@ -616,7 +616,8 @@ def _moe_fp8mma() -> None:
     with the default tile plans of a 2,048- and an 8,192-token prefill (64- and 128-row blocks)
     and the --sweep plans of bench/moe_prefill_fp8.py: one fp8 dot per 128-wide K step of
     scale-folded, register-decoded weights (the inline-PTX decode, and the ALU one that
-    DSV4_FP8MMA_DECODE=alu picks), their shared-memory needs; V4.1-Flash (act block 32: 32-wide
+    DSV4_FP8MMA_DECODE=alu picks), and the predecoded form (the re-encoding kernel, the GEMMs
+    streaming its FP8 codes), their shared-memory needs; V4.1-Flash (act block 32: 32-wide
     steps).  The scale-spread check is bypassed (the empty scale tensors hold no real values).
     ptxas at the defaults (sm_90): up 196 / down 227 registers, 72 / 57 KB shared (BM 64); up
     195 / down 226, 72 / 80 KB (BM 128); no spills."""
@@ -634,15 +635,23 @@ def _moe_fp8mma() -> None:
         ids = torch.randint(0, E_ALLOC, (64, m.topk), generator=gen)
         x = _empty(64, m.dim, dtype=torch.bfloat16)
         for cfg in plans:
-            tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+            for predecode in (False, True):
+                tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg,
+                                       predecode=predecode)
             with RECORDER.override(tf8._fp8mma_up_kernel, ASM_DECODE=False), \
                     RECORDER.override(tf8._fp8mma_down_kernel, ASM_DECODE=False):
-                tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg)
+                tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg,
+                                       predecode=False)
+        with RECORDER.override(tf8._fp8_predecode_kernel, ASM_DECODE=False):
+            tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_LARGE,
+                                   predecode=True)
         m = V41_FLASH
         ex = _experts(m, "fp4", True)
-        tf8.moe_experts_fp8mma(_empty(64, m.dim, dtype=torch.bfloat16),
-                               torch.randint(0, E_ALLOC, (64, m.topk), generator=gen),
-                               torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_SMALL)
+        for predecode in (False, True):
+            tf8.moe_experts_fp8mma(_empty(64, m.dim, dtype=torch.bfloat16),
+                                   torch.randint(0, E_ALLOC, (64, m.topk), generator=gen),
+                                   torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_SMALL,
+                                   predecode=predecode)
     finally:
         tf8.fold_spread_ok = real_ok
 

@@ -99,6 +99,37 @@ def test_fp8mma_prefill_gpu(plan: str) -> None:
     assert torch.equal(y, f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg))
 
 
+@needs_gpu
+@pytest.mark.parametrize("plan", ["bm64", "bm128"])
+def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The predecoded path (experts re-encoded to e4m3 codes 37 at a time: a short last chunk)
+    against the in-loop decode (same bytes and dots: to 1e-6, bit-equal expected) and the twin
+    (REL_BOUND); the op table's route (triton_moe.moe_experts with FP8MMA_PREFILL) takes it."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_fp8 as f8
+    cfg = {"bm64": f8.PLAN_SMALL, "bm128": f8.PLAN_LARGE}[plan]
+    monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 37)
+    ex = _stacks(torch.Generator(device=DEV).manual_seed(41))
+    T = 2048
+    gen = torch.Generator(device=DEV).manual_seed(42)
+    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[7, 2] = -1
+    _poison()
+    y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
+    y_loop = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=False)
+    assert bool(torch.isfinite(y_pre).all())
+    print(f"predecoded == in-loop decode: {torch.equal(y_pre, y_loop)}")
+    assert _rel(y_pre, y_loop) < 1e-6
+    assert _rel(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < REL_BOUND
+    monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
+    monkeypatch.setattr(f8, "FP8MMA_PREDECODE", True)
+    assert f8.fp8mma_applies(x, ids, ex)
+    if cfg == f8.pick_fp8mma_config(T * TOPK, E):
+        assert torch.equal(tri.moe_experts(x, ids, w, ex, 10.0), y_pre)
+
+
 def _run(T: int, ex, seed: int, cfg=None):
     from dsv4.ops import triton_moe_fp8 as f8
     gen = torch.Generator(device=DEV).manual_seed(seed)

@@ -256,6 +256,53 @@ def test_matches_twin_and_bf16_kernel(T: int, cfg: f8.MoeFp8Config | None) -> No
         assert rel_err(y[:1], only) < BF16_BOUND
 
 
+@pytest.mark.parametrize("chunk,act_block,T", [(3, 128, 13), (1, 32, 3)])
+def test_predecoded_equals_decoded_in_the_loop(chunk: int, act_block: int, T: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The predecoded path (each chunk of experts re-encoded to e4m3 codes and step factors by
+    _fp8_predecode_kernel, then the GEMMs on those) gives the same bits as the in-loop decode:
+    chunks of 3 (the last one short) and 1 expert (all experts in one chunk: the default
+    PREDECODE_BYTES at these widths, which the other end-to-end tests take), with skipped
+    picks, unused plan blocks, act blocks 128 and 32 (32-wide steps: V4.1)."""
+    monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * chunk)
+    assert f8.predecode_chunk(E, INTER, D) == chunk
+    gen = torch.Generator().manual_seed(chunk + act_block)
+    ex = _fp4_experts(gen, act_block)
+    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[0, 1] = -1
+    ids[T - 1, 0] = E + 3
+    cfg = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128)
+    y_loop = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=False)
+    y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
+    assert torch.equal(y_pre, y_loop), (chunk, act_block)
+    assert rel_err(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
+
+
+def test_predecode_kernel_bytes_and_factors() -> None:
+    """_fp8_predecode_kernel writes, per expert, row and K step, the bytes and the factor of
+    _mxfp4_e4m3_step (the _tile_kernel above), at every row of a stack whose N is not a
+    multiple of its 64-row block (the masked rows are not written)."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, ks, n_exp = 80, 256, 128, 2
+    w = torch.randint(0, 256, (n_exp, n, k // 2), generator=gen, dtype=torch.uint8)
+    s = _step_scales(gen, n_exp * n, k // 32, 11).view(n_exp, n, k // 32)
+    q = torch.full((n_exp, n + 1, k), 0x7F, dtype=torch.uint8)[:, :n]     # poisoned, row n kept
+    f = torch.full((n_exp, k // ks, n), float("nan"))
+    f8._predecode(w, s, q, f, 0, n_exp, False, ks)
+    assert torch.isfinite(f).all() and not bool((q == 0x7F).any())
+    for e in range(n_exp):
+        for k0 in range(0, k, ks):
+            out = torch.empty(n, ks, dtype=torch.uint8)
+            sw = torch.empty(n)
+            # _tile_kernel takes a power-of-two BN: 16-row slices.
+            for r0 in range(0, n, 16):
+                _tile_kernel[(1,)](w[e, r0:r0 + 16].contiguous(), s[e, r0:r0 + 16].contiguous(),
+                                   out[r0:r0 + 16], sw[r0:r0 + 16], K0=k0, BN=16, KS=ks, K=k)
+            assert torch.equal(q[e, :, k0:k0 + ks], out), (e, k0)
+            assert torch.equal(f[e, k0 // ks], sw), (e, k0)
+
+
 @pytest.mark.parametrize("act_block", [32, 64])
 def test_smaller_act_blocks(act_block: int) -> None:
     """Act blocks of 32 and 64 (V4.1 uses 32): the row scale changes every 1 or 2 K groups."""
@@ -459,7 +506,8 @@ def test_config_validation_and_pick() -> None:
 
 
 def test_bench_tiny_smoke(tmp_path) -> None:
-    """bench/moe_prefill_fp8.py --tiny: one row per token count, both paths agreeing, JSON."""
+    """bench/moe_prefill_fp8.py --tiny: one row per token count and weight mode (in-loop
+    decode, predecoded), both agreeing with the bf16-MMA path, JSON, the re-encoding's time."""
     import importlib.util
     import json
     from pathlib import Path
@@ -471,6 +519,9 @@ def test_bench_tiny_smoke(tmp_path) -> None:
     out = tmp_path / "r.json"
     res = bench.main(["--tiny", "--tokens", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == res
-    (row,) = res["rows"]
-    assert row["tokens"] == 3 and row["finite"] and row["rel_diff"] < BF16_BOUND
-    assert row["fp8_us"] > 0 and row["bf16_us"] > 0
+    rows = res["rows"]
+    assert [r["weights"] for r in rows] == ["decoded in the K loop", "predecoded"]
+    for row in rows:
+        assert row["tokens"] == 3 and row["finite"] and row["rel_diff"] < BF16_BOUND
+        assert row["fp8_us"] > 0 and row["bf16_us"] > 0
+    assert res["predecode_us"] > 0
