@@ -44,7 +44,9 @@ SWEEP = [f8.PLAN_SMALL,                                                         
          f8.MoeFp8Config(BM=64, BN_up=64, BN_down=128, warps_up=4, warps_down=4,
                          stages=4),                                              # 239/227, 64/74 KB
          f8.MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=8,
-                         stages=4)]                                              # 195/226, 96/104 KB
+                         stages=4),                                              # 195/226, 96/104 KB
+         # For the predecoded weights (no decode registers): wider up tiles.
+         f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)]
 
 
 def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str

@@ -238,13 +238,14 @@ def _weight_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_s
                  KS: tl.constexpr):
     """One KS-wide K step of expert e's weight rows rn as (e4m3 codes [BN, KS] in the MMA K
     order, fp32 step factors [BN]).  PREDECODED: read from the buffers that
-    ``_fp8_predecode_kernel`` wrote (codes [E, N, K] bytes, factors [E, K / KS, N]); else
+    ``_fp8_predecode_kernel`` wrote (codes [E, N, K] e4m3, factors [E, K / KS, N]); else
     decoded from the MXFP4 stack in registers (:func:`_mxfp4_e4m3_step`)."""
     if PREDECODED:
+        # The codes are typed e4m3 (no bitcast between the load and the dot), so the software
+        # pipeliner copies them straight into the MMA's shared-memory operand.
         ee = e.to(tl.int64)
-        codes = tl.load(w_ptr + ee * stride_we + rn.to(tl.int64)[:, None] * stride_wn
-                        + (k0 + tl.arange(0, KS))[None, :], mask=n_mask[:, None], other=0)
-        w8 = codes.to(tl.float8e4nv, bitcast=True)
+        w8 = tl.load(w_ptr + ee * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+                     + (k0 + tl.arange(0, KS))[None, :], mask=n_mask[:, None], other=0.0)
         sw = tl.load(s_ptr + ee * stride_se + (k0 // KS) * stride_sn + rn, mask=n_mask,
                      other=0.0)
     else:
@@ -285,8 +286,7 @@ def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_w
                               stride_se, stride_sn, ASM_DECODE, BN, KS)
     el64 = el.to(tl.int64)
     tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
-             + (k0 + tl.arange(0, KS))[None, :], w8.to(tl.uint8, bitcast=True),
-             mask=n_mask[:, None])
+             + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
     tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
 
 
@@ -499,9 +499,9 @@ def predecode_chunk(num_experts: int, inter: int, dim: int) -> int:
 
 def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.device
                        ) -> tuple[torch.Tensor, ...]:
-    """Codes [chunk, I, D] (uint8 e4m3 bits) and step factors [chunk, D / ks, I] (fp32) for w1
-    and w3 (w2's [chunk, D, I] / [chunk, I / ks, D] reuse w1's)."""
-    q1 = torch.empty(chunk, inter, dim, dtype=torch.uint8, device=device)
+    """Codes [chunk, I, D] (e4m3) and step factors [chunk, D / ks, I] (fp32) for w1 and w3
+    (w2's [chunk, D, I] / [chunk, I / ks, D] reuse w1's)."""
+    q1 = torch.empty(chunk, inter, dim, dtype=torch.float8_e4m3fn, device=device)
     f1 = torch.empty(chunk, dim // ks, inter, dtype=torch.float32, device=device)
     return q1, torch.empty_like(q1), f1, torch.empty_like(f1)
 

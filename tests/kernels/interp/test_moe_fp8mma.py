@@ -289,7 +289,7 @@ def test_predecode_kernel_bytes_and_factors() -> None:
     s = _step_scales(gen, n_exp * n, k // 32, 11).view(n_exp, n, k // 32)
     q = torch.full((n_exp, n + 1, k), 0x7F, dtype=torch.uint8)[:, :n]     # poisoned, row n kept
     f = torch.full((n_exp, k // ks, n), float("nan"))
-    f8._predecode(w, s, q, f, 0, n_exp, False, ks)
+    f8._predecode(w, s, q.view(torch.float8_e4m3fn), f, 0, n_exp, False, ks)
     assert torch.isfinite(f).all() and not bool((q == 0x7F).any())
     for e in range(n_exp):
         for k0 in range(0, k, ks):
