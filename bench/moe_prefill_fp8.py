@@ -49,6 +49,10 @@ SWEEP = [f8.PLAN_SMALL,                                                         
          f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)]
 
 
+# Re-encoding tiles timed by --sweep: (rows, K steps) of one _fp8_predecode_kernel program.
+PREDECODE_TILES = [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]
+
+
 def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str
                  ) -> ExpertWeights:
     """Random MXFP4 stacks (packed e2m1 int8 [E, N, K/2], e8m0 scales [E, N, K/32]) with the
@@ -101,16 +105,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flops = 2 * 3 * T * k * D * inter
         y_bf16 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
         t_bf16 = time_us(lambda: tri.moe_experts_with_config(x, ids, w, ex, 10.0, None), device)
-        picked = f8.pick_fp8mma_config(T * k, E)
-        plans: list[f8.MoeFp8Config | None] = [None] + (
-            [c for c in SWEEP if c != picked] if args.sweep else [])
-        for cfg in plans:
-            for predecode in (False, True):
+        for predecode in (False, True):
+            picked = f8.pick_fp8mma_config(T * k, E, predecode)
+            plans: list[f8.MoeFp8Config | None] = [None] + (
+                [c for c in SWEEP if c != picked] if args.sweep else [])
+            for cfg in plans:
                 def call(cfg=cfg, predecode=predecode) -> torch.Tensor:
                     return f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
                 y = call()
                 t = time_us(call, device)
-                used = cfg or f8.pick_fp8mma_config(T * k, E)
+                used = cfg or picked
                 name = (f"BM{used.BM} up {used.BN_up}/w{used.warps_up} down {used.BN_down}/"
                         f"w{used.warps_down} s{used.stages}" + (" (pick)" if cfg is None else ""))
                 if not f8.fold_spread_ok(ex, f8.k_step(ex.act_block)):
@@ -133,19 +137,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     (w1, s1, _), (w3, s3, _), (w2, s2, _) = (tri._weight_args(ex, n) for n in ("w1", "w3", "w2"))
 
-    def predecode_all() -> None:
+    def predecode_all(tile: tuple[int, int] | None) -> None:
         for e0 in range(0, E, chunk):
             e1 = min(E, e0 + chunk)
-            f8._predecode(w1, s1, q1, f1, e0, e1, asm, ks)
-            f8._predecode(w3, s3, q3, f3, e0, e1, asm, ks)
+            f8._predecode(w1, s1, q1, f1, e0, e1, asm, ks, tile)
+            f8._predecode(w3, s3, q3, f3, e0, e1, asm, ks, tile)
             f8._predecode(w2, s2, q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D),
-                          e0, e1, asm, ks)
+                          e0, e1, asm, ks, tile)
 
-    t_pre = time_us(predecode_all, device)
     moved = 3 * E * inter * D * (0.5 + 1 / 32 + 1 + 4 / ks)
-    print(f"predecode of the three stacks alone ({E} experts, {chunk} a chunk): {t_pre:.0f} µs, "
-          f"{moved / t_pre / 1e3:.0f} GB/s", flush=True)
-    result = {"shape": shape, "device": device, "rows": rows, "predecode_us": t_pre}
+    result_pre = {}
+    for tile in [None] + (PREDECODE_TILES if args.sweep else []):
+        t_pre = time_us(lambda: predecode_all(tile), device)
+        name = "default" if tile is None else f"{tile[0]} rows x {tile[1]} steps"
+        result_pre[name] = t_pre
+        print(f"predecode of the three stacks alone ({E} experts, {chunk} a chunk, tile "
+              f"{name}): {t_pre:.0f} µs, {moved / t_pre / 1e3:.0f} GB/s", flush=True)
+    t_pre = result_pre["default"]
+    result = {"shape": shape, "device": device, "rows": rows, "predecode_us": t_pre,
+              "predecode_tiles_us": result_pre}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

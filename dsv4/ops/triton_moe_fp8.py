@@ -109,8 +109,10 @@ FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
 # experts are re-encoded a chunk at a time so the transient buffer stays bounded (V4-Flash:
 # 16 MiB of codes per expert, 64 experts a chunk at the default 1 GiB).
 PREDECODE_BYTES = int(os.environ.get("DSV4_FP8MMA_PREDECODE_MB", "1024")) << 20
-# Rows and K step of one predecode program.
-_PREDECODE_BN = 64
+# Rows and K steps of one predecode program (DSV4_FP8MMA_PREDECODE_TILE="BN,SP"; the steps are
+# cut to a divisor of the stack's step count).
+_PREDECODE_TILE = tuple(int(v) for v in
+                        os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "64,1").split(","))
 
 # The MXFP4 scale group (host int and kernel constexpr).
 GROUP_SIZE = 32
@@ -272,8 +274,8 @@ def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.const
 def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_wn, stride_se,
                           stride_sn, stride_qe, stride_qn, stride_fe, stride_fk,
                           ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-                          PDL: tl.constexpr = False):
-    """One (expert e0 + program 0, BN rows, KS-wide K step) of an MXFP4 stack re-encoded
+                          SP: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """SP K steps (KS wide) of BN rows of expert e0 + program 0 of an MXFP4 stack re-encoded
     losslessly: q[e, n, k] = the scale-folded e4m3 byte (MMA K order within the step),
     f[e, step, n] = the step's fp32 column factor.  The GEMMs then stream plain FP8 tiles that
     the software pipeliner can prefetch, instead of decoding between their MMAs."""
@@ -281,13 +283,14 @@ def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_w
     el = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = rn < N
-    k0 = tl.program_id(2) * KS
-    w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we, stride_wn,
-                              stride_se, stride_sn, ASM_DECODE, BN, KS)
     el64 = el.to(tl.int64)
-    tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
-             + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
-    tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
+    for i in tl.static_range(SP):
+        k0 = (tl.program_id(2) * SP + i) * KS
+        w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we, stride_wn,
+                                  stride_se, stride_sn, ASM_DECODE, BN, KS)
+        tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
+                 + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
+        tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
 
 
 @triton.jit
@@ -313,9 +316,13 @@ def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stri
                     mask=m_mask[:, None], other=0.0).to(tl.float32)
         q, s = quantize_block_rows(v)
         rows = rm.to(tl.int64)
-        # q is on the e4m3 grid already: the cast is exact.  Stored in the MMA K order.
-        tl.store(q_ptr + rows[:, None] * stride_q + mma_k_position(rk)[None, :],
-                 q.to(tl.float8e4nv), mask=m_mask[:, None])
+        # Into the MMA K order in registers (natural k = 8g + 4h + r at 8g + 2r + h), then one
+        # contiguous store per row: storing each code at mma_k_position(k) scattered single
+        # bytes (2.2 ms per 8K-token call on the H200, against ~0.2 ms of bytes).
+        qp = tl.reshape(tl.permute(tl.reshape(q, (BM, AB // 8, 2, 4)), (0, 1, 3, 2)), (BM, AB))
+        # q is on the e4m3 grid already: the cast is exact.
+        tl.store(q_ptr + rows[:, None] * stride_q + rk[None, :], qp.to(tl.float8e4nv),
+                 mask=m_mask[:, None])
         tl.store(s_ptr + rows * stride_s + kb, s, mask=m_mask)
 
 
@@ -422,17 +429,25 @@ class MoeFp8Config:
 # 72 / 57 KB shared memory (small); up 195 / down 226, 72 / 80 KB (large); no spills.
 PLAN_SMALL = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=4, stages=3)
 PLAN_LARGE = MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=8, stages=3)
+# The predecoded weights' plan: the fastest of the sweep at 8K and 32K tokens (H200,
+# 2026-12-01, bench/moe_prefill_fp8.py --sweep, bench/gpu_session_s10c.sh).
+PLAN_PREDECODED = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
+                               stages=4)
 
 
-def pick_fp8mma_config(num_pairs: int, num_experts: int) -> MoeFp8Config:
-    """Tile plan by the average rows per active expert: 64-row blocks below 128 rows (2K-token
-    prefill of V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).
+def pick_fp8mma_config(num_pairs: int, num_experts: int, predecode: bool = False
+                       ) -> MoeFp8Config:
+    """Tile plan: :data:`PLAN_PREDECODED` for predecoded weights; for the in-loop decode by the
+    average rows per active expert: 64-row blocks below 128 rows (2K-token prefill of
+    V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).
 
     Chosen offline from the sm_90 compile (not yet timed on the GPU; bench/moe_prefill_fp8.py
     --sweep times the neighbours): the up kernel holds two fp32 accumulators plus a fresh dot
     result, so it takes 8 warps and 64×128 / 128×64 tiles (128×128 spills 88 bytes per thread
     at 8 warps, 2.8 KB at 4), the down kernel 64×128 with 4 warps / 128×128 with 8; 3 stages
     (the loads are pipelined through shared memory; 4 stages fit too, 96-131 KB)."""
+    if predecode:
+        return PLAN_PREDECODED
     active = max(1, min(num_experts, num_pairs))
     return PLAN_SMALL if num_pairs / active < 128 else PLAN_LARGE
 
@@ -507,13 +522,16 @@ def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.
 
 
 def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tensor, e0: int,
-               e1: int, asm: bool, ks: int) -> None:
-    """q[e - e0], f[e - e0] = the FP8 re-encoding of MXFP4 experts e0 <= e < e1 of (w, s)."""
+               e1: int, asm: bool, ks: int, tile: tuple[int, int] | None = None) -> None:
+    """q[e - e0], f[e - e0] = the FP8 re-encoding of MXFP4 experts e0 <= e < e1 of (w, s);
+    ``tile``: (rows, K steps) of a program (None: :data:`_PREDECODE_TILE`)."""
     n, k = q.shape[1], q.shape[2]
-    grid = (e1 - e0, triton.cdiv(n, _PREDECODE_BN), k // ks)
+    bn, sp = tile or _PREDECODE_TILE
+    sp = math.gcd(k // ks, sp)
+    grid = (e1 - e0, triton.cdiv(n, bn), k // ks // sp)
     _fp8_predecode_kernel[grid](w, s, q, f, e0, n, w.stride(0), w.stride(1), s.stride(0),
                                 s.stride(1), q.stride(0), q.stride(1), f.stride(0), f.stride(1),
-                                ASM_DECODE=asm, BN=_PREDECODE_BN, KS=ks, num_warps=4,
+                                ASM_DECODE=asm, BN=bn, KS=ks, SP=sp, num_warps=4,
                                 **pdl_args(w))
 
 
@@ -572,8 +590,9 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                                                   swiglu_limit, None)
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     P = T * k
+    predecode = FP8MMA_PREDECODE if predecode is None else bool(predecode)
     if cfg is None:
-        cfg = pick_fp8mma_config(P, E)
+        cfg = pick_fp8mma_config(P, E, predecode)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -588,7 +607,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                          f"found {w1.stride()} / {w3.stride()}, {s1.stride()} / {s3.stride()}")
     e4m3 = torch.float8_e4m3fn
     asm = FP8MMA_DECODE == "asm"
-    predecode = FP8MMA_PREDECODE if predecode is None else bool(predecode)
 
     xq = torch.empty(rows, D, dtype=e4m3, device=x.device)
     xs = torch.empty(rows, D // ab, dtype=torch.float32, device=x.device)

@@ -645,6 +645,13 @@ def _moe_fp8mma() -> None:
         with RECORDER.override(tf8._fp8_predecode_kernel, ASM_DECODE=False):
             tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_LARGE,
                                    predecode=True)
+        # The re-encoding tiles of bench/moe_prefill_fp8.py --sweep.
+        from dsv4.ops import triton_moe as tm
+        w2, s2, _ = tm._weight_args(ex, "w2")
+        q = torch.empty(2, m.dim, m.inter, dtype=torch.float8_e4m3fn)
+        f = torch.empty(2, m.inter // 128, m.dim)
+        for tile in [(32, 1), (128, 1), (64, 4), (32, 8)]:
+            tf8._predecode(w2, s2, q, f, 0, 2, True, 128, tile)
         m = V41_FLASH
         ex = _experts(m, "fp4", True)
         for predecode in (False, True):

@@ -100,15 +100,16 @@ def test_fp8mma_prefill_gpu(plan: str) -> None:
 
 
 @needs_gpu
-@pytest.mark.parametrize("plan", ["bm64", "bm128"])
+@pytest.mark.parametrize("plan", ["pick", "bm128"])
 def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The predecoded path (experts re-encoded to e4m3 codes 37 at a time: a short last chunk)
-    against the in-loop decode (same bytes and dots: to 1e-6, bit-equal expected) and the twin
-    (REL_BOUND); the op table's route (triton_moe.moe_experts with FP8MMA_PREFILL) takes it."""
+    """The predecoded path (experts re-encoded to e4m3 codes 37 at a time: a short last chunk;
+    its own plan, and the in-loop decode's 8K plan) against the in-loop decode under the same
+    plan (same bytes and dots: to 1e-6, bit-equal expected) and the twin (REL_BOUND); the op
+    table's route (triton_moe.moe_experts with FP8MMA_PREFILL) takes it."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     from dsv4.ops import triton_moe_fp8 as f8
-    cfg = {"bm64": f8.PLAN_SMALL, "bm128": f8.PLAN_LARGE}[plan]
+    cfg = {"pick": f8.PLAN_PREDECODED, "bm128": f8.PLAN_LARGE}[plan]
     monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 37)
     ex = _stacks(torch.Generator(device=DEV).manual_seed(41))
     T = 2048
@@ -126,8 +127,28 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
     monkeypatch.setattr(f8, "FP8MMA_PREDECODE", True)
     assert f8.fp8mma_applies(x, ids, ex)
-    if cfg == f8.pick_fp8mma_config(T * TOPK, E):
+    if cfg == f8.pick_fp8mma_config(T * TOPK, E, predecode=True):
         assert torch.equal(tri.moe_experts(x, ids, w, ex, 10.0), y_pre)
+
+
+@needs_gpu
+def test_fp8mma_predecode_tiles_same_bytes_gpu() -> None:
+    """Every re-encoding tile of bench/moe_prefill_fp8.py's sweep writes the same codes and
+    factors as the default tile (w2-shaped stacks of 3 experts: N = D, K = I)."""
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_fp8 as f8
+    ex = _stacks(torch.Generator(device=DEV).manual_seed(43))
+    w2, s2, _ = tri._weight_args(ex, "w2")
+    outs = []
+    for tile in [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]:
+        q = torch.full((3, D, INTER), 0x7F, dtype=torch.uint8, device=DEV)
+        f = torch.full((3, INTER // 128, D), float("nan"), device=DEV)
+        f8._predecode(w2, s2, q.view(torch.float8_e4m3fn), f, 5, 8, True, 128, tile)
+        outs.append((q, f))
+    q0, f0 = outs[0]
+    assert not bool((q0 == 0x7F).any()) and bool(torch.isfinite(f0).all())
+    for q, f in outs[1:]:
+        assert torch.equal(q, q0) and torch.equal(f, f0)
 
 
 def _run(T: int, ex, seed: int, cfg=None):

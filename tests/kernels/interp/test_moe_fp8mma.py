@@ -503,6 +503,7 @@ def test_config_validation_and_pick() -> None:
     assert small.BM * small.BN_up <= 8192 and large.BM * large.BN_up <= 8192
     assert small.warps_up == large.warps_up == 8
     assert f8.pick_fp8mma_config(1, 256).BM == 64
+    assert f8.pick_fp8mma_config(8192 * 6, 256, predecode=True) == f8.PLAN_PREDECODED
 
 
 def test_bench_tiny_smoke(tmp_path) -> None:
