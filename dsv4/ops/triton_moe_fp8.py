@@ -110,9 +110,16 @@ FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
 # 16 MiB of codes per expert, 64 experts a chunk at the default 1 GiB).
 PREDECODE_BYTES = int(os.environ.get("DSV4_FP8MMA_PREDECODE_MB", "1024")) << 20
 # Rows and K steps of one predecode program (DSV4_FP8MMA_PREDECODE_TILE="BN,SP"; the steps are
-# cut to a divisor of the stack's step count).
+# cut to a divisor of the stack's step count).  32 x 8: 3.74 ms for V4-Flash's three stacks
+# against 4.17 for 64 x 1 (2.69 vs 2.41 TB/s; H200, bench/moe_prefill_fp8.py --sweep, every
+# tile byte-equal: tests/kernels/test_moe_fp8mma_gpu.py).
 _PREDECODE_TILE = tuple(int(v) for v in
-                        os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "64,1").split(","))
+                        os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "32,8").split(","))
+# Re-encode chunk c + 1 on a stream of its own while the GEMMs of chunk c run (the re-encoding
+# is bound by memory, the GEMMs by the tensor cores), in two scratch slots of half the budget
+# each; DSV4_FP8MMA_OVERLAP=0 runs them in order on the current stream.
+PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "1") != "0"
+_predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 # The MXFP4 scale group (host int and kernel constexpr).
 GROUP_SIZE = 32
@@ -506,10 +513,44 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     return fold_spread_ok(experts, k_step(ab))
 
 
-def predecode_chunk(num_experts: int, inter: int, dim: int) -> int:
-    """Experts re-encoded per chunk: as many as :data:`PREDECODE_BYTES` holds (w1 + w3 codes,
-    2 · I · D bytes an expert), at least one."""
-    return max(1, min(num_experts, PREDECODE_BYTES // (2 * inter * dim)))
+def predecode_chunk(num_experts: int, inter: int, dim: int, slots: int = 1) -> int:
+    """Experts re-encoded per chunk: as many as :data:`PREDECODE_BYTES` holds in each of
+    ``slots`` scratch slots (w1 + w3 codes, 2 · I · D bytes an expert), at least one."""
+    return max(1, min(num_experts, PREDECODE_BYTES // (2 * inter * dim * slots)))
+
+
+def _predecode_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _predecode_streams:
+        _predecode_streams[device] = torch.cuda.Stream(device)
+    return _predecode_streams[device]
+
+
+def _run_chunks(num_experts: int, chunk: int, slots: int, device: torch.device,
+                free: list, predecode, gemm) -> None:
+    """For each chunk [e0, e1) of experts: ``predecode(slot, e0, e1)`` then ``gemm(slot, e0,
+    e1)``, the chunks taking the ``slots`` scratch slots in turn.  With two slots the
+    re-encoding runs on its own stream, chunk c + 1's next to chunk c's GEMMs: it waits for
+    the GEMMs that last read its slot (the events in ``free``, kept across calls of one
+    expert call) and the GEMMs wait for it.  Allocator-safe without ``record_stream``: the
+    scratch is made on the current stream before the first fork, only written on the side
+    stream, and its last reader is a GEMM on the current stream."""
+    side = _predecode_stream(device) if slots > 1 else None
+    main = torch.cuda.current_stream(device) if side is not None else None
+    if side is not None:
+        side.wait_stream(main)
+    for c, e0 in enumerate(range(0, num_experts, chunk)):
+        e1, slot = min(num_experts, e0 + chunk), c % slots
+        if side is None:
+            predecode(slot, e0, e1)
+        else:
+            if free[slot] is not None:
+                side.wait_event(free[slot])
+            with torch.cuda.stream(side):
+                predecode(slot, e0, e1)
+            main.wait_event(side.record_event())
+        gemm(slot, e0, e1)
+        if side is not None:
+            free[slot] = main.record_event()
 
 
 def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.device
@@ -625,17 +666,26 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             xq.stride(0), xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
             s1.stride(1), float(swiglu_limit), **up, **pdl_args(xq))
     else:
-        chunk = predecode_chunk(E, inter, D)
-        q1, q3, f1, f3 = _predecode_buffers(chunk, inter, D, ks, x.device)
-        for e0 in range(0, E, chunk):
-            e1 = min(E, e0 + chunk)
-            for w, sc, q, f in ((w1, s1, q1, f1), (w3, s3, q3, f3)):
-                _predecode(w, sc, q, f, e0, e1, asm, ks)
+        overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
+        slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
+        chunk = predecode_chunk(E, inter, D, slots)
+        bufs = [_predecode_buffers(chunk, inter, D, ks, x.device) for _ in range(slots)]
+        free: list = [None] * slots
+
+        def predecode_up(slot: int, e0: int, e1: int) -> None:
+            q1, q3, f1, f3 = bufs[slot]
+            _predecode(w1, s1, q1, f1, e0, e1, asm, ks)
+            _predecode(w3, s3, q3, f3, e0, e1, asm, ks)
+
+        def gemm_up(slot: int, e0: int, e1: int) -> None:
+            q1, q3, f1, f3 = bufs[slot]
             _fp8mma_up_kernel[(nb, n_up)](
                 xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
                 xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
                 f1.stride(0), f1.stride(1), float(swiglu_limit), **up, PREDECODED=True,
                 **pdl_args(xq))
+
+        _run_chunks(E, chunk, slots, x.device, free, predecode_up, gemm_up)
     del xq, xs
     aq = torch.empty(rows, inter, dtype=e4m3, device=x.device)
     as_ = torch.empty(rows, inter // ab, dtype=torch.float32, device=x.device)
@@ -651,18 +701,23 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
             **down, **pdl_args(aq))
     else:
-        # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size); w3's freed.
-        del q3, f3
-        q2 = q1.view(chunk, D, inter)
-        f2 = f1.view(chunk, inter // ks, D)
-        for e0 in range(0, E, chunk):
-            e1 = min(E, e0 + chunk)
+        # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size).
+        down_bufs = [(q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D))
+                     for q1, _, f1, _ in bufs]
+
+        def predecode_down(slot: int, e0: int, e1: int) -> None:
+            q2, f2 = down_bufs[slot]
             _predecode(w2, s2, q2, f2, e0, e1, asm, ks)
+
+        def gemm_down(slot: int, e0: int, e1: int) -> None:
+            q2, f2 = down_bufs[slot]
             _fp8mma_down_kernel[(nb, n_down)](
                 aq, as_, q2, f2, pairs, block_expert, y, P, D, inter, e0, e1, aq.stride(0),
                 as_.stride(0), y.stride(0), q2.stride(0), q2.stride(1), f2.stride(0),
                 f2.stride(1), **down, PREDECODED=True, **pdl_args(aq))
-        del q1, f1, q2, f2
+
+        _run_chunks(E, chunk, slots, x.device, free, predecode_down, gemm_down)
+        del bufs, down_bufs
     del aq, as_
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,

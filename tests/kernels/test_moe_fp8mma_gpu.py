@@ -102,9 +102,10 @@ def test_fp8mma_prefill_gpu(plan: str) -> None:
 @needs_gpu
 @pytest.mark.parametrize("plan", ["pick", "bm128"])
 def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The predecoded path (experts re-encoded to e4m3 codes 37 at a time: a short last chunk;
-    its own plan, and the in-loop decode's 8K plan) against the in-loop decode under the same
-    plan (same bytes and dots: to 1e-6, bit-equal expected) and the twin (REL_BOUND); the op
+    """The predecoded path (experts re-encoded to e4m3 codes 18 at a time in two slots, the
+    re-encoding on its own stream; in order: 37 at a time; short last chunks; its own plan and
+    the in-loop decode's 8K plan) against the in-loop decode under the same plan (same bytes and
+    dots: to 1e-6, bit-equal expected), in order (bit-equal) and the twin (REL_BOUND); the op
     table's route (triton_moe.moe_experts with FP8MMA_PREFILL) takes it."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
@@ -121,6 +122,13 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
     y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
     y_loop = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=False)
     assert bool(torch.isfinite(y_pre).all())
+    # The re-encoding on its own stream next to the GEMMs (two slots of 18 experts: 15
+    # chunks) against the same in order (one slot of 37): the same bits.
+    assert f8.PREDECODE_OVERLAP
+    monkeypatch.setattr(f8, "PREDECODE_OVERLAP", False)
+    y_serial = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
+    monkeypatch.setattr(f8, "PREDECODE_OVERLAP", True)
+    assert torch.equal(y_pre, y_serial)
     print(f"predecoded == in-loop decode: {torch.equal(y_pre, y_loop)}")
     assert _rel(y_pre, y_loop) < 1e-6
     assert _rel(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < REL_BOUND
