@@ -968,8 +968,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV).
     if gemv.MOE_GEMV and gemv.gemv_qualifies(x, topk_ids, experts):
         return gemv.moe_experts_gemv(x, topk_ids, topk_weights, experts, swiglu_limit)
-    # Prefill-sized calls of MXFP4 experts under official numerics: FP8 tensor cores on the
-    # experts re-encoded to e4m3 chunk by chunk (off until timed: triton_moe_fp8.FP8MMA_PREFILL).
+    # Large prefill calls of MXFP4 experts under official numerics: FP8 tensor cores on the
+    # experts re-encoded to e4m3 chunk by chunk (triton_moe_fp8.fp8mma_applies says when).
     from dsv4.ops import triton_moe_fp8 as fp8mma
     if fp8mma.FP8MMA_PREFILL and fp8mma.fp8mma_applies(x, topk_ids, experts):
         return fp8mma.moe_experts_fp8mma(x, topk_ids, topk_weights, experts, swiglu_limit)

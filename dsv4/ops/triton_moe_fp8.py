@@ -95,13 +95,16 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 __all__ = ["FP8MMA_PREFILL", "MoeFp8Config", "fold_spread_ok", "fp8mma_applies",
            "moe_experts_fp8mma", "pick_fp8mma_config"]
 
-# Route prefill expert calls here (the lead wires it into the op table after timing).
-FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "0") == "1"
+# triton_moe.moe_experts routes calls here when fp8mma_applies (DSV4_FP8MMA=0: never).
+FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
 
 # fp8mma_applies: the fewest (token, pick) pairs per local expert that take this path (the
 # expert count stands in for the active ones: no host sync).  The re-encoding streams every
-# expert once per call, a fixed cost the GEMMs' gain must pay for.
-MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "32"))
+# expert once per call (3.8 ms for a V4-Flash layer), a fixed cost the GEMMs' gain must pay
+# for.  H200, V4-Flash, predecoded against the bf16-MMA kernels (bench/moe_prefill_fp8.py,
+# bench/gpu_session_s10e.sh): 4K tokens (96 pairs an expert) 0.77x, 8K (192) 0.99x, 32K (768)
+# 1.25x: from 384 (16K tokens of V4-Flash on one GPU).
+MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "384"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
 FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
@@ -115,10 +118,12 @@ PREDECODE_BYTES = int(os.environ.get("DSV4_FP8MMA_PREDECODE_MB", "1024")) << 20
 # tile byte-equal: tests/kernels/test_moe_fp8mma_gpu.py).
 _PREDECODE_TILE = tuple(int(v) for v in
                         os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "32,8").split(","))
-# Re-encode chunk c + 1 on a stream of its own while the GEMMs of chunk c run (the re-encoding
-# is bound by memory, the GEMMs by the tensor cores), in two scratch slots of half the budget
-# each; DSV4_FP8MMA_OVERLAP=0 runs them in order on the current stream.
-PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "1") != "0"
+# DSV4_FP8MMA_OVERLAP=1: re-encode chunk c + 1 on a stream of its own while the GEMMs of chunk
+# c run (memory-bound next to tensor-core-bound), in two scratch slots of half the budget each.
+# Same bits, measured no faster (H200, V4-Flash, run E of bench/gpu_session_s10e.sh: 8K tokens
+# 10.56 ms, 32K 28.04 against 10.86 / 26.89 in order with a slower re-encoding tile), so off:
+# in order on the current stream.
+PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "0") == "1"
 _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 # The MXFP4 scale group (host int and kernel constexpr).

@@ -124,16 +124,16 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
     assert bool(torch.isfinite(y_pre).all())
     # The re-encoding on its own stream next to the GEMMs (two slots of 18 experts: 15
     # chunks) against the same in order (one slot of 37): the same bits.
-    assert f8.PREDECODE_OVERLAP
-    monkeypatch.setattr(f8, "PREDECODE_OVERLAP", False)
-    y_serial = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
-    monkeypatch.setattr(f8, "PREDECODE_OVERLAP", True)
-    assert torch.equal(y_pre, y_serial)
+    monkeypatch.setattr(f8, "PREDECODE_OVERLAP", not f8.PREDECODE_OVERLAP)
+    y_other = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
+    monkeypatch.setattr(f8, "PREDECODE_OVERLAP", not f8.PREDECODE_OVERLAP)
+    assert torch.equal(y_pre, y_other)
     print(f"predecoded == in-loop decode: {torch.equal(y_pre, y_loop)}")
     assert _rel(y_pre, y_loop) < 1e-6
     assert _rel(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < REL_BOUND
     monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
     monkeypatch.setattr(f8, "FP8MMA_PREDECODE", True)
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 32)
     assert f8.fp8mma_applies(x, ids, ex)
     if cfg == f8.pick_fp8mma_config(T * TOPK, E, predecode=True):
         assert torch.equal(tri.moe_experts(x, ids, w, ex, 10.0), y_pre)

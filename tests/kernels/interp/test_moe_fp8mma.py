@@ -439,9 +439,10 @@ def test_spread_check_is_cached_per_tensor_and_version(monkeypatch: pytest.Monke
     assert not f8.fold_spread_ok(_spread_experts(gen, 0), 128)
 
 
-def test_fp8mma_applies() -> None:
-    """The wiring helper: MXFP4 + e8m0 + act block a multiple of 128 + bf16 x + >= 32 pairs per
-    expert + the spread check."""
+def test_fp8mma_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring helper: MXFP4 + e8m0 + act block a multiple of 128 + bf16 x + at least
+    MIN_PAIRS_PER_EXPERT pairs per expert (32 here) + the spread check."""
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 32)
     gen = torch.Generator().manual_seed(11)
     ex = _spread_experts(gen, 11)
     ids = torch.zeros(64, 4, dtype=torch.int64)              # 256 pairs = 32 per expert
@@ -458,6 +459,27 @@ def test_fp8mma_applies() -> None:
     assert not f8.fp8mma_applies(x, ids, fp32_scales)
     assert not f8.fp8mma_applies(x, ids, _spread_experts(gen, 2, wide_at="s2"))
     assert isinstance(f8.FP8MMA_PREFILL, bool)
+
+
+def test_op_table_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton_moe.moe_experts (the op table's) takes the FP8-MMA path exactly when
+    FP8MMA_PREFILL and fp8mma_applies: from MIN_PAIRS_PER_EXPERT pairs an expert (on by
+    default at 384), the bf16-MMA kernels below and with DSV4_FP8MMA=0."""
+    gen = torch.Generator().manual_seed(12)
+    ex = _spread_experts(gen, 4)
+    x = torch.zeros(4, D, dtype=torch.bfloat16)
+    ids = torch.zeros(4, 2, dtype=torch.int64)             # 8 pairs = 1 an expert
+    calls = []
+    monkeypatch.setattr(f8, "moe_experts_fp8mma", lambda *a, **kw: calls.append(1) or "fp8")
+    assert f8.FP8MMA_PREFILL and f8.MIN_PAIRS_PER_EXPERT == 384    # the defaults
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 1)
+    assert tri.moe_experts(x, ids, torch.ones(4, 2), ex, 10.0) == "fp8" and calls == [1]
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 2)
+    assert torch.is_tensor(tri.moe_experts(x, ids, torch.ones(4, 2), ex, 10.0))
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 1)
+    monkeypatch.setattr(f8, "FP8MMA_PREFILL", False)
+    assert torch.is_tensor(tri.moe_experts(x, ids, torch.ones(4, 2), ex, 10.0))
+    assert calls == [1]
 
 
 # ------------------------------------------------------------------------------ errors, plans
