@@ -49,6 +49,15 @@ SWEEP = [f8.PLAN_SMALL,                                                         
          f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)]
 
 
+# Plans of the joined up kernel timed by --sweep (BN_up counts gate + up rows; sm_90 compile:
+# registers / shared memory of the joined kernel).
+JOINED_SWEEP = [f8.PLAN_JOINED,                                                   # 248, 121 KB
+                f8.MoeFp8Config(BM=64, BN_up=256, BN_down=128, warps_up=8, warps_down=8,
+                                stages=4),                                        # 248, 161 KB
+                f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
+                                stages=3),                                        # 236, 96 KB
+                f8.MoeFp8Config(BM=128, BN_up=256, BN_down=128, warps_up=8, warps_down=8,
+                                stages=3)]                                        # 255, 145 KB
 # Re-encoding tiles timed by --sweep: (rows, K steps) of one _fp8_predecode_kernel program.
 PREDECODE_TILES = [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]
 
@@ -105,10 +114,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flops = 2 * 3 * T * k * D * inter
         y_bf16 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
         t_bf16 = time_us(lambda: tri.moe_experts_with_config(x, ids, w, ex, 10.0, None), device)
-        for predecode in (False, True):
+        for mode, predecode, join in (("decoded in the K loop", False, False),
+                                      ("predecoded", True, False),
+                                      ("predecoded, joined w1/w3", True, True)):
+            f8.JOIN_UP = join
             picked = f8.pick_fp8mma_config(T * k, E, predecode)
             plans: list[f8.MoeFp8Config | None] = [None] + (
-                [c for c in SWEEP if c != picked] if args.sweep else [])
+                [c for c in (JOINED_SWEEP if join else SWEEP) if c != picked]
+                if args.sweep else [])
             for cfg in plans:
                 def call(cfg=cfg, predecode=predecode) -> torch.Tensor:
                     return f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
@@ -119,7 +132,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"w{used.warps_down} s{used.stages}" + (" (pick)" if cfg is None else ""))
                 if not f8.fold_spread_ok(ex, f8.k_step(ex.act_block)):
                     name += " fallback"
-                mode = "predecoded" if predecode else "decoded in the K loop"
                 row = {"tokens": T, "plan": name, "weights": mode, "bf16_us": t_bf16,
                        "fp8_us": t, "bf16_tflops": flops / t_bf16 / 1e6,
                        "fp8_tflops": flops / t / 1e6, "speedup": t_bf16 / t,
@@ -128,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"| {T} | {name} | {mode} | {t_bf16:.0f} | {row['bf16_tflops']:.1f} | "
                       f"{t:.0f} | {row['fp8_tflops']:.1f} | {row['speedup']:.2f}x | "
                       f"{row['rel_diff']:.2e} | {row['finite']} |", flush=True)
+        f8.JOIN_UP = False
     # The re-encoding alone (every expert of the three stacks, one chunk at a time): bytes read
     # (packed codes + scales) and written (e4m3 codes + fp32 step factors).
     ks = f8.k_step(ex.act_block)
