@@ -32,7 +32,8 @@ the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group
   row's slot s in the tile has ``pos % r == s % r`` (groups start at multiples of r), so the
   bias row is ``s % r``.  GPU-gated by :data:`APE_FUSED_VERIFIED` (True since its GPU
   checks): when False the wrappers add it in torch first (the twin's add) unless
-  ``DSV4_UNVERIFIED_KERNELS=1``; :func:`ape_fused` says which (the model asks it, through the ops' ``ape_fused`` attribute, before passing ``ape``).
+  ``DSV4_UNVERIFIED_KERNELS=1``; :func:`ape_fused` says which (the model asks it, through the
+  ops' ``ape_fused`` attribute, before passing ``ape``).
 
 Numerics: the softmax pooling runs in float64 and is rounded once to fp32, as the twin does, so
 pooled values agree with the twin to the last fp32 bit but for rare rounding ties; the norm's

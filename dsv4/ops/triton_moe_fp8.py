@@ -1,11 +1,14 @@
 """Routed experts (spec §3.9) on FP8 tensor cores: MXFP4 stacks under official numerics, for
-prefill (dsv4 issue #5).  Off by default: nothing calls it but the tests and the bench; the
-flag :data:`FP8MMA_PREFILL` (``DSV4_FP8MMA=1``) and :func:`fp8mma_applies` are there so the op
-table can route prefill calls here in one line.  Measured on the H200 (2026-11-30, V4-Flash,
-docs/PERFORMANCE.md fifth session): 17.4 ms at 8,192 tokens against 10.9 ms for the bf16-MMA
-kernels (0.62×; the first version, one dot per 32-wide group, was 0.33×), relative difference
-3.5e-3 — so it stays off.  The wgmma of each step is waited on at once (its result is scaled
-before the next step), so the MMAs do not overlap the next step's decode: the next thing to fix.
+large prefill steps (dsv4 issue #5).  ``triton_moe.moe_experts`` routes a call here when
+:data:`FP8MMA_PREFILL` (``DSV4_FP8MMA``, default on) and :func:`fp8mma_applies` (from
+:data:`MIN_PAIRS_PER_EXPERT` pairs per local expert).  By default each chunk of experts is
+first re-encoded to e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so
+the GEMMs stream plain FP8 tiles; the first form decoded the codes inside the GEMMs' K loop
+(``predecode=False``), between the MMAs.  Measured on the H200 (2026-12-01, V4-Flash, one
+layer's experts, docs/PERFORMANCE.md tenth session): predecoded 10.6 ms at 8,192 tokens and
+28.0 ms at 32,768 against 10.5 / 35.2 ms for the bf16-MMA kernels; in-loop 13.3 / 43.4 ms.
+The wgmma of each step is still waited on at once (its result is rescaled before the next
+step), so the MMAs do not overlap the next step's loads: the next thing to fix.
 
 The products are exact.  With ``ExpertWeights.act_block`` set, the torch twin
 (``dsv4.ops.torch_dense.moe_experts``) FP8-fake-quantizes the expert inputs per act block with
