@@ -33,7 +33,7 @@ from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 from dsv4.ops.torch_dense import ExpertWeights  # noqa: E402
 
 FLASH = {"E": 256, "D": 4096, "I": 2048, "k": 6}
-TINY = {"E": 8, "D": 256, "I": 128, "k": 2}
+TINY = {"E": 4, "D": 256, "I": 128, "k": 2}
 # The picks of both sizes and their neighbours that compile without register spills on sm_90
 # (ptxas registers up / down, shared memory up / down; tests/kernels/sm90_cases.py compiles
 # them all): the defaults first.

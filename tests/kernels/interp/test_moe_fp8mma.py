@@ -282,19 +282,19 @@ def test_predecoded_equals_decoded_in_the_loop(chunk: int, act_block: int, T: in
 def test_joined_up_equals_two_dots(monkeypatch: pytest.MonkeyPatch) -> None:
     """JOIN_UP (w1 and w3 predecoded into one buffer, one dot a K step in
     _fp8mma_up_joined_kernel) gives the bits of the two-dot up kernel: an intermediate width
-    that is not a multiple of the join group (96 = 1.5 groups of 64: the last group half
-    empty), act block 32."""
-    inter = 96
+    that is not a multiple of the join group (192 = 1.5 groups of 128: the last group half
+    empty), act block 64."""
+    inter = 192
     gen = torch.Generator().manual_seed(13)
-    ex = _fp4_experts(gen, 32, inter=inter)
+    ex = _fp4_experts(gen, 64, inter=inter)
     x = (torch.randn(4, D, generator=gen) * 2).to(torch.bfloat16)
     ids, w = _routing(4, gen)
     y_two = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0,
-                                  f8.MoeFp8Config(BM=16, BN_up=64, BN_down=64), predecode=True)
+                                  f8.MoeFp8Config(BM=16, BN_up=128, BN_down=128), predecode=True)
     monkeypatch.setattr(f8, "JOIN_UP", True)
     assert f8.pick_fp8mma_config(1 << 20, E, predecode=True) == f8.PLAN_JOINED
     y_joined = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0,
-                                     f8.MoeFp8Config(BM=16, BN_up=128, BN_down=64),
+                                     f8.MoeFp8Config(BM=16, BN_up=256, BN_down=128),
                                      predecode=True)
     assert torch.equal(y_joined, y_two)
 
