@@ -6,9 +6,10 @@
   re-run in a child process with ``TRITON_INTERPRET=1`` by :func:`test_kernels_in_interpreter`:
   against the torch twin and the grouped MMA kernels of ``triton_moe``, T 1..4, k 2..6, ids
   repeated across tokens, skipped ids (-1, >= E), random scales with large / small exponents,
-  official (act block 128 / 32) and bf16 numerics, unsplit and split-K plans, run-to-run bits;
+  official (act block 128 / 32) and bf16 numerics, unsplit and split-K plans;
 * ``test_gpu_*``: V4-Flash widths on the GPU (skipped without CUDA), NaN-poisoned allocator,
-  T 1 / 2 / 4, and a CUDA-graph capture replayed on changed routing: the eager bits.
+  T 1 / 2 / 4, run-to-run bits, and a CUDA-graph capture replayed on changed routing: the
+  eager bits.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ def test_interp_gemv_against_twin_and_mma(T: int, k: int, act_block, dtype, plan
            "split": gv.GemvConfig(BN_up=32, BN_down=64, BK=max(64, act_block or 0), split_up=2,
                                   split_down=4),
            "unsplit": gv.GemvConfig(BN_up=64, BN_down=128, BK=128)}[plan]
+    # (Run-to-run bits are a GPU property, checked by the GPU tests below: the interpreter
+    # runs the programs one after another.)
     y = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
-    y2 = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
-    assert torch.equal(y, y2)
     assert y.shape == (T, D) and y.dtype == torch.float32 and bool(torch.isfinite(y).all())
     bound = BF16_BOUND if dtype == torch.bfloat16 else FP32_BOUND
     assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < bound
@@ -153,8 +154,9 @@ def test_interp_k_step_spans_several_act_blocks(bk: int, act_block: int, split_u
                                                 split_down: int) -> None:
     """Issue #5 regression (the H200 failures were all K steps of 256 / 512 with act block 128):
     a K step covering several act-quant blocks quantizes each block with its own scale; the
-    twin's bits to the bf16 bound, run-to-run bits, skipped ids, split and unsplit plans, one
-    loud act block per row (the per-block scales themselves: test_interp_act_slice_per_block)."""
+    twin's bits to the bf16 bound, skipped ids, split and unsplit plans, one loud act block
+    per row (the per-block scales themselves: test_interp_act_slice_per_block; run-to-run bits
+    are a GPU property, checked there)."""
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe_gemv as gv
     E_, D_, I_ = 4, 1024, 512
@@ -167,7 +169,6 @@ def test_interp_k_step_spans_several_act_blocks(bk: int, act_block: int, split_u
     w = torch.rand(3, 3, generator=gen) + 0.2
     cfg = gv.GemvConfig(BN_up=32, BN_down=64, BK=bk, split_up=split_up, split_down=split_down)
     y = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
-    assert torch.equal(y, gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg))
     assert bool(torch.isfinite(y).all())
     assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
 
