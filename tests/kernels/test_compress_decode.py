@@ -88,6 +88,15 @@ def _counters_clean() -> None:
     assert not splitk_counters(torch.device("cuda"), 1).any(), "arrival counters left dirty"
 
 
+def _skip_spilling_tile(ratio: int, overlap: bool, d: int, tile: str | None) -> None:
+    from dsv4.ops import triton_compress as tri
+
+    if tile:
+        s_block, block_d, _, warps = tri.split_tiles(ratio, overlap, d)
+        if s_block * block_d > 16 * 32 * warps:
+            pytest.skip(f"tile {tile}: {s_block}x{block_d} float64 tiles spill (not a plan)")
+
+
 @needs_cuda
 @pytest.mark.parametrize("plan,tile", PLANS, ids=[p if t is None else f"{p}-{t}"
                                                   for p, t in PLANS])
@@ -98,10 +107,7 @@ def test_gpu_decode_sizes(plan: str, tile: str | None, ratio: int, overlap: bool
     from dsv4.ops import triton_compress as tri
 
     _set_plan(monkeypatch, plan, tile)
-    if tile:
-        s_block, block_d, _, warps = tri.split_tiles(ratio, overlap, d)
-        if s_block * block_d > 16 * 32 * warps:
-            pytest.skip(f"tile {tile}: {s_block}x{block_d} float64 tiles spill (not a plan)")
+    _skip_spilling_tile(ratio, overlap, d, tile)
     for k, (mode, dtype) in enumerate([("live", torch.bfloat16), ("mixed", torch.bfloat16),
                                        ("masked", torch.bfloat16), ("live", torch.float32)]):
         args = _decode_args(ratio, overlap, d, E, mode, seed=100 * E + k, out_dtype=dtype)
@@ -143,15 +149,6 @@ def test_gpu_decode_graph_replays(plan: str, tile: str | None, ratio: int, overl
         _check(out1, want, args[6])
         assert torch.equal(out1, out2)
         _counters_clean()
-
-
-def _skip_spilling_tile(ratio: int, overlap: bool, d: int, tile: str | None) -> None:
-    from dsv4.ops import triton_compress as tri
-
-    if tile:
-        s_block, block_d, _, warps = tri.split_tiles(ratio, overlap, d)
-        if s_block * block_d > 16 * 32 * warps:
-            pytest.skip(f"tile {tile}: {s_block}x{block_d} float64 tiles spill (not a plan)")
 
 
 @needs_cuda

@@ -289,6 +289,25 @@ def _unfused(fn):
     return op
 
 
+def _fused_and_unfused(table: dict) -> list[SimpleNamespace]:
+    """An op table (as a dict) as it is, and with both compressor ops saying they do not fuse
+    ``ape`` (the model then adds it in _rows)."""
+    from dsv4.model.compressor import ops_fuse_ape
+
+    fused = SimpleNamespace(**table)
+    unfused = SimpleNamespace(**{**table,
+                                 "compress_entries": _unfused(table["compress_entries"]),
+                                 "compress_update_state": _unfused(table["compress_update_state"])})
+    assert ops_fuse_ape(fused) and not ops_fuse_ape(unfused)
+    return [fused, unfused]
+
+
+def _same_pools_and_states(pools, states) -> None:
+    assert torch.equal(pools[0], pools[1])
+    assert torch.equal(states[0].kv, states[1].kv)
+    assert torch.equal(states[0].score, states[1].score)
+
+
 def _model_compressors(layer_kind: str, tables: list[SimpleNamespace]) -> tuple:
     """Compressors of one tiny layer (same random weights, a non-zero ape) over the op
     ``tables``, each with its own cache; returns (cfg, layer, name, [(comp, cache, state)])."""
@@ -342,21 +361,10 @@ def _run_model_steps(cfg, layer: int, name: str, comps: list, check) -> None:
 def test_model_compressor_fused_ape_is_bit_identical(layer_kind: str) -> None:
     """The model's Compressor handing ``ape`` to the (twin) ops stores the entries and state of
     the old path that adds it in _rows (ops that say they do not fuse it), to the bit."""
-    from dsv4.model.compressor import ops_fuse_ape
     from dsv4.ops import get_ops
 
-    fused = get_ops("torch")
-    unfused = SimpleNamespace(**{**vars(fused),
-                                 "compress_entries": _unfused(fused.compress_entries),
-                                 "compress_update_state": _unfused(fused.compress_update_state)})
-    assert ops_fuse_ape(fused) and not ops_fuse_ape(unfused)
-
-    def check(pools, states):
-        assert torch.equal(pools[0], pools[1])
-        assert torch.equal(states[0].kv, states[1].kv)
-        assert torch.equal(states[0].score, states[1].score)
-
-    _run_model_steps(*_model_compressors(layer_kind, [fused, unfused]), check)
+    tables = _fused_and_unfused(vars(get_ops("torch")))
+    _run_model_steps(*_model_compressors(layer_kind, tables), _same_pools_and_states)
 
 
 def test_ops_fuse_ape_follows_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -639,23 +647,12 @@ def test_interp_model_compressor_fused_ape(layer_kind: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The model's Compressor over the Triton table with the fused ape add (gate open) stores
     the bits of the Triton table with the gate closed (the model's own add in _rows)."""
-    from dsv4.model.compressor import ops_fuse_ape
     from dsv4.ops import get_ops
 
     monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
     base = {**vars(get_ops("triton")), "linear_fp32": get_ops("torch").linear_fp32}
-    fused = SimpleNamespace(**base)
-    unfused = SimpleNamespace(**{**base,
-                                 "compress_entries": _unfused(base["compress_entries"]),
-                                 "compress_update_state": _unfused(base["compress_update_state"])})
-    assert ops_fuse_ape(fused) and not ops_fuse_ape(unfused)
-
-    def check(pools, states):
-        assert torch.equal(pools[0], pools[1])
-        assert torch.equal(states[0].kv, states[1].kv)
-        assert torch.equal(states[0].score, states[1].score)
-
-    _run_model_steps(*_model_compressors(layer_kind, [fused, unfused]), check)
+    _run_model_steps(*_model_compressors(layer_kind, _fused_and_unfused(base)),
+                     _same_pools_and_states)
 
 
 # ---------------------------------------------------------------------------------- GPU tests
