@@ -278,3 +278,49 @@ def test_fold_check_large_scales_and_capture_gpu() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, tri.moe_experts_with_config(x, ids, w, fresh, 10.0, cfg))
+
+
+@pytest.mark.parametrize("T", [1, 2, 16, 64])
+def test_act_codes_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The e4m3-coded activations (triton_moe.ACT_CODES: the default of the decode plans under
+    official numerics), with scale bytes at both ends of CODES_SCALE_BYTES: every output
+    written and finite; the twin and the values path to the bf16 roundings; the inline-PTX
+    fp16 decode bit-equal to the ALU one; fp32 activations (no bf16 rounding points) equal to
+    the fp32 twin to fp32 rounding; two calls bit-equal."""
+    from dataclasses import replace
+
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(700 + T)
+    ex = _stacks(gen, 128)
+    lo, hi = tri.CODES_SCALE_BYTES
+    for s in (ex.s1, ex.s3, ex.s2):
+        u = s.view(torch.uint8)
+        u[:, 0::7, 0] = lo
+        u[:, 3::7, 1] = hi
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    cfg = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
+    assert tri.act_codes_apply(x, ex, cfg), cfg
+    _poison()
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    assert bool(torch.isfinite(y).all())
+    assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg))
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-2
+    y_vals = tri.moe_experts_with_config(x, ids, w, ex, 10.0, replace(cfg, act_codes=False))
+    assert _rel(y, y_vals) < 1e-2
+    forced = replace(cfg, act_codes=True)
+    monkeypatch.setattr(tri, "FP4_DECODE", "alu")
+    y_alu = tri.moe_experts_with_config(x, ids, w, ex, 10.0, forced)
+    monkeypatch.setattr(tri, "FP4_DECODE", "asm")
+    assert torch.equal(y, y_alu)
+    x32 = x.float() * torch.exp2(torch.randint(-12, 3, (T, 1), generator=gen, device=DEV))
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        y32_ref = ref.moe_experts(x32, ids, w, ex, 10.0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    y32 = tri.moe_experts_with_config(x32, ids, w, ex, 10.0, forced)
+    assert _rel(y32, y32_ref) < 1e-5
+    assert _counters_clean()

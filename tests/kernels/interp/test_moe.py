@@ -221,3 +221,57 @@ def test_pick_moe_config_regimes() -> None:
     assert tri.pick_moe_config(12288, 256, 4096, 2048, 128).BM == 64    # 2K prefill (48 rows)
     big = tri.pick_moe_config(49152, 256, 4096, 2048, 128)              # 8K prefill (192 rows)
     assert (big.BM, big.warps_up, big.warps_down) == (128, 8, 8)
+
+
+def _codes_case(T: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    E, D, inter, k = 6, 256, 128, 3
+    ex = _experts("fp4", E, D, inter, gen, act_block=128)
+    # Rows over ~16 binades: the e4m3 codes include subnormals and the amax floor.
+    mag = torch.exp2(torch.randint(-14, 4, (T, 1), generator=gen).float())
+    x = (torch.randn(T, D, generator=gen) * mag).to(dtype)
+    ids, w = _routing(T, E, k, gen)
+    return x, ids, w, ex
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_act_codes_path_matches_values_path_fp32(T: int) -> None:
+    """e4m3-coded activations (codes × per-step 2^e, fp16 weight tiles) give the fake-quantized
+    products: to fp32 rounding of the values path and of the twin."""
+    x, ids, w, ex = _codes_case(T, torch.float32, 40 + T)
+    cfg = tri.pick_moe_config(T * 3, 6, 256, 128, 128)
+    from dataclasses import replace
+    y_codes = tri.moe_experts_with_config(x, ids, w, ex, 10.0, replace(cfg, act_codes=True))
+    y_vals = tri.moe_experts_with_config(x, ids, w, ex, 10.0, replace(cfg, act_codes=False))
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert torch.isfinite(y_codes).all()
+    assert rel_err(y_codes, y_vals) < 1e-5
+    assert rel_err(y_codes, y_ref) < 1e-5
+
+
+def test_act_codes_path_bf16_and_skipped_ids() -> None:
+    x, ids, w, ex = _codes_case(9, torch.bfloat16, 7)
+    ids[0, 1] = -1
+    ids[4, 2] = 6
+    cfg = tri.pick_moe_config(27, 6, 256, 128, 128)
+    from dataclasses import replace
+    y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, replace(cfg, act_codes=True))
+    y_ref = ref.moe_experts(x, ids, w, ex, 10.0)
+    assert torch.isfinite(y).all()
+    assert rel_err(y, y_ref) < 1e-2     # bf16 intermediates, as the values path's test
+
+
+def test_act_codes_applies_only_where_exact() -> None:
+    from dataclasses import replace
+    x, ids, w, ex = _codes_case(2, torch.bfloat16, 3)
+    cfg = tri.pick_moe_config(6, 6, 256, 128, 128)
+    assert not tri.act_codes_apply(x, ex, cfg)          # CPU tensors: the values path
+    assert tri.act_codes_apply(x, ex, replace(cfg, act_codes=True))
+    s1 = ex.s1.view(torch.uint8).clone()
+    s1[0, 0, 0] = tri.CODES_SCALE_BYTES[0] - 1          # 2^(s-121) below fp16's normals
+    wide = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, 128, "fp4", s1.view(E8M0), ex.s3, ex.s2)
+    with pytest.raises(ValueError, match="act_codes"):
+        tri.moe_experts_with_config(x, ids, w, wide, 10.0, replace(cfg, act_codes=True))
+    no_quant = ref.ExpertWeights(ex.w1, ex.w3, ex.w2, None, "fp4", ex.s1, ex.s3, ex.s2)
+    with pytest.raises(ValueError, match="act_codes"):
+        tri.moe_experts_with_config(x, ids, w, no_quant, 10.0, replace(cfg, act_codes=True))
