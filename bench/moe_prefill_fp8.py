@@ -5,15 +5,15 @@ I 2048, 256 experts, top-6), MXFP4 stacks under official numerics (act_block 128
     PYTHONPATH=. python bench/moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] [--out f.json]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_prefill_fp8.py --tiny   # CPU smoke run
 
-Per token count and FP8 weight mode (decoded in the GEMMs' K loop; predecoded; predecoded with
-w1 / w3 joined): µs per call (``triton.testing.do_bench``, median) and TFLOP/s (2·3·T·k·D·I
-FLOPs: the gate, up and down GEMMs of every pick) of both paths, the speed-up, the relative
-difference of the outputs (the FP8 path sums each 128-wide K step in the tensor core's reduced
-precision: ~3.7e-3 measured, the GPU test's bound is 5e-3) and whether every output is finite;
-then the re-encoding of the three stacks alone.  ``--sweep`` also times the other tile plans
-of :data:`SWEEP` / :data:`JOINED_SWEEP` and the re-encoding tiles of :data:`PREDECODE_TILES`.
-The random stacks spread their scales by at most 4 per 128-wide step, inside the scale-folded
-decode's limit (the row says ``fallback`` if not).
+Per token count and FP8 weight mode (decoded in the GEMMs' K loop; predecoded): µs per call
+(``triton.testing.do_bench``, median) and TFLOP/s (2·3·T·k·D·I FLOPs: the gate, up and down
+GEMMs of every pick) of both paths, the speed-up, the relative difference of the outputs (the
+FP8 path sums each 128-wide K step in the tensor core's reduced precision: ~3.7e-3 measured,
+the GPU test's bound is 5e-3) and whether every output is finite; then the re-encoding of the
+three stacks alone.  ``--sweep`` also times the other tile plans of :data:`SWEEP` and the
+re-encoding tiles of :data:`PREDECODE_TILES`.  The random stacks spread their scales by at
+most 4 per 128-wide step, inside the scale-folded decode's limit (the row says ``fallback`` if
+not).
 """
 
 from __future__ import annotations
@@ -51,15 +51,6 @@ SWEEP = [f8.PLAN_SMALL,                                                         
          f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)]
 
 
-# Plans of the joined up kernel timed by --sweep (BN_up counts gate + up rows; sm_90 compile:
-# registers / shared memory of the joined kernel).
-JOINED_SWEEP = [f8.PLAN_JOINED,                                                   # 248, 121 KB
-                f8.MoeFp8Config(BM=64, BN_up=256, BN_down=128, warps_up=8, warps_down=8,
-                                stages=4),                                        # 248, 161 KB
-                f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
-                                stages=3),                                        # 236, 96 KB
-                f8.MoeFp8Config(BM=128, BN_up=256, BN_down=128, warps_up=8, warps_down=8,
-                                stages=3)]                                        # 255, 145 KB
 # Re-encoding tiles timed by --sweep: (rows, K steps) of one _fp8_predecode_kernel program.
 PREDECODE_TILES = [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]
 
@@ -116,15 +107,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flops = 2 * 3 * T * k * D * inter
         y_bf16 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
         t_bf16 = time_us(lambda: tri.moe_experts_with_config(x, ids, w, ex, 10.0, None), device)
-        join0 = f8.JOIN_UP
-        for mode, predecode, join in (("decoded in the K loop", False, False),
-                                      ("predecoded", True, False),
-                                      ("predecoded, joined w1/w3", True, True)):
-            f8.JOIN_UP = join
+        for mode, predecode in (("decoded in the K loop", False), ("predecoded", True)):
             picked = f8.pick_fp8mma_config(T * k, E, predecode)
             plans: list[f8.MoeFp8Config | None] = [None] + (
-                [c for c in (JOINED_SWEEP if join else SWEEP) if c != picked]
-                if args.sweep else [])
+                [c for c in SWEEP if c != picked] if args.sweep else [])
             for cfg in plans:
                 def call(cfg=cfg, predecode=predecode) -> torch.Tensor:
                     return f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
@@ -143,7 +129,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"| {T} | {name} | {mode} | {t_bf16:.0f} | {row['bf16_tflops']:.1f} | "
                       f"{t:.0f} | {row['fp8_tflops']:.1f} | {row['speedup']:.2f}x | "
                       f"{row['rel_diff']:.2e} | {row['finite']} |", flush=True)
-        f8.JOIN_UP = join0
     # The re-encoding alone (every expert of the three stacks, one chunk at a time): bytes read
     # (packed codes + scales) and written (e4m3 codes + fp32 step factors).
     ks = f8.k_step(ex.act_block)

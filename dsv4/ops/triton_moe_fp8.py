@@ -127,11 +127,6 @@ _PREDECODE_TILE = tuple(int(v) for v in
 # 10.56 ms, 32K 28.04 against 10.86 / 26.89 in order with a slower re-encoding tile), so off:
 # in order on the current stream.
 PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "0") == "1"
-# DSV4_FP8MMA_JOIN=1: predecoded w1 and w3 joined in one buffer, the up GEMM one dot a K step
-# (``_fp8mma_up_joined_kernel``, :data:`PLAN_JOINED`).  Written without a GPU (interpreter:
-# the same bits as the two-dot kernel; sm_90 compile: one accumulator, no spills): off until
-# its GPU checks and timing (bench/gpu_session_s11a.sh).
-JOIN_UP = os.environ.get("DSV4_FP8MMA_JOIN", "0") == "1"
 _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 # The MXFP4 scale group (host int and kernel constexpr).
@@ -294,33 +289,23 @@ def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.const
 def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_wn, stride_se,
                           stride_sn, stride_qe, stride_qn, stride_fe, stride_fk,
                           ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-                          SP: tl.constexpr = 1, JOIN: tl.constexpr = 0, half=0,
-                          PDL: tl.constexpr = False):
+                          SP: tl.constexpr = 1, PDL: tl.constexpr = False):
     """SP K steps (KS wide) of BN rows of expert e0 + program 0 of an MXFP4 stack re-encoded
     losslessly: q[e, n, k] = the scale-folded e4m3 byte (MMA K order within the step),
     f[e, step, n] = the step's fp32 column factor.  The GEMMs then stream plain FP8 tiles that
-    the software pipeliner can prefetch, instead of decoding between their MMAs.
-
-    JOIN > 0: w1 (``half`` 0) and w3 (``half`` 1) share one buffer of 2N rows, in groups of
-    JOIN rows each: row n goes to (n // JOIN) · 2·JOIN + half · JOIN + n % JOIN, so one GEMM
-    tile of 2·JOIN rows holds JOIN gate and the same JOIN up columns
-    (``_fp8mma_up_joined_kernel``)."""
+    the software pipeliner can prefetch, instead of decoding between their MMAs."""
     grid_dependency_sync(PDL)
     el = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_mask = rn < N
-    if JOIN > 0:
-        rq = (rn // JOIN) * (2 * JOIN) + half * JOIN + rn % JOIN
-    else:
-        rq = rn
     el64 = el.to(tl.int64)
     for i in tl.static_range(SP):
         k0 = (tl.program_id(2) * SP + i) * KS
         w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we, stride_wn,
                                   stride_se, stride_sn, ASM_DECODE, BN, KS)
-        tl.store(q_ptr + el64 * stride_qe + rq.to(tl.int64)[:, None] * stride_qn
+        tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
                  + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
-        tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rq, sw, mask=n_mask)
+        tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
 
 
 @triton.jit
@@ -388,39 +373,6 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
                                   stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
             acc3 = tl.fma(tl.dot(a8, tl.trans(u8)) * sa[:, None], su[None, :], acc3)
         _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
-                     limit, tl.bfloat16, HAS_LIMIT)
-
-
-@triton.jit
-def _fp8mma_up_joined_kernel(xq_ptr, xs_ptr, w_ptr, f_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
-                             P, N, K, e0, e1, stride_xm, stride_xsm, stride_actm, stride_we,
-                             stride_wn, stride_fe, stride_fk, limit, HAS_LIMIT: tl.constexpr,
-                             AB: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, PDL: tl.constexpr = False):
-    """The up kernel on predecoded w1 and w3 joined in one buffer (``_fp8_predecode_kernel``
-    with JOIN = BN / 2): each BN-row tile holds BN / 2 gate and the same BN / 2 up columns, so
-    a K step is ONE FP8 dot (and one wait and rescale) of [BM, BN] instead of two of
-    [BM, BN / 2], and one accumulator: the same products and sums per column as the two-dot
-    kernel."""
-    grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(bexp_ptr + blk)
-    if (e >= e0) & (e < e1):
-        ew = e - e0
-        rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
-        G: tl.constexpr = BN // 2
-        rq = pid_n * BN + tl.arange(0, BN)
-        q_mask = (pid_n * G + rq % G) < N            # the joined row's column of act
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, KS):
-            a8, sa = _act_step(xq_ptr, xs_ptr, rm, m_mask, k0, stride_xm, stride_xsm, AB, KS)
-            w8, sw = _weight_step(w_ptr, f_ptr, ew, rq, q_mask, k0, stride_we, stride_wn,
-                                  stride_fe, stride_fk, True, False, BN, KS)
-            acc = tl.fma(tl.dot(a8, tl.trans(w8)) * sa[:, None], sw[None, :], acc)
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, G)), (0, 2, 1)))
-        rn = pid_n * G + tl.arange(0, G)
-        _up_epilogue(gate, up, act_ptr, wt_ptr, rm, pair, m_mask, rn, rn < N, stride_actm,
                      limit, tl.bfloat16, HAS_LIMIT)
 
 
@@ -496,9 +448,6 @@ PLAN_LARGE = MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=
 # 2026-12-01, bench/moe_prefill_fp8.py --sweep, bench/gpu_session_s10c.sh).
 PLAN_PREDECODED = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
                                stages=4)
-# The joined up kernel's plan (BN_up counts gate + up rows: 128 gate columns a tile, as
-# PLAN_PREDECODED's two dots of 128); chosen offline from the sm_90 compile, not timed yet.
-PLAN_JOINED = MoeFp8Config(BM=64, BN_up=256, BN_down=128, warps_up=8, warps_down=8, stages=3)
 
 
 def pick_fp8mma_config(num_pairs: int, num_experts: int, predecode: bool = False
@@ -513,7 +462,7 @@ def pick_fp8mma_config(num_pairs: int, num_experts: int, predecode: bool = False
     at 8 warps, 2.8 KB at 4), the down kernel 64×128 with 4 warps / 128×128 with 8; 3 stages
     (the loads are pipelined through shared memory; 4 stages fit too, 96-131 KB)."""
     if predecode:
-        return PLAN_JOINED if JOIN_UP else PLAN_PREDECODED
+        return PLAN_PREDECODED
     active = max(1, min(num_experts, num_pairs))
     return PLAN_SMALL if num_pairs / active < 128 else PLAN_LARGE
 
@@ -612,34 +561,27 @@ def _run_chunks(num_experts: int, chunk: int, slots: int, device: torch.device,
             free[slot] = main.record_event()
 
 
-def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.device,
-                       join: int = 0) -> tuple[torch.Tensor | None, ...]:
+def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.device
+                       ) -> tuple[torch.Tensor, ...]:
     """Codes [chunk, I, D] (e4m3) and step factors [chunk, D / ks, I] (fp32) for w1 and w3
-    (w2's [chunk, D, I] / [chunk, I / ks, D] reuse w1's); ``join`` > 0: one buffer for both,
-    2·join rows for each group of ``join`` columns (codes [chunk, R, D], factors [chunk,
-    D / ks, R], R = 2·join·ceil(I / join); None for w3's)."""
-    rows = 2 * join * triton.cdiv(inter, join) if join else inter
-    q1 = torch.empty(chunk, rows, dim, dtype=torch.float8_e4m3fn, device=device)
-    f1 = torch.empty(chunk, dim // ks, rows, dtype=torch.float32, device=device)
-    if join:
-        return q1, None, f1, None
+    (w2's [chunk, D, I] / [chunk, I / ks, D] reuse w1's)."""
+    q1 = torch.empty(chunk, inter, dim, dtype=torch.float8_e4m3fn, device=device)
+    f1 = torch.empty(chunk, dim // ks, inter, dtype=torch.float32, device=device)
     return q1, torch.empty_like(q1), f1, torch.empty_like(f1)
 
 
 def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tensor, e0: int,
-               e1: int, asm: bool, ks: int, tile: tuple[int, int] | None = None,
-               join: int = 0, half: int = 0) -> None:
+               e1: int, asm: bool, ks: int, tile: tuple[int, int] | None = None) -> None:
     """q[e - e0], f[e - e0] = the FP8 re-encoding of MXFP4 experts e0 <= e < e1 of (w, s);
-    ``tile``: (rows, K steps) of a program (None: :data:`_PREDECODE_TILE`); ``join`` > 0: w's
-    rows into the ``half`` of a joined w1 / w3 buffer (``_fp8_predecode_kernel``)."""
-    n, k = w.shape[1], q.shape[2]
+    ``tile``: (rows, K steps) of a program (None: :data:`_PREDECODE_TILE`)."""
+    n, k = q.shape[1], q.shape[2]
     bn, sp = tile or _PREDECODE_TILE
     sp = math.gcd(k // ks, sp)
     grid = (e1 - e0, triton.cdiv(n, bn), k // ks // sp)
     _fp8_predecode_kernel[grid](w, s, q, f, e0, n, w.stride(0), w.stride(1), s.stride(0),
                                 s.stride(1), q.stride(0), q.stride(1), f.stride(0), f.stride(1),
-                                ASM_DECODE=asm, BN=bn, KS=ks, SP=sp, JOIN=join, half=half,
-                                num_warps=4, **pdl_args(w))
+                                ASM_DECODE=asm, BN=bn, KS=ks, SP=sp, num_warps=4,
+                                **pdl_args(w))
 
 
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
@@ -735,29 +677,16 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
         slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
         chunk = predecode_chunk(E, inter, D, slots)
-        join = cfg.BN_up // 2 if JOIN_UP else 0
-        bufs = [_predecode_buffers(chunk, inter, D, ks, x.device, join) for _ in range(slots)]
+        bufs = [_predecode_buffers(chunk, inter, D, ks, x.device) for _ in range(slots)]
         free: list = [None] * slots
 
         def predecode_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
-            if join:        # both halves of one joined buffer
-                _predecode(w1, s1, q1, f1, e0, e1, asm, ks, join=join, half=0)
-                _predecode(w3, s3, q1, f1, e0, e1, asm, ks, join=join, half=1)
-            else:
-                _predecode(w1, s1, q1, f1, e0, e1, asm, ks)
-                _predecode(w3, s3, q3, f3, e0, e1, asm, ks)
+            _predecode(w1, s1, q1, f1, e0, e1, asm, ks)
+            _predecode(w3, s3, q3, f3, e0, e1, asm, ks)
 
         def gemm_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
-            if join:
-                _fp8mma_up_joined_kernel[(nb, triton.cdiv(inter, join))](
-                    xq, xs, q1, f1, pairs, block_expert, wts, act, P, inter, D, e0, e1,
-                    xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
-                    f1.stride(0), f1.stride(1), float(swiglu_limit),
-                    HAS_LIMIT=swiglu_limit > 0, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_up,
-                    num_warps=cfg.warps_up, num_stages=cfg.stages, **pdl_args(xq))
-                return
             _fp8mma_up_kernel[(nb, n_up)](
                 xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
                 xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
@@ -780,10 +709,8 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
             **down, **pdl_args(aq))
     else:
-        # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size; the joined
-        # buffer holds twice that).
-        down_bufs = [(q1.view(-1)[:chunk * D * inter].view(chunk, D, inter),
-                      f1.view(-1)[:chunk * (inter // ks) * D].view(chunk, inter // ks, D))
+        # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size).
+        down_bufs = [(q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D))
                      for q1, _, f1, _ in bufs]
 
         def predecode_down(slot: int, e0: int, e1: int) -> None:

@@ -668,14 +668,6 @@ def _moe_fp8mma() -> None:
         with RECORDER.override(tf8._fp8_predecode_kernel, ASM_DECODE=False):
             tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_LARGE,
                                    predecode=True)
-        # The joined up kernel (DSV4_FP8MMA_JOIN=1) under its plan, and its re-encoding.
-        real_join = tf8.JOIN_UP
-        tf8.JOIN_UP = True
-        try:
-            tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, None,
-                                   predecode=True)
-        finally:
-            tf8.JOIN_UP = real_join
         # The re-encoding tiles of bench/moe_prefill_fp8.py --sweep.
         from dsv4.ops import triton_moe as tm
         w2, s2, _ = tm._weight_args(ex, "w2")

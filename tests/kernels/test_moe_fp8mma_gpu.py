@@ -140,24 +140,6 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @needs_gpu
-def test_fp8mma_joined_up_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DSV4_FP8MMA_JOIN=1 (w1 and w3 joined, one dot a K step, PLAN_JOINED) against the
-    two-dot predecoded path (same products and sums per column: to 1e-6, bit-equal expected)
-    and the twin (REL_BOUND), 2,048 tokens."""
-    from dsv4.ops import torch_dense as ref
-    from dsv4.ops import triton_moe_fp8 as f8
-    ex = _stacks(torch.Generator(device=DEV).manual_seed(44))
-    x, ids, w, y_two = _run(2048, ex, 45, f8.PLAN_PREDECODED)
-    monkeypatch.setattr(f8, "JOIN_UP", True)
-    _poison()
-    y_joined = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0)
-    assert bool(torch.isfinite(y_joined).all())
-    print(f"joined == two dots: {torch.equal(y_joined, y_two)}")
-    assert _rel(y_joined, y_two) < 1e-6
-    assert _rel(y_joined, ref.moe_experts(x, ids, w, ex, 10.0)) < REL_BOUND
-
-
-@needs_gpu
 def test_fp8mma_predecode_tiles_same_bytes_gpu() -> None:
     """Every re-encoding tile of bench/moe_prefill_fp8.py's sweep writes the same codes and
     factors as the default tile (w2-shaped stacks of 3 experts: N = D, K = I)."""

@@ -279,26 +279,6 @@ def test_predecoded_equals_decoded_in_the_loop(chunk: int, act_block: int, T: in
     assert rel_err(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
 
 
-def test_joined_up_equals_two_dots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """JOIN_UP (w1 and w3 predecoded into one buffer, one dot a K step in
-    _fp8mma_up_joined_kernel) gives the bits of the two-dot up kernel: an intermediate width
-    that is not a multiple of the join group (192 = 1.5 groups of 128: the last group half
-    empty), act block 64."""
-    inter = 192
-    gen = torch.Generator().manual_seed(13)
-    ex = _fp4_experts(gen, 64, inter=inter)
-    x = (torch.randn(4, D, generator=gen) * 2).to(torch.bfloat16)
-    ids, w = _routing(4, gen)
-    y_two = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0,
-                                  f8.MoeFp8Config(BM=16, BN_up=128, BN_down=128), predecode=True)
-    monkeypatch.setattr(f8, "JOIN_UP", True)
-    assert f8.pick_fp8mma_config(1 << 20, E, predecode=True) == f8.PLAN_JOINED
-    y_joined = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0,
-                                     f8.MoeFp8Config(BM=16, BN_up=256, BN_down=128),
-                                     predecode=True)
-    assert torch.equal(y_joined, y_two)
-
-
 def test_predecode_kernel_bytes_and_factors() -> None:
     """_fp8_predecode_kernel writes, per expert, row and K step, the bytes and the factor of
     _mxfp4_e4m3_step (the _tile_kernel above), at every row of a stack whose N is not a
@@ -550,8 +530,7 @@ def test_config_validation_and_pick() -> None:
 
 def test_bench_tiny_smoke(tmp_path) -> None:
     """bench/moe_prefill_fp8.py --tiny: one row per token count and weight mode (in-loop
-    decode, predecoded, predecoded with w1 / w3 joined), all agreeing with the bf16-MMA path,
-    JSON, the re-encoding's time."""
+    decode, predecoded), both agreeing with the bf16-MMA path, JSON, the re-encoding's time."""
     import importlib.util
     import json
     from pathlib import Path
@@ -564,9 +543,7 @@ def test_bench_tiny_smoke(tmp_path) -> None:
     res = bench.main(["--tiny", "--tokens", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == res
     rows = res["rows"]
-    assert [r["weights"] for r in rows] == ["decoded in the K loop", "predecoded",
-                                            "predecoded, joined w1/w3"]
-    assert not f8.JOIN_UP
+    assert [r["weights"] for r in rows] == ["decoded in the K loop", "predecoded"]
     for row in rows:
         assert row["tokens"] == 3 and row["finite"] and row["rel_diff"] < BF16_BOUND
         assert row["fp8_us"] > 0 and row["bf16_us"] > 0
