@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -319,9 +318,7 @@ def _env(name: str, value: str) -> Iterator[None]:
 # launch as the engine uses it (dsv4/ops/pdl.py: steps of up to PDL_MAX_TOKENS tokens), with
 # and without the mHC Sinkhorn on the comb lane and the attention compressor's branch lane
 # (dsv4/ops/streams.py), with the compressor's loop plan (dsv4/ops/triton_compress.py), and
-# PDL at every step size, and the routed experts on bf16 activation values instead of e4m3 codes
-# (dsv4/ops/triton_moe.py ACT_CODES).  (A key "attention.NAME" sets that module constant instead
-# of a variable, "package.module:NAME" a constant of that module.)
+# PDL at every step size.  (A key "attention.NAME" sets that module constant instead of a variable.)
 LAUNCH_VARIANTS = {
     "plain": {"DSV4_PDL": "0"},
     "pdl": {"DSV4_PDL": "1"},
@@ -329,7 +326,6 @@ LAUNCH_VARIANTS = {
     "pdl, compress loop plan": {"DSV4_PDL": "1", "DSV4_COMPRESS_PLAN": "loop"},
     "pdl, no branch lane": {"DSV4_PDL": "1", "DSV4_BRANCH_LANE": "0"},
     "pdl at any size": {"DSV4_PDL": "1", "DSV4_PDL_MAX_TOKENS": str(1 << 30)},
-    "pdl, expert activation values": {"DSV4_PDL": "1", "dsv4.ops.triton_moe:ACT_CODES": "0"},
 }
 
 
@@ -342,12 +338,10 @@ def launch_variants_ab(fn: Callable[[], torch.Tensor], rounds: int = 30) -> dict
     for name, env in LAUNCH_VARIANTS.items():
         with contextlib.ExitStack() as stack:
             for k, v in env.items():
-                if k.startswith("attention.") or ":" in k:     # a module constant
-                    mod, attr = ((attention, k.split(".", 1)[1]) if ":" not in k else
-                                 (importlib.import_module(k.split(":")[0]), k.split(":")[1]))
-                    old = getattr(mod, attr)
-                    stack.callback(setattr, mod, attr, old)
-                    setattr(mod, attr, v != "0" if isinstance(old, bool) else int(v))
+                if k.startswith("attention."):      # a module constant, not a variable
+                    attr = k.split(".", 1)[1]
+                    stack.callback(setattr, attention, attr, getattr(attention, attr))
+                    setattr(attention, attr, int(v))
                 else:
                     stack.enter_context(_env(k, v))
             fn()                                              # compiles this variant's kernels

@@ -2,6 +2,8 @@
 # Eleventh session, second call: the routed experts' e4m3-coded activations at decode
 # (dsv4/ops/triton_moe.py ACT_CODES, on by default for the decode plans under official
 # numerics; written without a GPU).  One device call (~420 s).
+# Ran once against 23e52ee; the coded path was then reverted (not faster: docs/PERFORMANCE.md,
+# eleventh session).  Kept as the record of that run.
 #   1. t_moe: the expert GPU tests (the codes path against the values path, the twin, the ALU
 #      decode, fp32 activations; every default-plan test now takes it);
 #   2. t_model: the model's side-stream / lane bits tests and the engine's graph tests;

@@ -2,11 +2,10 @@
 (``_moe_up_kernel``, ``_moe_down_kernel``) compiled for sm_90, per opcode: the measure used to
 make the in-register MXFP4 decode cheaper (the kernels are partly issue-bound).
 
-    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--codes 0|1|both] [--dump DIR]
+    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--dump DIR]
 
 Plans: BM 16 / BN 128 / 4 warps (decode) and BM 128 / BN 128 / 8 warps (prefill), BK 128,
-unsplit, e8m0 scales, bf16; ``--codes 1``: the e4m3-coded activations with fp16 weight tiles
-(``triton_moe.ACT_CODES``, decode plans).  Pointers, strides, N and K get the divisibility-16 attribute a real
+unsplit, e8m0 scales, bf16.  Pointers, strides, N and K get the divisibility-16 attribute a real
 launch gets (else the loads are not vectorized).  The loop is the longest backward branch.
 TRITON_INTERPRET must be unset.
 """
@@ -30,29 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4.ops import triton_moe as tm  # noqa: E402
 
 _PTR = {"xs_ptr": "*bf16", "act_ptr": "*bf16", "y_ptr": "*bf16", "wt_ptr": "*fp32",
-        "part_ptr": "*fp32", "part1_ptr": "*fp32", "part3_ptr": "*fp32", "xsc_ptr": "*fp32",
-        "asc_ptr": "*fp32"}
+        "part_ptr": "*fp32", "part1_ptr": "*fp32", "part3_ptr": "*fp32"}
 PLANS = ((16, 128, 4), (128, 128, 8))
 
 
-def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool,
-                   codes: bool = False) -> object:
+def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool) -> object:
     """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan."""
     fn = tm._moe_up_kernel if which == "up" else tm._moe_down_kernel
     consts = dict(FMT=1, SB=32, SW_E8M0=True, HAS_LIMIT=True, FAST_FP4=True, SCALE_LE_128=fold,
-                  SPLIT=False, BM=BM, BN=BN, BK=128, CODES=codes)
-    ptr = dict(_PTR)
-    if codes:   # the coded activation operand is bytes (the up kernel's act is its output)
-        ptr["xs_ptr"] = "*u8"
-        if which == "down":
-            ptr["act_ptr"] = "*u8"
+                  SPLIT=False, BM=BM, BN=BN, BK=128)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in consts:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
-            sig[n] = ptr.get(n, "*u8" if n[0] in "ws" else "*i32")
+            sig[n] = _PTR.get(n, "*u8" if n[0] in "ws" else "*i32")
         else:
             sig[n] = "fp32" if n == "limit" else "i32"
         if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"):
@@ -85,28 +77,20 @@ def loop_counts(cubin: bytes) -> tuple[int, collections.Counter, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fold", choices=("0", "1", "both"), default="both")
-    ap.add_argument("--codes", choices=("0", "1", "both"), default="0",
-                    help="the e4m3-coded activation path (decode plans only)")
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     args = ap.parse_args()
-    pick = {"0": (False,), "1": (True,), "both": (False, True)}
-    for codes in pick[args.codes]:
-        for fold in (False,) if codes else pick[args.fold]:   # codes: the fp16 decode
-            for which in ("down", "up"):
-                for BM, BN, warps in PLANS:
-                    if codes and BM > tm._CODES_MAX_BM:
-                        continue
-                    k = compile_kernel(which, BM, BN, warps, fold, codes)
-                    n, ops, sass = loop_counts(k.asm["cubin"])
-                    tag = f"codes={int(codes)} fold={int(fold)}"
-                    if args.dump:
-                        Path(args.dump).mkdir(parents=True, exist_ok=True)
-                        Path(args.dump, f"{which}_bm{BM}_fold{int(fold)}_codes{int(codes)}"
-                                        ".sass").write_text(sass)
-                    top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
-                    moves = sum(1 for line in sass.splitlines() if "IMAD.MOV" in line)
-                    print(f"{tag} {which:4s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr per K "
-                          f"step ({moves} IMAD.MOV in the kernel) | {top}", flush=True)
+    folds = {"0": (False,), "1": (True,), "both": (False, True)}[args.fold]
+    for fold in folds:
+        for which in ("down", "up"):
+            for BM, BN, warps in PLANS:
+                k = compile_kernel(which, BM, BN, warps, fold)
+                n, ops, sass = loop_counts(k.asm["cubin"])
+                if args.dump:
+                    Path(args.dump).mkdir(parents=True, exist_ok=True)
+                    Path(args.dump, f"{which}_bm{BM}_fold{int(fold)}.sass").write_text(sass)
+                top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
+                print(f"fold={int(fold)} {which:4s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr "
+                      f"per K step | {top}", flush=True)
     return 0
 
 

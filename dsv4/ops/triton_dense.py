@@ -64,10 +64,10 @@ INTERPRET = tl.constexpr(_INTERPRET_HOST)
 @triton.jit
 def mma(a, b, PREC: tl.constexpr):
     """``tl.dot(a, b)`` with fp32 accumulation; PREC applies to fp32 operands only."""
-    if INTERPRET:   # the interpreter's half-precision dots would not sum in fp32
-        if a.dtype == tl.bfloat16 or a.dtype == tl.float16:
+    if INTERPRET:
+        if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
-        if b.dtype == tl.bfloat16 or b.dtype == tl.float16:
+        if b.dtype == tl.bfloat16:
             b = b.to(tl.float32)
     if a.dtype == tl.float32:
         c = tl.dot(a, b, input_precision=PREC)

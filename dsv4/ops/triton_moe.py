@@ -71,12 +71,9 @@ from dsv4.ops.triton_dense import (
 from dsv4.ops.triton_moe_plan import moe_plan, moe_plan_torch
 
 __all__ = [
-    "ACT_CODES",
-    "CODES_SCALE_BYTES",
     "DEQUANT_GEMM_MIN_ROWS",
     "FP4_DECODE",
     "MoeConfig",
-    "act_codes_apply",
     "dequant_experts",
     "moe_experts",
     "moe_experts_grouped",
@@ -177,67 +174,6 @@ def _mxfp4_planes_bf16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr, FOLD: t
     return lo, hi
 
 
-# MXFP4 -> fp16 for the e4m3-coded activations (:data:`ACT_CODES`): four bytes ($4, 8 codes) ->
-# e4m3 bytes (a code's magnitude bits to bits 2..4 = the e4m3 exponent's low bits and mantissa
-# top bit, its sign to bit 7: value e2m1 × 2^-6, the e2m1 subnormal 0.5 on e4m3's 2^-7), then the
-# sm_89+ e4m3x2 -> f16x2 conversion and one f16x2 multiply by the group's 2^(s-121) (s in
-# :data:`CODES_SCALE_BYTES`).  Outputs as the bf16 decode: $0 / $1 the low nibbles of bytes 0, 1 /
-# 2, 3, $2 / $3 the high nibbles; $5 scales bytes 0, 1, $6 bytes 2, 3.  ~2 operations per weight.
-_FP4_TO_F16_ASM = tl.constexpr("""{
-.reg .b32 t, l, h;
-.reg .b16 l0, l1, h0, h1;
-shl.b32 t, $4, 2; and.b32 l, t, 0x1C1C1C1C;
-shl.b32 t, $4, 4; and.b32 t, t, 0x80808080; or.b32 l, l, t;
-shr.b32 t, $4, 2; and.b32 h, t, 0x1C1C1C1C;
-and.b32 t, $4, 0x80808080; or.b32 h, h, t;
-mov.b32 {l0, l1}, l;
-mov.b32 {h0, h1}, h;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
-mul.rn.f16x2 $0, $0, $5;
-mul.rn.f16x2 $1, $1, $6;
-mul.rn.f16x2 $2, $2, $5;
-mul.rn.f16x2 $3, $3, $6;
-}""")
-
-
-@triton.jit
-def _mxfp4_planes_f16(byte, scale, BN: tl.constexpr, BKH: tl.constexpr):
-    """:func:`_mxfp4_planes` into fp16 on the GPU (inline PTX, :data:`_FP4_TO_F16_ASM`): exact
-    for e8m0 bytes in :data:`CODES_SCALE_BYTES` (2^(s-121) an fp16 normal, every e2m1 × 2^(s-127)
-    an exact fp16)."""
-    f = ((scale.to(tl.int32) - 106) << 10).to(tl.uint16).to(tl.float16, bitcast=True)
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-    return tl.inline_asm_elementwise(_FP4_TO_F16_ASM, "=r,=r,=r,=r,r,r,r", [byte, f],
-                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _e4m3_byte(q):
-    """fp32 ``q`` on the e4m3fn grid (|q| <= 448, as :func:`round_to_e4m3` returns) -> its e4m3fn
-    byte (uint8), by bits: the same on the GPU and in the interpreter."""
-    b = q.to(tl.int32, bitcast=True)
-    mag = tl.abs(q)
-    normal = (((b >> 23) & 0xFF) - 120) << 3 | ((b >> 20) & 7)
-    sub = (mag * 512.0).to(tl.int32)                 # below 2^-6: multiples of 2^-9
-    code = tl.where(mag < 0.015625, sub, normal) | ((b >> 24) & 0x80)
-    return code.to(tl.uint8)
-
-
-@triton.jit
-def _e4m3_to_f16(byte):
-    """e4m3fn bytes (uint8) -> fp16, exactly: the native conversion on the GPU, bits in the
-    interpreter (the 7 magnitude bits at fp16 bits 7..13 give the value × 2^-8, subnormals
-    included)."""
-    if INTERPRET:
-        b = byte.to(tl.int32)
-        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-        return h.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
-    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-
 @triton.jit
 def _fake_quant_pair(a, b):
     """FP8 fake quantization (spec §2.5: amax floor 1e-4, ue8m0 scale, e4m3 RNE) of the rows of
@@ -249,18 +185,6 @@ def _fake_quant_pair(a, b):
     qa = round_to_e4m3(tl.clamp(a * inv, -448.0, 448.0)) * s
     qb = round_to_e4m3(tl.clamp(b * inv, -448.0, 448.0)) * s
     return qa, qb
-
-
-@triton.jit
-def _quant_codes_pair(a, b):
-    """:func:`_fake_quant_pair` kept as codes: the two halves' e4m3 bytes and the rows' scales
-    2^e (fp32 [R]); code × 2^e is the fake-quantized value."""
-    amax = tl.maximum(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)), 1e-4)
-    e = ue8m0_exponent(amax)
-    inv = pow2_from_exp(-e)[:, None]
-    qa = round_to_e4m3(tl.clamp(a * inv, -448.0, 448.0))
-    qb = round_to_e4m3(tl.clamp(b * inv, -448.0, 448.0))
-    return _e4m3_byte(qa), _e4m3_byte(qb), pow2_from_exp(e)
 
 
 @triton.jit
@@ -280,7 +204,7 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
     """One [BN, BK] weight tile of expert e at K offset k0, dequantized into ``OUT``.
 
     FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2] (FAST_FP4: the inline-PTX
-    decode, bf16 — SCALE_LE_128: its one-multiply variant — or fp16 for the coded activations); FMT 2 (fp8) and 0 (dense):
+    decode, bf16 only; SCALE_LE_128: its one-multiply variant); FMT 2 (fp8) and 0 (dense):
     returns the tile twice (the second value unused)."""
     # 64-bit expert offsets: E × (N·K) passes 2^31 elements for V4-Pro stacks and for the
     # bf16 w1|w3 scratch of V4-Flash (255 × 16.8M).
@@ -295,9 +219,7 @@ def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, str
         sc = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (k0 // 32 + rs)[None, :],
                      mask=n_mask[:, None], other=0)
         # The interpreter cannot run inline PTX: it takes the fp32 decode.
-        if FAST_FP4 and not INTERPRET and OUT == tl.float16:
-            lo, hi = _mxfp4_planes_f16(byte, sc, BN, BK // 2)
-        elif FAST_FP4 and not INTERPRET:
+        if FAST_FP4 and not INTERPRET:
             lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2, SCALE_LE_128)
         else:
             lo, hi = _mxfp4_planes(byte, sc, BN, BK // 2, OUT)
@@ -337,35 +259,12 @@ def _load_prepped_tile(a_ptr, rm, m_mask, k0, stride_am, FMT: tl.constexpr, BK: 
 
 
 @triton.jit
-def _load_codes_tile(a_ptr, sc_ptr, rm, m_mask, k0, stride_am, stride_sc, BK: tl.constexpr):
-    """:func:`_load_prepped_tile` of an activation prepped as e4m3 codes (:data:`ACT_CODES`):
-    the (even, odd) column halves as fp16 codes [BM, BK/2] and the rows' scales 2^e [BM] of
-    this K step (one act-quant block)."""
-    base = a_ptr + rm.to(tl.int64)[:, None] * stride_am + k0
-    rj = tl.arange(0, BK // 2)
-    ev = _e4m3_to_f16(tl.load(base + rj[None, :], mask=m_mask[:, None], other=0))
-    od = _e4m3_to_f16(tl.load(base + (BK // 2 + rj)[None, :], mask=m_mask[:, None], other=0))
-    xs = tl.load(sc_ptr + rm.to(tl.int64) * stride_sc + k0 // BK, mask=m_mask, other=0.0)
-    return ev, od, xs
-
-
-@triton.jit
 def _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT: tl.constexpr):
     """acc += A · Wᵀ for one K step (fp4: even and odd planes separately)."""
     acc += mma(a_ev, tl.trans(w_ev), "ieee")
     if FMT == 1:
         acc += mma(a_od, tl.trans(w_od), "ieee")
     return acc
-
-
-@triton.jit
-def _dot_codes_tile(acc, a_ev, a_od, xs, w_ev, w_od):
-    """acc += (codes · Wᵀ) × 2^e for one K step of coded activations: the step's products are
-    exact (e4m3 × e2m1·2^s in fp16, fp32 sums) and its row scale is a power of two, so this is
-    the fake-quantized product to fp32 rounding (another summation order)."""
-    t = mma(a_ev, tl.trans(w_ev), "ieee")
-    t += mma(a_od, tl.trans(w_od), "ieee")
-    return acc + t * xs[:, None]
 
 
 # ------------------------------------------------------------------------------ split-K helpers
@@ -427,16 +326,13 @@ def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
 
 
 @triton.jit
-def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, sc_ptr, P, E, TOPK, stride_src,
-                     stride_dst, stride_sc,
+def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
                      GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
-                     CODES: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     """dst[row] = the GEMM-ready activation of RB rows (a slice of one row block) and one K
     step: source row pair // TOPK (GATHER: the token of the pair) or the row itself, FP8
     fake-quantized (QUANT, BK = block), for MXFP4 split into [even columns | odd columns].
-    CODES (MXFP4 and QUANT): dst holds the e4m3 bytes and ``sc`` [rows, K/BK] the blocks'
-    scales 2^e instead of the dequantized values.
     Padding rows and unused blocks are left unwritten (their GEMM rows are masked).
 
     Each row's BK values are one contiguous (vectorized) load, split into the even and odd
@@ -461,11 +357,7 @@ def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, sc_ptr, P, E, TOPK, s
         base = dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0
         if FMT == 1:
             ev, od = tl.split(tl.reshape(t, (RB, BK // 2, 2)))
-            if CODES:
-                ev, od, sc = _quant_codes_pair(ev.to(tl.float32), od.to(tl.float32))
-                tl.store(sc_ptr + rm.to(tl.int64) * stride_sc + tl.program_id(1), sc,
-                         mask=m_mask)
-            elif QUANT:
+            if QUANT:
                 qe, qo = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
                 ev, od = qe.to(OUT), qo.to(OUT)
             rj = tl.arange(0, BK // 2)
@@ -504,24 +396,16 @@ def pick_prep_plan(BM: int) -> PrepPlan:
 
 def moe_prep(src: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
              dst: torch.Tensor, P: int, E: int, topk: int, gather: bool, fmt: int, quant: bool,
-             BM: int, BK: int, plan: PrepPlan | None = None,
-             scales: torch.Tensor | None = None) -> torch.Tensor:
+             BM: int, BK: int, plan: PrepPlan | None = None) -> torch.Tensor:
     """Launch ``_moe_prep_kernel`` over ``dst`` [blocks·BM, K] (K = src width, a multiple of
-    BK) with ``plan`` (``None``: :func:`pick_prep_plan`); returns dst.  ``scales`` (fp32
-    [blocks·BM, K/BK]; MXFP4 with ``quant``): dst (uint8) gets the e4m3 codes, ``scales`` the
-    blocks' 2^e (:data:`ACT_CODES`)."""
+    BK) with ``plan`` (``None``: :func:`pick_prep_plan`); returns dst."""
     plan = plan or pick_prep_plan(BM)
     rb = min(plan.rows, BM)
     nb = block_expert.shape[0]
-    codes = scales is not None
-    if codes and not (fmt == _FMT_CODE["fp4"] and quant and dst.dtype == torch.uint8):
-        raise ValueError("moe_prep: e4m3 codes need MXFP4 weights, act quantization and a "
-                         "uint8 dst")
     _moe_prep_kernel[(nb * (BM // rb), src.shape[1] // BK)](
-        src, pairs, block_expert, dst, scales if codes else dst, P, E, topk, src.stride(0),
-        dst.stride(0), scales.stride(0) if codes else 0,
-        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, CODES=codes,
-        num_warps=plan.num_warps, **pdl_args(src))
+        src, pairs, block_expert, dst, P, E, topk, src.stride(0), dst.stride(0),
+        GATHER=gather, FMT=fmt, QUANT=quant, BM=BM, BK=BK, RB=rb, num_warps=plan.num_warps,
+        **pdl_args(src))
     return dst
 
 
@@ -545,19 +429,18 @@ def _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stri
 
 
 @triton.jit
-def _moe_up_kernel(xs_ptr, xsc_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr,
-                   act_ptr, part1_ptr, part3_ptr, arrivals_ptr,
-                   P, N, K, E, stride_xm, stride_xsc, stride_actm, stride_part_s, stride_part_m,
+def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, act_ptr,
+                   part1_ptr, part3_ptr, arrivals_ptr,
+                   P, N, K, E, stride_xm, stride_actm, stride_part_s, stride_part_m,
                    stride_we, stride_wn, stride_se, stride_sn, limit,
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
                    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   CODES: tl.constexpr = False, PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
-    ``xs`` comes from ``_moe_prep_kernel``.  CODES: ``xs`` holds e4m3 codes and ``xsc`` their
-    per-(row, K step) scales; the MXFP4 weights decode to fp16 (:data:`ACT_CODES`).  SPLIT (grid axis 2 = S splits of K): each split
+    ``xs`` comes from ``_moe_prep_kernel``.  SPLIT (grid axis 2 = S splits of K): each split
     stores its fp32 gate and up partials into ``part1`` / ``part3`` [S, rows, N]; the last split
     to arrive at the tile's counter in ``arrivals`` sums them in split order, runs the epilogue
     and resets the counter to 0.  Unused blocks (id >= E) touch nothing, in every split."""
@@ -569,29 +452,20 @@ def _moe_up_kernel(xs_ptr, xsc_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, be
         rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
-        OUT: tl.constexpr = act_ptr.dtype.element_ty
-        WT: tl.constexpr = tl.float16 if CODES else OUT
+        OUT: tl.constexpr = xs_ptr.dtype.element_ty
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         k_lo, k_hi = _split_k_range(K, BK, SPLIT)
         for k0 in range(k_lo, k_hi, BK):
-            if CODES:
-                x_ev, x_od, xsc = _load_codes_tile(xs_ptr, xsc_ptr, rm, m_mask, k0, stride_xm,
-                                                   stride_xsc, BK)
-            else:
-                x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
+            x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
             g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           WT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+            acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
             u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           WT, SW_E8M0, FAST_FP4, SCALE_LE_128)
-            if CODES:
-                acc1 = _dot_codes_tile(acc1, x_ev, x_od, xsc, g_ev, g_od)
-                acc3 = _dot_codes_tile(acc3, x_ev, x_od, xsc, u_ev, u_od)
-            else:
-                acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
-                acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+            acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         if SPLIT:
             tile = blk * tl.num_programs(1) + pid_n
             offs = rm.to(tl.int64)[:, None] * stride_part_m + rn[None, :]
@@ -611,16 +485,15 @@ def _moe_up_kernel(xs_ptr, xsc_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, be
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, asc_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_ptr,
-                     arrivals_ptr, P, N, K, E, stride_actm, stride_asc, stride_ym, stride_part_s,
-                     stride_part_m, stride_we, stride_wn, stride_se, stride_sn,
+def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_ptr, arrivals_ptr,
+                     P, N, K, E, stride_actm, stride_ym, stride_part_s, stride_part_m,
+                     stride_we, stride_wn, stride_se, stride_sn,
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     CODES: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
-    ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant;
-    CODES: e4m3 codes with the scales ``asc``, as ``_moe_up_kernel``).
+    ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
     grid_dependency_sync(PDL)
     blk = tl.program_id(0)
@@ -630,22 +503,15 @@ def _moe_down_kernel(act_ptr, asc_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr
         rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
-        WT: tl.constexpr = tl.float16 if CODES else act_ptr.dtype.element_ty
+        OUT: tl.constexpr = act_ptr.dtype.element_ty
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         k_lo, k_hi = _split_k_range(K, BK, SPLIT)
         for k0 in range(k_lo, k_hi, BK):
-            if CODES:
-                a_ev, a_od, asc = _load_codes_tile(act_ptr, asc_ptr, rm, m_mask, k0,
-                                                   stride_actm, stride_asc, BK)
-            else:
-                a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
+            a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
             w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           WT, SW_E8M0, FAST_FP4, SCALE_LE_128)
-            if CODES:
-                acc = _dot_codes_tile(acc, a_ev, a_od, asc, w_ev, w_od)
-            else:
-                acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+            acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
@@ -735,9 +601,6 @@ class MoeConfig:
     stages: int = 3
     split_up: int = 1
     split_down: int = 1
-    # e4m3-coded activations with fp16 weight tiles (:data:`ACT_CODES`): None picks
-    # (:func:`act_codes_apply`), True / False force (True raises where it cannot apply).
-    act_codes: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("BM", "BN_up", "BN_down"):
@@ -868,59 +731,6 @@ def _fold_ok(experts: ExpertWeights) -> bool:
         if m is None or m > FOLD_MAX_SCALE_BYTE:
             return False
     return True
-
-
-# Decode plans (16/32-row blocks: mma.sync) of MXFP4 experts under official numerics keep the
-# FP8-quantized activations as e4m3 codes plus one scale 2^e per (row, K step) and decode the
-# weights to fp16: both MMA operands are then 8-bit upcasts in registers.  With bf16 values
-# Triton 3.6 loads the activation operand in pairs that straddle the MMA's register quads and
-# ptxas copies ~3.5 registers per MMA (sm_90 SASS of the up kernel per K step: 1,015
-# instructions, 223 of them such copies; 764 with codes, bench/moe_sass_count.py --codes).
-# Exact: e4m3 codes and e2m1 × 2^s are fp16 values (for s in CODES_SCALE_BYTES), their
-# products exact in fp32, and the per-step scale a power of two.  DSV4_MOE_ACT_CODES=0: off.
-ACT_CODES = os.environ.get("DSV4_MOE_ACT_CODES", "1") != "0"
-# e8m0 bytes for which the fp16 decode is exact: 2^(s-121) an fp16 normal, and every
-# e2m1 × 2^(s-127) an exact fp16 (real checkpoints' and the benches' expert scales: ~118-121).
-CODES_SCALE_BYTES = (107, 136)
-_CODES_MAX_BM = 32
-
-
-def _scale_min(s: torch.Tensor) -> int | None:
-    """Smallest byte of an e8m0 (or uint8) scale tensor (:func:`cached_scale_stat`)."""
-    def smallest(t: torch.Tensor) -> int:
-        u = t.view(torch.uint8) if t.dtype == _E8M0 else t
-        return int(u.min().item()) if u.numel() else CODES_SCALE_BYTES[0]
-    return cached_scale_stat(s, "min", smallest)
-
-
-def _codes_scales_ok(experts: ExpertWeights) -> bool:
-    """Whether every MXFP4 scale byte of the three stacks is in :data:`CODES_SCALE_BYTES`;
-    False when unknown (first call inside a CUDA-graph capture)."""
-    lo, hi = CODES_SCALE_BYTES
-    for name in ("s1", "s3", "s2"):
-        s = getattr(experts, name)
-        if s is None or s.dtype not in (_E8M0, torch.uint8):
-            return False
-        smin, smax = _scale_min(s), _scale_max(s)
-        if smin is None or smax is None or smin < lo or smax > hi:
-            return False
-    return True
-
-
-def act_codes_apply(x: torch.Tensor, experts: ExpertWeights, cfg: MoeConfig) -> bool:
-    """Whether a call runs on e4m3-coded activations (:data:`ACT_CODES`): ``cfg.act_codes``
-    when set (True raises ValueError where the path cannot apply), else on CUDA with the
-    inline-PTX decode, MXFP4 stacks under official numerics, a decode plan (BM <= 32) and
-    scales in :data:`CODES_SCALE_BYTES`."""
-    possible = experts.fmt == "fp4" and bool(experts.act_block) and cfg.BK == experts.act_block
-    if cfg.act_codes is not None:
-        if cfg.act_codes and not (possible and _codes_scales_ok(experts)):
-            raise ValueError(f"moe_experts: act_codes needs MXFP4 experts under official "
-                             f"numerics (K step = act block) with scale bytes in "
-                             f"{CODES_SCALE_BYTES}")
-        return cfg.act_codes
-    return (ACT_CODES and possible and x.is_cuda and cfg.BM <= _CODES_MAX_BM
-            and _fast_fp4(experts, x.dtype) and _codes_scales_ok(experts))
 
 
 def _check_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -1090,11 +900,9 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     w3, s3, _ = _weight_args(experts, "w3")
     w2, s2, _ = _weight_args(experts, "w2")
     sb = experts.block if experts.fmt == "fp8" else 32
-    codes = act_codes_apply(x, experts, cfg)
-    # Coded activations decode the weights to fp16 whatever x's dtype.
-    fast = _fast_fp4(experts, x.dtype) or (codes and FP4_DECODE == "asm")
+    fast = _fast_fp4(experts, x.dtype)
     # Only CUDA launches run the inline PTX (elsewhere: the interpreter, or the sm_90 recorder).
-    fold = fast and not codes and FP4_FOLD and x.is_cuda and _fold_ok(experts)
+    fold = fast and FP4_FOLD and x.is_cuda and _fold_ok(experts)
     stages_up, stages_down = cfg.stages, cfg.stages
     if experts.fmt == "dense":
         size = experts.w1.element_size()
@@ -1107,35 +915,25 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     tiles_up, tiles_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
     need = max(nb * tiles_up if split_up > 1 else 0, nb * tiles_down if split_down > 1 else 0)
     arrivals = splitk_counters(x.device, need, "moe_experts") if need else block_expert
-    # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile):
-    # values, or e4m3 codes and their per-step scales.
-    xs = torch.empty(rows, D, dtype=torch.uint8 if codes else x.dtype, device=x.device)
-    xsc = (torch.empty(rows, D // cfg.BK, dtype=torch.float32, device=x.device) if codes
-           else None)
-    moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK,
-             scales=xsc)
+    # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
+    xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
+    moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     # fp32 partials of the splits (gate, up: [2, S, rows, I]); only real rows are written and
     # read.  Unsplit: never touched (act stands in).
     part_up = (torch.empty(2, split_up, rows, inter, dtype=torch.float32, device=x.device)
                if split_up > 1 else act.expand(2, 1, rows, inter))
     _moe_up_kernel[(nb, tiles_up, split_up)](
-        xs, xs if xsc is None else xsc, w1, w3, s1, s3, pairs, block_expert, wts, act,
-        part_up[0], part_up[1], arrivals, P, inter, D, E, xs.stride(0),
-        0 if xsc is None else xsc.stride(0), act.stride(0), part_up.stride(1),
-        part_up.stride(2), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        float(swiglu_limit), FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0,
-        FAST_FP4=fast, SCALE_LE_128=fold, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up,
-        BK=cfg.BK, CODES=codes, num_warps=cfg.warps_up, num_stages=stages_up, **pdl_args(xs))
-    del xs, xsc, part_up
-    asc = None
+        xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1], arrivals,
+        P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
+        w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
+        FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
+        SCALE_LE_128=fold, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
+        num_warps=cfg.warps_up, num_stages=stages_up, **pdl_args(xs))
+    del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
-        act_in = torch.empty(rows, inter, dtype=torch.uint8 if codes else act.dtype,
-                             device=x.device)
-        asc = (torch.empty(rows, inter // cfg.BK, dtype=torch.float32, device=x.device)
-               if codes else None)
-        moe_prep(act, pairs, block_expert, act_in, P, E, k, False, fmt, quant, cfg.BM, cfg.BK,
-                 scales=asc)
+        act_in = torch.empty_like(act)
+        moe_prep(act, pairs, block_expert, act_in, P, E, k, False, fmt, quant, cfg.BM, cfg.BK)
         del act
     else:
         act_in = act
@@ -1143,14 +941,13 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     part_down = (torch.empty(split_down, rows, D, dtype=torch.float32, device=x.device)
                  if split_down > 1 else y[None])
     _moe_down_kernel[(nb, tiles_down, split_down)](
-        act_in, act_in if asc is None else asc, w2, s2, pairs, block_expert, y, part_down,
-        arrivals, P, D, inter, E, act_in.stride(0), 0 if asc is None else asc.stride(0),
-        y.stride(0), part_down.stride(0), part_down.stride(1),
+        act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
+        act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold, SPLIT=split_down > 1,
-        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, CODES=codes, num_warps=cfg.warps_down,
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
         num_stages=stages_down, **pdl_args(act_in))
-    del part_down, asc
+    del part_down
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
                                                  **pdl_args(y))

@@ -588,29 +588,6 @@ def _moe_fold() -> None:
         _moe(V4_FLASH, "fp4", "prefill")
 
 
-@scenario("moe_experts/v4_flash/fp4_codes")
-def _moe_codes() -> None:
-    """The e4m3-coded activations of the decode plans (triton_moe.ACT_CODES: the GPU default
-    for MXFP4 under official numerics; CPU tensors take the values path unless asked): the
-    codes prep, the fp16 weight decode, split and unsplit."""
-    from dataclasses import replace
-
-    import torch
-
-    from dsv4.ops import triton_moe as tm
-    m = V4_FLASH
-    ex = _experts(m, "fp4", True)
-    for s in (ex.s1, ex.s3, ex.s2):
-        s.view(torch.uint8).fill_(120)
-    for T, T_real in ((1, 1), (5, 16)):
-        cfg = tm.pick_moe_config(T_real * m.topk, m.experts, m.dim, m.inter, m.block)
-        for c in (replace(cfg, act_codes=True), replace(cfg, act_codes=True, split_up=1,
-                                                        split_down=1)):
-            tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
-                                       torch.randint(0, E_ALLOC, (T, m.topk)),
-                                       torch.rand(T, m.topk), ex, 10.0, c)
-
-
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch
