@@ -12,8 +12,10 @@ stage ncu 120 env DSV4_PDL=0 ncu --clock-control none -k regex:"_moe_up|_moe_dow
     --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     python bench/ncu_probe.py 1
+stage dec 90 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 16,64 \
+    --ctx 8192 --steps 2 --reps 2 --launch-ab --budget 80 --out "$LOGS/dec.json"
 stage hf 170 python bench/flash_bench.py --layers 4 --prefill 4096 --decode-batches 1 \
     --ctx 4096 --steps 3 --budget 60 --launch-ab --hf "4096;1:4096" --out "$LOGS/hf.json"
-grep -h "decode B\|prefill S\|transformers\|hf " "$LOGS"/hf.log | grep -v "moe B" | tail -n 8
+grep -h "decode B\|prefill S\|transformers\|hf " "$LOGS"/dec.log "$LOGS"/hf.log | grep -v "moe B" | tail -n 8
 grep -h -i "occupancy\|registers\|stall\|issue slot\|Duration\|DRAM Through\|Block Limit\|Shared Memory Config" \
     "$LOGS"/ncu.log | head -n 60
