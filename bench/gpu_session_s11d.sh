@@ -4,6 +4,8 @@
 # 1.45 waves).  bench/moe_decode.py --occupancy times register caps (MoeConfig.maxnreg_*: 96 ->
 # 5 programs an SM, 80 -> 6) and whole-wave K splits at 1 / 16 / 64 tokens, each plan checked
 # against the twin and for finite outputs; then the expert GPU tests' sweep (every plan).
+# Ran once against ed81ccf; the caps and the wave splits were then removed (slower at every
+# token count: docs/PERFORMANCE.md, eleventh session).  Kept as the record of that run.
 set -u
 cd "$(dirname "$0")/.."
 source bench/gpu_stages.sh   # OUT, LOGS, stage

@@ -59,12 +59,6 @@ SMALL_TILES = [(64, 128), (128, 128), (64, 64), (32, 64)]
 SPLIT_SWEEP_MAX_TOKENS = 16
 SPLITS = (1, 2, 4, 8)
 DECODE_STAGES = (2, 4)
-# Occupancy at decode (Nsight Compute, run s11c: 126 registers a thread hold an SM to 4 of the
-# 4-warp programs, 25%; one token's 768 programs then run in 1.45 waves): register caps on the
-# default tiles (96: 5 programs an SM, 80: 6), alone and with K splits whose program counts fit
-# whole waves (up 3 / down 3: 576 programs).
-MAXNREGS = (96, 80)
-WAVE_SPLITS = ((3, 3), (3, 4), (6, 4), (5, 5))
 SMALL_WIDE_WARPS8 = [(64, 128), (128, 128)]
 # Prefill (BN 128/128): (BM, warps, stages).  BM 128 only with 8 warps: the up GEMM's fp32
 # accumulator (128 rows x 2·128 columns) over 4 warps would be 256 registers a thread.
@@ -95,25 +89,6 @@ def expert_bytes(D: int, inter: int) -> int:
     return 3 * (inter * D // 2 + inter * D // 32)
 
 
-def occupancy_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.MoeConfig]:
-    """``base`` first, then at decode (BM 16) its register caps :data:`MAXNREGS`, and where
-    ``base`` splits K (up to ``SPLIT_SWEEP_MAX_TOKENS`` tokens) the :data:`WAVE_SPLITS`, each
-    uncapped and capped (``--occupancy``; part of the full sweep too)."""
-    if T > SMALL_MAX_TOKENS:
-        return [base]
-    splits = [(base.split_up, base.split_down)]
-    if T <= SPLIT_SWEEP_MAX_TOKENS and (base.split_up > 1 or base.split_down > 1):
-        splits += [p for p in WAVE_SPLITS if p[0] <= dim // base.BK and p[1] <= inter // base.BK]
-    plans = []
-    for up, down in splits:
-        for cap in (None,) + MAXNREGS:
-            p = dataclasses.replace(base, split_up=up, split_down=down, maxnreg_up=cap,
-                                    maxnreg_down=cap)
-            if p not in plans:
-                plans.append(p)
-    return plans
-
-
 def sweep_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.MoeConfig]:
     """The plans timed at ``T`` tokens: ``base`` (the default plan) first, then the alternatives
     of its regime (decode <= ``SMALL_MAX_TOKENS`` tokens, prefill beyond) that fit the widths,
@@ -131,7 +106,6 @@ def sweep_plans(T: int, base: tri.MoeConfig, dim: int, inter: int) -> list[tri.M
         alts += [dataclasses.replace(base, split_down=s) for s in SPLITS
                  if s <= inter // base.BK]
     if T <= SMALL_MAX_TOKENS:
-        alts += occupancy_plans(T, base, dim, inter)[1:]
         # Pipeline depth: 3 stages of the up kernel's w1 + w3 tiles hold its occupancy to 3
         # programs per SM (Nsight Compute, 64 tokens: shared-memory limited, 66% issue busy).
         alts += [dataclasses.replace(base, stages=s) for s in DECODE_STAGES if s != base.stages]
@@ -153,10 +127,8 @@ def plan_name(cfg: tri.MoeConfig) -> str:
     up/down when split."""
     split = (f" split {cfg.split_up}/{cfg.split_down}"
              if cfg.split_up > 1 or cfg.split_down > 1 else "")
-    regs = (f" regs {cfg.maxnreg_up}/{cfg.maxnreg_down}"
-            if cfg.maxnreg_up is not None or cfg.maxnreg_down is not None else "")
     return (f"BM{cfg.BM} BN {cfg.BN_up}/{cfg.BN_down} w{cfg.warps_up}/{cfg.warps_down} "
-            f"s{cfg.stages}{split}{regs}")
+            f"s{cfg.stages}{split}")
 
 
 def per_call_seconds(fns: list[Callable[[], Any]], dev: str, replays: int) -> float:
@@ -265,8 +237,7 @@ def run(args: argparse.Namespace) -> dict:
         n = min(T, TWIN_ROWS)
         twin = ref.moe_experts(x[:n], ids[:n], w[:n], ex, 10.0)
         base = tri.pick_moe_config(T * k, E, D, inter, 128)
-        plans = (sweep_plans(T, base, D, inter) if args.sweep else
-                 occupancy_plans(T, base, D, inter) if args.occupancy else [base])
+        plans = sweep_plans(T, base, D, inter) if args.sweep else [base]
         if args.tiny:
             plans = plans[:TINY_SWEEP_PLANS]
         rows = []
@@ -342,8 +313,7 @@ def dry_run(args: argparse.Namespace) -> dict:
     plans: dict[int, list[str]] = {}
     for T in tokens:
         base = tri.pick_moe_config(T * shape["k"], shape["E"], shape["D"], shape["I"], 128)
-        cfgs = (sweep_plans(T, base, shape["D"], shape["I"]) if args.sweep else
-                occupancy_plans(T, base, shape["D"], shape["I"]) if args.occupancy else [base])
+        cfgs = sweep_plans(T, base, shape["D"], shape["I"]) if args.sweep else [base]
         if args.tiny:
             cfgs = cfgs[:TINY_SWEEP_PLANS]
         plans[T] = [plan_name(c) for c in cfgs]
@@ -364,8 +334,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--sweep", action="store_true",
                     help="also time the alternative tile plans per token count")
-    ap.add_argument("--occupancy", action="store_true",
-                    help="time the default plan's register caps and whole-wave K splits only")
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke run)")
     ap.add_argument("--dry-run", action="store_true", help="print the plans and exit")
     ap.add_argument("--out", default=None, help="write the results as JSON")

@@ -601,11 +601,6 @@ class MoeConfig:
     stages: int = 3
     split_up: int = 1
     split_down: int = 1
-    # Register cap per thread of the up / down kernels (ptxas maxnreg; None: the compiler's
-    # choice).  At decode the 4-warp programs take ~126 registers, which holds an SM to 4 of
-    # them (25% occupancy, Nsight Compute run s11c); a cap trades a few spills for more.
-    maxnreg_up: int | None = None
-    maxnreg_down: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("BM", "BN_up", "BN_down"):
@@ -616,12 +611,6 @@ class MoeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MoeConfig: {name} must be an int >= 1; found {v!r}")
-        for name in ("maxnreg_up", "maxnreg_down"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                                  or not 32 <= v <= 255 or v % 8):
-                raise ValueError(f"MoeConfig: {name} must be None or a multiple of 8 in "
-                                 f"32..255; found {v!r}")
 
 
 # Split-K at decode.  At one token only ~6 row blocks × the N tiles stream the weights (192
@@ -884,11 +873,6 @@ def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return out
 
 
-def _maxnreg(cap: int | None, x: torch.Tensor) -> dict[str, int]:
-    """Launch option of a register cap (CUDA compiles only: the interpreter has no registers)."""
-    return {"maxnreg": cap} if cap is not None and not INTERPRET else {}
-
-
 def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             experts: ExpertWeights, swiglu_limit: float,
                             cfg: MoeConfig | None = None) -> torch.Tensor:
@@ -945,8 +929,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, HAS_LIMIT=swiglu_limit > 0, FAST_FP4=fast,
         SCALE_LE_128=fold, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
-        num_warps=cfg.warps_up, num_stages=stages_up, **_maxnreg(cfg.maxnreg_up, x),
-        **pdl_args(xs))
+        num_warps=cfg.warps_up, num_stages=stages_up, **pdl_args(xs))
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
@@ -963,7 +946,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold, SPLIT=split_down > 1,
         BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
-        num_stages=stages_down, **_maxnreg(cfg.maxnreg_down, x), **pdl_args(act_in))
+        num_stages=stages_down, **pdl_args(act_in))
     del part_down
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,

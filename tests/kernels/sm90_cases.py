@@ -110,9 +110,8 @@ class Launch:
                        if len(p) == 1)
         types = ", ".join(f"{k}:{v}" for k, v in self.signature.items() if v != "constexpr")
         o = self.options
-        cap = f" maxnreg={o.maxnreg}" if getattr(o, "maxnreg", None) else ""
         return (f"{self.kernel.fn.__module__}.{self.kernel_name}[{ce}] "
-                f"num_warps={o.num_warps} num_stages={o.num_stages}{cap} ({types})")
+                f"num_warps={o.num_warps} num_stages={o.num_stages} ({types})")
 
     def key(self) -> str:
         """Identity for deduplication: kernel, argument types (ints specialized to constexpr 1
@@ -587,26 +586,6 @@ def _moe_fold() -> None:
             RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True):
         _moe(V4_FLASH, "fp4", "decode")
         _moe(V4_FLASH, "fp4", "prefill")
-
-
-@scenario("moe_experts/v4_flash/fp4_maxnreg")
-def _moe_maxnreg() -> None:
-    """The register caps of bench/moe_decode.py's occupancy plans (MoeConfig.maxnreg_*: the
-    ptxas option through the launch) at one token, split and unsplit."""
-    from dataclasses import replace
-
-    import torch
-
-    from dsv4.ops import triton_moe as tm
-    m = V4_FLASH
-    ex = _experts(m, "fp4", True)
-    base = tm.pick_moe_config(m.topk, m.experts, m.dim, m.inter, m.block)
-    for cap in (96, 80):
-        for cfg in (replace(base, maxnreg_up=cap, maxnreg_down=cap),
-                    replace(base, split_up=3, split_down=3, maxnreg_up=cap, maxnreg_down=cap)):
-            tm.moe_experts_with_config(_empty(1, m.dim, dtype=torch.bfloat16),
-                                       torch.randint(0, E_ALLOC, (1, m.topk)),
-                                       torch.rand(1, m.topk), ex, 10.0, cfg)
 
 
 @scenario("moe_experts/grouped_and_dequant")

@@ -131,10 +131,6 @@ def test_moe_config_validation() -> None:
         with pytest.raises(ValueError, match="split_down"):
             tri.MoeConfig(16, 64, 64, split_down=bad)
     assert tri.MoeConfig(16, 64, 64, split_up=3, split_down=8).split_down == 8
-    for bad in (0, 20, 100, 256, 96.0, True):
-        with pytest.raises(ValueError, match="maxnreg_up"):
-            tri.MoeConfig(16, 64, 64, maxnreg_up=bad)
-    assert tri.MoeConfig(16, 64, 64, maxnreg_up=96, maxnreg_down=80).maxnreg_down == 80
 
 
 # ------------------------------------------------------------------------------ split-K
@@ -268,9 +264,8 @@ def test_pick_moe_config_split_rule() -> None:
 
 def test_bench_sweep_plans_and_dry_run(capsys) -> None:
     """The sweep at V4-Flash widths: the default plan first, then distinct alternatives of its
-    regime (BM 16 up to 256 tokens, BM 64 / 128 beyond), about 50 plans in all; up to
-    SPLIT_SWEEP_MAX_TOKENS tokens the up and the down K splits 1/2/4/8 on the default tiles;
-    at decode the register caps (with the whole-wave splits where the default splits)."""
+    regime (BM 16 up to 256 tokens, BM 64 / 128 beyond), about 25 plans in all; up to
+    SPLIT_SWEEP_MAX_TOKENS tokens the up and the down K splits 1/2/4/8 on the default tiles."""
     mod = _bench()
     D, inter = mod.FLASH["D"], mod.FLASH["I"]
     for T in (1, 16, 17, 256, 257, 8192):
@@ -292,19 +287,13 @@ def test_bench_sweep_plans_and_dry_run(capsys) -> None:
                                                             base.warps_up) for p in split)
         else:
             assert split == [], T
-        if small:   # the decode pipeline depths and register caps on the default tiles
+        if small:   # the decode pipeline depths on the default tiles
             assert {p.stages for p in plans} >= {base.stages, *mod.DECODE_STAGES}, T
-            assert {p.maxnreg_up for p in plans} == {None, *mod.MAXNREGS}, T
-            assert all(p.maxnreg_up == p.maxnreg_down for p in plans), T
-        else:
-            assert all(p.maxnreg_up is None for p in plans), T
-        if T <= mod.SPLIT_SWEEP_MAX_TOKENS and (base.split_up, base.split_down) != (1, 1):
-            assert {(p.split_up, p.split_down) for p in plans} >= set(mod.WAVE_SPLITS), T
     with pytest.raises(ValueError, match="token count"):
         mod.sweep_plans(0, base, D, inter)
     out = mod.main(["--dry-run", "--sweep"])
     assert sorted(out["plans"]) == [1, 16, 64, 256, 8192]
-    assert 40 <= out["distinct"] <= 60
+    assert 22 <= out["distinct"] <= 32
     assert any("split 4/2" in name for name in out["plans"][1])
     assert f"{out['distinct']} distinct plans" in capsys.readouterr().out
     # Without --sweep only the default plan per token count; tiles wider than I are dropped.
