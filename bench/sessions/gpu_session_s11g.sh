@@ -2,6 +2,7 @@
 # Eleventh session, last short call: what the in-register MXFP4 decode costs the decode expert
 # kernels — bench/moe_decode_nodecode.py (the decode stripped to a byte permute, same loads and
 # MMAs; garbage values) against the real kernels, 1 / 16 / 64 tokens, separate processes.
+# Written at the end of the eleventh session, not run yet (the device budget was spent).
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
