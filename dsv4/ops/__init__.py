@@ -7,8 +7,9 @@ where they exist and the torch twins elsewhere.
 Kernels written without a GPU run (:data:`UNVERIFIED_ON_GPU`: checked in the Triton interpreter
 and compiled for sm_90 offline, but their GPU checks at real shapes have not run yet) are left out
 of the "triton" table unless ``DSV4_UNVERIFIED_KERNELS=1``: the engine then runs their torch
-twins (the glue they replace, same results).  The test suite and ``bench/sessions/gpu_session.sh`` set
-it; an op leaves the set once ``bench/sessions/gpu_session.sh`` has checked it on the H200.
+twins (the glue they replace, same results).  The test suite and
+``bench/sessions/gpu_session.sh`` set it; an op leaves the set once a GPU session script
+(``bench/sessions/``) has checked it on the H200.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ OP_NAMES = (
 # Empty: every kernel written without a GPU (rms_norm, apply_rope, head_norm_rope, norm_rope,
 # compress_entries, compress_update_state, indexer_queries, encode_records, write_records,
 # moe_route, swiglu_act, moe_combine, hc_post_pre) passed its GPU checks on the H200
-# (bench/sessions/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32 (2026-11-30)
-# and fp8_grouped_linear (2026-12-01, bench/sessions/gpu_session_s8e.sh).  A new kernel goes here until
-# its GPU checks run.
+# (bench/sessions/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32
+# (2026-11-30) and fp8_grouped_linear (2026-12-01, bench/sessions/gpu_session_s8e.sh).  A new
+# kernel goes here until its GPU checks run.
 UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...))).

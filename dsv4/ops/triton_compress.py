@@ -402,8 +402,8 @@ SPLIT_MAX_ENTRIES = 256
 SPLIT_PLAN_VERIFIED = True
 # The fused ``ape`` add (HAS_APE) of both ops passed its GPU checks (tests/kernels/
 # test_compress_decode.py's ape cases: 89 passed; the model's side-lane bits tests: 5; H200,
-# 2026-12-01, bench/sessions/gpu_session_s10a.sh) and was faster at B=1 (955.8 vs 964.4 µs a 4-layer
-# step).  Set False for a new form: the wrappers then add ``ape`` in torch first unless
+# 2026-12-01, bench/sessions/gpu_session_s10a.sh) and was faster at B=1 (955.8 vs 964.4 µs a
+# 4-layer step).  Set False for a new form: the wrappers then add ``ape`` in torch first unless
 # DSV4_UNVERIFIED_KERNELS=1.
 APE_FUSED_VERIFIED = True
 

@@ -105,8 +105,9 @@ FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
 # expert count stands in for the active ones: no host sync).  The re-encoding streams every
 # expert once per call (3.8 ms for a V4-Flash layer), a fixed cost the GEMMs' gain must pay
 # for.  H200, V4-Flash, predecoded against the bf16-MMA kernels (bench/moe_prefill_fp8.py,
-# bench/sessions/gpu_session_s10e.sh): 4K tokens (96 pairs an expert) 0.77x, 8K (192) 0.99x, 32K (768)
-# 1.25x: from 384 (16K tokens of V4-Flash on one GPU).
+# bench/sessions/gpu_session_s10e.sh): 4K tokens (96 pairs an expert) 0.77x, 8K (192)
+# 0.99x, 32K (768) 1.25x (1.00x / 1.32x in bench/sessions/gpu_session_s11a.sh): from 384 (16K
+# tokens of V4-Flash on one GPU).
 MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "384"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
@@ -123,9 +124,9 @@ _PREDECODE_TILE = tuple(int(v) for v in
                         os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "32,8").split(","))
 # DSV4_FP8MMA_OVERLAP=1: re-encode chunk c + 1 on a stream of its own while the GEMMs of chunk
 # c run (memory-bound next to tensor-core-bound), in two scratch slots of half the budget each.
-# Same bits, measured no faster (H200, V4-Flash, run E of bench/sessions/gpu_session_s10e.sh: 8K tokens
-# 10.56 ms, 32K 28.04 against 10.86 / 26.89 in order with a slower re-encoding tile), so off:
-# in order on the current stream.
+# Same bits, measured no faster (H200, V4-Flash, run E of bench/sessions/gpu_session_s10e.sh:
+# 8K tokens 10.56 ms, 32K 28.04 against 10.86 / 26.89 in order with a slower re-encoding
+# tile), so off: in order on the current stream.
 PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "0") == "1"
 _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 
