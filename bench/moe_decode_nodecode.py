@@ -33,10 +33,16 @@ and.b32 $3, $1, $6;
 }""")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Patch the decode (both variants: every stack takes one of them), then run moe_decode."""
+def strip_decode() -> None:
+    """Replace both inline-PTX decode variants (every stack takes one of them) before any
+    expert kernel compiles (also used by ``bench/moe_sass_count.py --stripped``)."""
     tri._FP4_TO_BF16_FOLD_ASM = _STRIPPED
     tri._FP4_TO_BF16_ASM = _STRIPPED
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Strip the decode, then run bench/moe_decode.py with ``argv``."""
+    strip_decode()
     import moe_decode
     args = list(sys.argv[1:] if argv is None else argv)
     if "--tokens" not in args:

@@ -2,12 +2,14 @@
 (``_moe_up_kernel``, ``_moe_down_kernel``) compiled for sm_90, per opcode: the measure used to
 make the in-register MXFP4 decode cheaper (the kernels are partly issue-bound).
 
-    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--dump DIR]
+    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--stripped] [--dump DIR]
 
 Plans: BM 16 / BN 128 / 4 warps (decode) and BM 128 / BN 128 / 8 warps (prefill), BK 128,
 unsplit, e8m0 scales, bf16.  Pointers, strides, N and K get the divisibility-16 attribute a real
-launch gets (else the loads are not vectorized).  The loop is the longest backward branch.
-TRITON_INTERPRET must be unset.
+launch gets (else the loads are not vectorized).  The loop is the longest backward branch;
+each row also counts its register copies (``IMAD.MOV``, part of the ``IMAD`` total).
+``--stripped``: the kernels with the decode of ``bench/moe_decode_nodecode.py`` (what the rest
+of the K step costs).  TRITON_INTERPRET must be unset.
 """
 
 from __future__ import annotations
@@ -63,22 +65,38 @@ def loop_counts(cubin: bytes) -> tuple[int, collections.Counter, str]:
         f.flush()
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
-           for m in [re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);", line)] if m]
-    back = [(a, int(t.group(1), 16)) for a, s in ins if "BRA" in s
-            for t in [re.search(r"0x([0-9a-f]+)", s)] if t and int(t.group(1), 16) <= a]
-    end, start = max(back, key=lambda p: p[0] - p[1])
-    body = [s for a, s in ins if start <= a <= end]
+    body = loop_body(sass)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", s).split()[0].split(".")[0]
                               for s in body)
     return len(body), ops, sass
 
 
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the longest backward-branch loop of ``sass``."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
+           for m in [re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);", line)] if m]
+    back = [(a, int(t.group(1), 16)) for a, s in ins if "BRA" in s
+            for t in [re.search(r"0x([0-9a-f]+)", s)] if t and int(t.group(1), 16) <= a]
+    end, start = max(back, key=lambda p: p[0] - p[1])
+    return [s for a, s in ins if start <= a <= end]
+
+
+def moves_in_loop(sass: str) -> int:
+    """``IMAD.MOV`` register copies in the loop of :func:`loop_body`."""
+    return sum(1 for s in loop_body(sass) if "IMAD.MOV" in s)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fold", choices=("0", "1", "both"), default="both")
+    ap.add_argument("--stripped", action="store_true",
+                    help="the MXFP4 decode stripped as in bench/moe_decode_nodecode.py")
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     args = ap.parse_args()
+    if args.stripped:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from moe_decode_nodecode import strip_decode
+        strip_decode()
     folds = {"0": (False,), "1": (True,), "both": (False, True)}[args.fold]
     for fold in folds:
         for which in ("down", "up"):
@@ -90,7 +108,7 @@ def main() -> int:
                     Path(args.dump, f"{which}_bm{BM}_fold{int(fold)}.sass").write_text(sass)
                 top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
                 print(f"fold={int(fold)} {which:4s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr "
-                      f"per K step | {top}", flush=True)
+                      f"per K step ({moves_in_loop(sass)} IMAD.MOV) | {top}", flush=True)
     return 0
 
 

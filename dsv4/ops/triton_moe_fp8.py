@@ -457,11 +457,12 @@ def pick_fp8mma_config(num_pairs: int, num_experts: int, predecode: bool = False
     average rows per active expert: 64-row blocks below 128 rows (2K-token prefill of
     V4-Flash: ~48), 128-row blocks from 128 (8K: ~190).
 
-    Chosen offline from the sm_90 compile (not yet timed on the GPU; bench/moe_prefill_fp8.py
-    --sweep times the neighbours): the up kernel holds two fp32 accumulators plus a fresh dot
-    result, so it takes 8 warps and 64×128 / 128×64 tiles (128×128 spills 88 bytes per thread
-    at 8 warps, 2.8 KB at 4), the down kernel 64×128 with 4 warps / 128×128 with 8; 3 stages
-    (the loads are pipelined through shared memory; 4 stages fit too, 96-131 KB)."""
+    The in-loop plans were chosen offline from the sm_90 compile: the up kernel holds two fp32
+    accumulators plus a fresh dot result, so it takes 8 warps and 64×128 / 128×64 tiles
+    (128×128 spills 88 bytes per thread at 8 warps, 2.8 KB at 4), the down kernel 64×128 with
+    4 warps / 128×128 with 8; 3 stages (4 fit too, 96-131 KB).  The in-loop decode is off by
+    default (:data:`FP8MMA_PREDECODE`); on the H200 its 128×128 up tile was the faster one
+    despite the spill (bench/sessions/gpu_session_s11a.sh, docs/PERFORMANCE.md)."""
     if predecode:
         return PLAN_PREDECODED
     active = max(1, min(num_experts, num_pairs))
