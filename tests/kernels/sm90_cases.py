@@ -566,6 +566,13 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             tm.moe_experts_with_config(_empty(1, m.dim, dtype=torch.bfloat16),
                                        torch.randint(0, E_ALLOC, (1, m.topk)),
                                        torch.rand(1, m.topk), ex, 10.0, cfg)
+            # The stream-K schedule (dsv4.ops.triton_moe_streamk) at one and 16 tokens.
+            for T in (1, 16):
+                cfg = replace(tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk),
+                              streamk=4)
+                tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
+                                           torch.randint(0, E_ALLOC, (T, m.topk)),
+                                           torch.rand(T, m.topk), ex, 10.0, cfg)
 
 
 # MXFP4 experts (V4-Flash / Pro, V4.1-Flash), FP8 experts (the *-Base checkpoints), dense
@@ -582,8 +589,11 @@ def _moe_fold() -> None:
     """The one-multiply MXFP4 decode (SCALE_LE_128: every scale byte <= 128, checked on CUDA
     tensors only) of the expert kernels at the decode and prefill plans."""
     from dsv4.ops import triton_moe as tm
+    from dsv4.ops import triton_moe_streamk as sk
     with RECORDER.override(tm._moe_up_kernel, SCALE_LE_128=True), \
-            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True):
+            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True), \
+            RECORDER.override(sk._moe_up_streamk_kernel, SCALE_LE_128=True), \
+            RECORDER.override(sk._moe_down_streamk_kernel, SCALE_LE_128=True):
         _moe(V4_FLASH, "fp4", "decode")
         _moe(V4_FLASH, "fp4", "prefill")
 
