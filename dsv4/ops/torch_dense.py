@@ -257,6 +257,10 @@ class ExpertWeights:
     ``act_block``: when set, the expert inputs (x before w1/w3, the activation before w2) are FP8
     fake-quantized with that block, which is what the reference does for quantized experts under
     official numerics (spec §2.5).
+
+    ``kchunk`` (MXFP4 only; 0: row-major): the codes and scales are stored K-chunk-major with
+    chunks of ``kchunk`` codes (:func:`rows_kchunk`: same shapes, another byte order), so the
+    expert kernels' weight tile of one K step (= ``kchunk``) is one contiguous run of bytes.
     """
 
     w1: torch.Tensor
@@ -268,6 +272,7 @@ class ExpertWeights:
     s3: torch.Tensor | None = None
     s2: torch.Tensor | None = None
     block: int = 128
+    kchunk: int = 0
 
     def __post_init__(self) -> None:
         if self.fmt not in EXPERT_FORMATS:
@@ -275,6 +280,12 @@ class ExpertWeights:
                              f"{EXPERT_FORMATS}")
         if self.fmt != "dense" and (self.s1 is None or self.s3 is None or self.s2 is None):
             raise ValueError(f"ExpertWeights: fmt={self.fmt!r} needs the scales s1, s3 and s2")
+        if self.kchunk:
+            k_min = min(2 * self.w1.shape[-1], 2 * self.w2.shape[-1])
+            if self.fmt != "fp4" or self.kchunk % 32 or k_min % self.kchunk:
+                raise ValueError(f"ExpertWeights: kchunk={self.kchunk} needs MXFP4 stacks and a "
+                                 f"multiple of 32 dividing K; found fmt={self.fmt!r}, "
+                                 f"K={k_min}")
 
     @property
     def num_experts(self) -> int:
@@ -298,9 +309,29 @@ class ExpertWeights:
         if self.fmt == "dense":
             return w
         s = getattr(self, "s" + which[1])[e]
+        if self.kchunk:
+            w = kchunk_rows(w, self.kchunk // 2)
+            s = kchunk_rows(s.view(torch.uint8), self.kchunk // 32).view(s.dtype)
         if self.fmt == "fp4":
             return dequant_mxfp4(w, s, dtype)
         return dequant_fp8_block(w, s, self.block, dtype)
+
+
+def rows_kchunk(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A row-major [.., N, C] byte tensor re-ordered K-chunk-major: the same shape, holding for
+    each chunk of ``width`` columns all N rows' slices in turn ([.., C/width, N, width] in
+    memory), so a kernel's [rows, width] tile of one K step is one contiguous run of bytes.
+    ``width``: the K step in stored columns (MXFP4 codes: BK/2 bytes, scales: BK/32)."""
+    *lead, n, c = t.shape
+    return (t.reshape(*lead, n, c // width, width).transpose(-3, -2).contiguous()
+            .reshape(*lead, n, c))
+
+
+def kchunk_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of :func:`rows_kchunk`: the row-major [.., N, C] tensor."""
+    *lead, n, c = t.shape
+    return (t.reshape(*lead, c // width, n, width).transpose(-3, -2).contiguous()
+            .reshape(*lead, n, c))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

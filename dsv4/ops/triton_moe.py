@@ -200,24 +200,31 @@ def _to_compute(v, OUT: tl.constexpr):
 def _load_weight_tile(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
                       stride_sn, FMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, OUT: tl.constexpr, SW_E8M0: tl.constexpr,
-                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr):
+                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
+                      KCHUNK: tl.constexpr = False, n_rows=0):
     """One [BN, BK] weight tile of expert e at K offset k0, dequantized into ``OUT``.
 
     FMT 1 (fp4): returns the (even-k, odd-k) planes [BN, BK/2] (FAST_FP4: the inline-PTX
-    decode, bf16 only; SCALE_LE_128: its one-multiply variant); FMT 2 (fp8) and 0 (dense):
-    returns the tile twice (the second value unused)."""
+    decode, bf16 only; SCALE_LE_128: its one-multiply variant; KCHUNK: codes and scales stored
+    K-chunk-major with chunks of BK, ``n_rows`` rows per expert — ``ExpertWeights.kchunk``);
+    FMT 2 (fp8) and 0 (dense): returns the tile twice (the second value unused)."""
     # 64-bit expert offsets: E × (N·K) passes 2^31 elements for V4-Pro stacks and for the
     # bf16 w1|w3 scratch of V4-Flash (255 × 16.8M).
     e = e.to(tl.int64)
     if FMT == 1:
         rj = tl.arange(0, BK // 2)
-        byte = tl.load(w_ptr + e * stride_we + rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :],
-                       mask=n_mask[:, None], other=0)
         rs = tl.arange(0, BK // 32)
+        if KCHUNK:
+            # Chunk k0 / BK holds every row's BK/2 bytes (BK/32 scales) in turn.
+            w_off = (k0 // BK) * (n_rows * (BK // 2)) + rn[:, None] * (BK // 2) + rj[None, :]
+            s_off = (k0 // BK) * (n_rows * (BK // 32)) + rn[:, None] * (BK // 32) + rs[None, :]
+        else:
+            w_off = rn[:, None] * stride_wn + (k0 // 2 + rj)[None, :]
+            s_off = rn[:, None] * stride_sn + (k0 // 32 + rs)[None, :]
+        byte = tl.load(w_ptr + e * stride_we + w_off, mask=n_mask[:, None], other=0)
         # Masked rows decode byte 0 to +0 whatever the scale: other=0 spares a select per group
         # (the async copy already zero-fills).
-        sc = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (k0 // 32 + rs)[None, :],
-                     mask=n_mask[:, None], other=0)
+        sc = tl.load(s_ptr + e * stride_se + s_off, mask=n_mask[:, None], other=0)
         # The interpreter cannot run inline PTX: it takes the fp32 decode.
         if FAST_FP4 and not INTERPRET:
             lo, hi = _mxfp4_planes_bf16(byte, sc, BN, BK // 2, SCALE_LE_128)
@@ -436,7 +443,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
                    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   KCHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
@@ -460,11 +467,13 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
             x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
             g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
+                                           KCHUNK, N)
             acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
             u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
+                                           KCHUNK, N)
             acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         if SPLIT:
             tile = blk * tl.num_programs(1) + pid_n
@@ -491,7 +500,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     KCHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
@@ -510,7 +519,8 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
             a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
             w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                           OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
+                                           KCHUNK, N)
             acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
@@ -804,6 +814,9 @@ DEQUANT_GEMM_MIN_ROWS: int | None = None
 def dequant_experts(experts: ExpertWeights, which: str, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the stack ``which`` ("w1", "w3", "w2") into ``out`` [E, N, K] (any row
     stride; exact for MXFP4, the twin's rounding for FP8 with fp32 scales)."""
+    if experts.kchunk:
+        raise ValueError("dequant_experts: K-chunk-major stacks (kchunk) are read by the grouped "
+                         "MMA kernels only")
     w, s, e8m0 = _weight_args(experts, which)
     E, N = w.shape[0], w.shape[1]
     K = out.shape[2]
@@ -894,6 +907,9 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         cfg = pick_moe_config(P, E, D, inter, bk)
     if cfg.BK != bk:
         cfg = replace(cfg, BK=bk)
+    if experts.kchunk and experts.kchunk != bk:
+        raise ValueError(f"moe_experts: K-chunk-major stacks need kchunk = the K step {bk}; "
+                         f"found kchunk={experts.kchunk}")
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -928,7 +944,8 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     # read.  Unsplit: never touched (act stands in).
     part_up = (torch.empty(2, split_up, rows, inter, dtype=torch.float32, device=x.device)
                if split_up > 1 else act.expand(2, 1, rows, inter))
-    consts = dict(FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold)
+    consts = dict(FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold,
+                  KCHUNK=bool(experts.kchunk))
     if cfg.streamk:
         from dsv4.ops import triton_moe_streamk as sk
         sk.moe_up_streamk(xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, E,
@@ -979,6 +996,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
     the picks are summed in fp32.
     """
+    if experts.kchunk:
+        # K-chunk-major stacks: only the grouped MMA kernels read that layout.
+        return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None)
     from dsv4.ops import triton_moe_gemv as gemv
     # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV).
     if gemv.MOE_GEMV and gemv.gemv_qualifies(x, topk_ids, experts):

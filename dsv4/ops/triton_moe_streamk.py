@@ -120,7 +120,7 @@ def _moe_up_streamk_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bex
                            HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr,
                            SCALE_LE_128: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, NBP: tl.constexpr, CT: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           KCHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
     """``_moe_up_kernel`` (act = w · swiglu(w1 x, w3 x) per plan row) under the stream-K
     schedule of the module docstring."""
     grid_dependency_sync(PDL)
@@ -152,11 +152,13 @@ def _moe_up_streamk_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bex
                 x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
                 g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                                stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                               OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                               OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
+                                               KCHUNK, N)
                 acc1 = _dot_tile(acc1, x_ev, x_od, g_ev, g_od, FMT)
                 u_ev, u_od = _load_weight_tile(w3_ptr, s3_ptr, e, rn, n_mask, k0, stride_we,
                                                stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                               OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                               OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
+                                               KCHUNK, N)
                 acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
             pair = tl.load(pair_ptr + rm)
             pf = _owner(t * KS, U)
@@ -188,7 +190,7 @@ def _moe_down_streamk_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
                              SW_E8M0: tl.constexpr, FAST_FP4: tl.constexpr,
                              SCALE_LE_128: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, NBP: tl.constexpr, CT: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             KCHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
     """``_moe_down_kernel`` (y[pair] = w2 · act[row]) under the stream-K schedule of the module
     docstring."""
     grid_dependency_sync(PDL)
@@ -216,7 +218,8 @@ def _moe_down_streamk_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr,
                 a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_actm, FMT, BK)
                 w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we,
                                                stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
-                                               OUT, SW_E8M0, FAST_FP4, SCALE_LE_128)
+                                               OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
+                                               KCHUNK, N)
                 acc = _dot_tile(acc, a_ev, a_od, w_ev, w_od, FMT)
             pair = tl.load(pair_ptr + rm)
             mask = m_mask[:, None] & n_mask[None, :]

@@ -124,3 +124,27 @@ def test_streamk_config_checked() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="streamk"):
             tri.MoeConfig(BM=16, BN_up=32, BN_down=64, streamk=bad)
+
+
+@pytest.mark.parametrize("streamk", [0, 3])
+def test_kchunk_layout_matches_rows(streamk: int) -> None:
+    """K-chunk-major MXFP4 stacks (ExpertWeights.kchunk): the twin un-permutes them, the
+    kernels (grouped and stream-K) read them in place; same results as the row-major stacks."""
+    gen = torch.Generator().manual_seed(21 + streamk)
+    E, D, inter, k, T = 6, 256, 256, 4, 2
+    ex = _experts("fp4", E, D, inter, gen, 128)
+    w1, w3, w2 = (ref.rows_kchunk(w, 64) for w in (ex.w1, ex.w3, ex.w2))
+    s1, s3, s2 = (ref.rows_kchunk(s.view(torch.uint8), 4).view(E8M0)
+                  for s in (ex.s1, ex.s3, ex.s2))
+    assert torch.equal(ref.kchunk_rows(w1, 64), ex.w1)
+    ch = ref.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, kchunk=128)
+    x = torch.randn(T, D, generator=gen)
+    ids, w = _routing(T, E, k, gen)
+    assert torch.equal(ref.moe_experts(x, ids, w, ch, 10.0), ref.moe_experts(x, ids, w, ex, 10.0))
+    cfg = _cfg(streamk)
+    y = tri.moe_experts_with_config(x, ids, w, ch, 10.0, cfg)
+    assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg))
+    with pytest.raises(ValueError, match="kchunk"):
+        ref.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, kchunk=48)
+    with pytest.raises(ValueError, match="kchunk"):
+        tri.dequant_experts(ch, "w1", torch.empty(E, inter, D))
