@@ -566,13 +566,16 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             tm.moe_experts_with_config(_empty(1, m.dim, dtype=torch.bfloat16),
                                        torch.randint(0, E_ALLOC, (1, m.topk)),
                                        torch.rand(1, m.topk), ex, 10.0, cfg)
-            # The stream-K schedule (dsv4.ops.triton_moe_streamk) at one and 16 tokens.
+            # The stream-K schedule (dsv4.ops.triton_moe_streamk) at one and 16 tokens, and
+            # K-chunk-major MXFP4 stacks under both schedules.
+            layouts = [ex] + ([replace(ex, kchunk=bk)] if fmt == "fp4" else [])
             for T in (1, 16):
-                cfg = replace(tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk),
-                              streamk=4)
-                tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
-                                           torch.randint(0, E_ALLOC, (T, m.topk)),
-                                           torch.rand(T, m.topk), ex, 10.0, cfg)
+                base = tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk)
+                for stacks in layouts:
+                    for cfg in (base, replace(base, streamk=4)):
+                        tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
+                                                   torch.randint(0, E_ALLOC, (T, m.topk)),
+                                                   torch.rand(T, m.topk), stacks, 10.0, cfg)
 
 
 # MXFP4 experts (V4-Flash / Pro, V4.1-Flash), FP8 experts (the *-Base checkpoints), dense
