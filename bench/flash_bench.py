@@ -137,6 +137,8 @@ def fill_random(model: Transformer, seed: int = 0) -> None:
                 k = w.shape[-1] * 2
                 center = 127 - 2 - int(math.log2(math.sqrt(k)))
                 s.copy_(_e8m0(tuple(s.shape), center, gen))
+            # The layout a GPU checkpoint load gives (Experts.load_expert): K-chunk-major.
+            module.relayout_kchunk()
             done.update(id(p) for p in module.parameters())
     for name, p in model.named_parameters():
         if id(p) in done:

@@ -65,15 +65,18 @@ SMALL_WIDE_WARPS8 = [(64, 128), (128, 128)]
 LARGE_PLANS = [(64, 4, 3), (64, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 3), (128, 8, 2)]
 
 
-def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, dev: str) -> ExpertWeights:
-    """Random MXFP4 stacks (int8 codes [E, N, K/2], e8m0 scales [E, N, K/32]), act_block 128."""
+def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, dev: str,
+                 kchunk: bool = False) -> ExpertWeights:
+    """Random MXFP4 stacks (int8 codes [E, N, K/2], e8m0 scales [E, N, K/32]), act_block 128;
+    ``kchunk``: stored K-chunk-major with chunks of 128 (the model's layout on the GPU,
+    ``ExpertWeights.kchunk``; random bytes either way)."""
     def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = torch.randint(-128, 128, (E, n, k // 2), generator=gen, device=dev, dtype=torch.int8)
         s = torch.randint(118, 123, (E, n, k // 32), generator=gen, device=dev)
         return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
 
     (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
-    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128)
+    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128, 128 if kchunk else 0)
 
 
 def routing(T: int, E: int, k: int, gen: torch.Generator, dev: str
@@ -203,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
     E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
     tokens = parse_tokens(args.tokens, args.tiny)
     gen = torch.Generator(device=dev).manual_seed(0)
-    ex = mxfp4_stacks(E, D, inter, gen, dev)
+    ex = mxfp4_stacks(E, D, inter, gen, dev, kchunk=dev == "cuda")   # the model's GPU layout
     per_expert = expert_bytes(D, inter)
     # A smoke run: one call per timing (the interpreter takes seconds per kernel launch).
     replays = 1 if args.tiny else args.replays

@@ -1,19 +1,18 @@
-"""The decode expert GEMMs under two changes that target their memory stream rather than their
-instructions (docs/PERFORMANCE.md twelfth session: with the MXFP4 decode stripped out they are
-only 3-7% faster, so the in-register decode is not what holds them at ~1.5 TB/s):
+"""The MXFP4 expert GEMMs on row-major against K-chunk-major stacks (``ExpertWeights.kchunk``,
+the model's layout on the GPU since the twelfth session): with chunks of the K step each
+program's [rows, 64-byte] weight tile of one K step is one contiguous run of bytes instead of
+64-byte pieces K/2 bytes apart.  Same kernels and plans (``pick_moe_config``), same bits.
 
-* the stream-K schedule (``MoeConfig.streamk`` programs per SM, dsv4.ops.triton_moe_streamk):
-  a fixed grid of evenly loaded programs instead of 768 short split-K programs in 1.45 waves;
-* K-chunk-major MXFP4 stacks (``ExpertWeights.kchunk``): each K step's [rows, 64-byte] weight
-  tile one contiguous run of bytes instead of 64-byte pieces 2 KB apart.
+V4-Flash widths, official numerics, CUDA-graph replay of rotated routings (<= 256 tokens), as
+bench/moe_decode.py.
 
-V4-Flash widths, official numerics, CUDA-graph replay of rotated routings, as bench/moe_decode.py.
-
-    PYTHONPATH=. python bench/moe_decode_layout.py [--tokens 1,2,4,16,64] [--per-sm 2,3,4]
+    PYTHONPATH=. python bench/moe_decode_layout.py [--tokens 1,2,4,16,64,256,8192]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_decode_layout.py --tiny   # CPU smoke run
 
-Columns: µs per call, the weight-streaming floor, the ratio, GB/s, the relative difference to
-the torch twin, finite.
+Columns: µs per call, the floor (weight bytes / 4.29 TB/s or FLOPs / 1459 TFLOP/s), the ratio, GB/s, the relative difference to
+the torch twin (first 256 rows), finite.  Twelfth session (H200, an earlier form of this script
+that also timed a stream-K schedule, since removed): 1 token 57.7 -> 57.1 µs, 2: 97.9 -> 87.4,
+4: 173.0 -> 151.4, 16: 491.8 -> 444.3, 64: 1,195 -> 1,063.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_decode import (BW, FLASH, TINY, _device, _time_plan, expert_bytes,  # noqa: E402
+from moe_decode import (BW, FLASH, PEAK_FP8, TINY, _device, _time_plan, expert_bytes,  # noqa: E402
                         fmt_us, mxfp4_stacks, routing)
 
 from dsv4.ops import torch_dense as ref  # noqa: E402
@@ -50,20 +49,14 @@ def kchunk_stacks(ex: ref.ExpertWeights, bk: int) -> ref.ExpertWeights:
                                kchunk=bk)
 
 
-def variants(base: tri.MoeConfig, per_sm: list[int]) -> list[tuple[str, tri.MoeConfig, bool]]:
-    """(name, plan, K-chunk-major) of the timed variants: the default plan on both layouts, then
-    stream-K at each ``per_sm`` on both."""
-    out = [("grouped (default)", base, False), ("grouped, kchunk", base, True)]
-    for n in per_sm:
-        sk = dataclasses.replace(base, streamk=n)
-        out += [(f"stream-K {n}/SM", sk, False), (f"stream-K {n}/SM, kchunk", sk, True)]
-    return out
+def variants(base: tri.MoeConfig) -> list[tuple[str, tri.MoeConfig, bool]]:
+    """(name, plan, K-chunk-major) of the timed variants: the default plan on both layouts."""
+    return [("row-major (default plan)", base, False), ("K-chunk-major", base, True)]
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="1,2,4,16,64")
-    ap.add_argument("--per-sm", default="2,3,4", help="stream-K programs per SM to time")
+    ap.add_argument("--tokens", default="1,2,4,16,64,256,8192")
     ap.add_argument("--rotate", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke run)")
@@ -78,25 +71,24 @@ def main(argv: list[str] | None = None) -> dict:
     ex_ch = kchunk_stacks(ex, bk)
     replays = 1 if args.tiny else args.replays
     rotate = 1 if args.tiny else args.rotate
-    per_sm = [int(v) for v in args.per_sm.split(",") if v]
     rows: list[dict[str, Any]] = []
-    print(f"# decode experts: E {E}, D {D}, I {inter}, top-{k}, MXFP4, official numerics; "
+    print(f"# MXFP4 experts: E {E}, D {D}, I {inter}, top-{k}, MXFP4, official numerics; "
           f"graph replay of {rotate} routings")
     print("| tokens | variant | µs | floor µs | ratio | GB/s | rel vs twin | finite |")
     print("|---|---|---|---|---|---|---|---|")
     for T in [int(t) for t in args.tokens.split(",")]:
         calls = []
-        for _ in range(rotate):
+        for _ in range(rotate if T <= 256 else 1):
             x = torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16)
             ids, w = routing(T, E, k, gen, dev)
             calls.append((x, ids, w))
         distinct = statistics.mean(int(torch.unique(c[1]).numel()) for c in calls)
         nbytes = distinct * expert_bytes(D, inter)
-        floor_us = nbytes / BW * 1e6
+        floor_us = max(nbytes / BW, 2 * 3 * D * inter * T * k / PEAK_FP8) * 1e6
         x, ids, w = calls[0]
-        twin = ref.moe_experts(x, ids, w, ex, 10.0)
+        twin = ref.moe_experts(x[:256], ids[:256], w[:256], ex, 10.0)
         base = tri.pick_moe_config(T * k, E, D, inter, bk)
-        for name, cfg, chunked in variants(base, per_sm):
+        for name, cfg, chunked in variants(base):
             res = _time_plan(cfg, calls, ex_ch if chunked else ex, twin, dev, replays)
             res.update(T=T, variant=name, plan=dataclasses.asdict(cfg), floor_us=floor_us)
             rows.append(res)

@@ -597,10 +597,7 @@ class MoeConfig:
     """Tile plan of one expert call: BM rows per block (each block one expert), N tiles of the
     up (gate+up) and down GEMMs, K step (= the FP8 act-quant block under official numerics),
     and the K splits of the up and down GEMMs (1: unsplit; more are clamped to the K steps).
-    ``streamk`` > 0: both GEMMs on the stream-K schedule of :mod:`dsv4.ops.triton_moe_streamk`
-    instead, ``streamk`` programs per SM (the splits are then ignored).
-
-    A split (or stream-K) GEMM sums its fp32 partials in a fixed order inside the kernel: its output is
+    A split GEMM sums its fp32 partials in a fixed order inside the kernel: its output is
     bit-reproducible run to run and equal to the unsplit one to fp32 rounding, not bit-equal
     (another accumulation order)."""
 
@@ -613,7 +610,6 @@ class MoeConfig:
     stages: int = 3
     split_up: int = 1
     split_down: int = 1
-    streamk: int = 0
 
     def __post_init__(self) -> None:
         for name in ("BM", "BN_up", "BN_down"):
@@ -624,8 +620,6 @@ class MoeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MoeConfig: {name} must be an int >= 1; found {v!r}")
-        if isinstance(self.streamk, bool) or not isinstance(self.streamk, int) or self.streamk < 0:
-            raise ValueError(f"MoeConfig: streamk must be an int >= 0; found {self.streamk!r}")
 
 
 # Split-K at decode.  At one token only ~6 row blocks × the N tiles stream the weights (192
@@ -931,8 +925,8 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         stages_down = _fit_stages(cfg.stages, cfg.BM, cfg.BN_down, cfg.BK, size)
     rows = nb * cfg.BM
     # K splits (at most one per K step); grid axis 2.
-    split_up = 1 if cfg.streamk else min(cfg.split_up, D // cfg.BK)
-    split_down = 1 if cfg.streamk else min(cfg.split_down, inter // cfg.BK)
+    split_up = min(cfg.split_up, D // cfg.BK)
+    split_down = min(cfg.split_down, inter // cfg.BK)
     tiles_up, tiles_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
     need = max(nb * tiles_up if split_up > 1 else 0, nb * tiles_down if split_down > 1 else 0)
     arrivals = splitk_counters(x.device, need, "moe_experts") if need else block_expert
@@ -946,19 +940,12 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
                if split_up > 1 else act.expand(2, 1, rows, inter))
     consts = dict(FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold,
                   KCHUNK=bool(experts.kchunk))
-    if cfg.streamk:
-        from dsv4.ops import triton_moe_streamk as sk
-        sk.moe_up_streamk(xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, E,
-                          swiglu_limit, dict(consts, HAS_LIMIT=swiglu_limit > 0), cfg.BM,
-                          cfg.BN_up, cfg.BK, cfg.streamk, cfg.warps_up, stages_up)
-    else:
-        _moe_up_kernel[(nb, tiles_up, split_up)](
-            xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1],
-            arrivals, P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1),
-            part_up.stride(2), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-            float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BM=cfg.BM,
-            BN=cfg.BN_up, BK=cfg.BK, num_warps=cfg.warps_up, num_stages=stages_up,
-            **consts, **pdl_args(xs))
+    _moe_up_kernel[(nb, tiles_up, split_up)](
+        xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1], arrivals,
+        P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
+        w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
+        HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
+        num_warps=cfg.warps_up, num_stages=stages_up, **consts, **pdl_args(xs))
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
         act_in = torch.empty_like(act)
@@ -969,16 +956,12 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
     part_down = (torch.empty(split_down, rows, D, dtype=torch.float32, device=x.device)
                  if split_down > 1 else y[None])
-    if cfg.streamk:
-        sk.moe_down_streamk(act_in, w2, s2, pairs, block_expert, y, P, E, consts, cfg.BM,
-                            cfg.BN_down, cfg.BK, cfg.streamk, cfg.warps_down, stages_down)
-    else:
-        _moe_down_kernel[(nb, tiles_down, split_down)](
-            act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
-            act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
-            w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), SPLIT=split_down > 1,
-            BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
-            num_stages=stages_down, **consts, **pdl_args(act_in))
+    _moe_down_kernel[(nb, tiles_down, split_down)](
+        act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
+        act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), SPLIT=split_down > 1,
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
+        num_stages=stages_down, **consts, **pdl_args(act_in))
     del part_down
     BD = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
@@ -996,12 +979,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
     the picks are summed in fp32.
     """
-    if experts.kchunk:
-        # K-chunk-major stacks: only the grouped MMA kernels read that layout.
-        return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None)
     from dsv4.ops import triton_moe_gemv as gemv
-    # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV).
-    if gemv.MOE_GEMV and gemv.gemv_qualifies(x, topk_ids, experts):
+    # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV;
+    # row-major stacks only).
+    if gemv.MOE_GEMV and not experts.kchunk and gemv.gemv_qualifies(x, topk_ids, experts):
         return gemv.moe_experts_gemv(x, topk_ids, topk_weights, experts, swiglu_limit)
     # Large prefill calls of MXFP4 experts under official numerics: FP8 tensor cores on the
     # experts re-encoded to e4m3 chunk by chunk (triton_moe_fp8.fp8mma_applies says when).
@@ -1009,7 +990,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if fp8mma.FP8MMA_PREFILL and fp8mma.fp8mma_applies(x, topk_ids, experts):
         return fp8mma.moe_experts_fp8mma(x, topk_ids, topk_weights, experts, swiglu_limit)
     pairs = topk_ids.numel()
-    if (DEQUANT_GEMM_MIN_ROWS is not None and experts.fmt != "dense"
+    if (DEQUANT_GEMM_MIN_ROWS is not None and experts.fmt != "dense" and not experts.kchunk
             and hasattr(torch, "_grouped_mm")
             and pairs >= DEQUANT_GEMM_MIN_ROWS * experts.num_experts):
         return moe_experts_grouped(x, topk_ids, topk_weights, experts, swiglu_limit)

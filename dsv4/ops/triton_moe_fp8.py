@@ -214,23 +214,33 @@ def _pow2_exact(be):
 
 @triton.jit
 def _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
-                     stride_sn, ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr):
+                     stride_sn, ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                     KCHUNK: tl.constexpr = False, n_rows=0):
     """One KS-wide K step of expert e's MXFP4 rows rn: (scale-folded e4m3 codes [BN, KS] in the
     MMA K order of :func:`mma_k_position`, the rows' fp32 step factors 2^(smax - 6 - 127) [BN]).
     ASM_DECODE: the inline-PTX byte lookups (GPU only); else integer ALU operations (the
-    interpreter), the same bytes."""
+    interpreter), the same bytes.  KCHUNK: the stack is K-chunk-major with chunks of KS codes
+    (``ExpertWeights.kchunk``), ``n_rows`` rows per expert."""
     # 64-bit expert offsets: E × N × K/2 passes 2^31 bytes for V4-Pro stacks.
     e = e.to(tl.int64)
     rg = tl.arange(0, KS // GROUP)
-    sb = tl.load(s_ptr + e * stride_se + rn[:, None] * stride_sn + (rg + k0 // GROUP)[None, :],
+    if KCHUNK:
+        s_row = (k0 // KS) * (n_rows * (KS // GROUP)) + rn * (KS // GROUP)
+        w_row = (k0 // KS) * (n_rows * (KS // 2)) + rn * (KS // 2)
+        k_in = 0
+    else:
+        s_row = rn * stride_sn + k0 // GROUP
+        w_row = rn * stride_wn
+        k_in = k0 // 2
+    sb = tl.load(s_ptr + e * stride_se + s_row[:, None] + rg[None, :],
                  mask=n_mask[:, None], other=127).to(tl.int32)                 # [BN, G]
     smax = tl.max(sb, axis=1)
     # Exponent add of each group (8 · (11 - d)); clamped: a wider spread never gets here (the
     # host check routes such stacks to the bf16 kernels).
     v = tl.maximum(_FOLD - (smax[:, None] - sb), 0) * 8                        # [BN, G]
     rj = tl.arange(0, GROUP // 2)
-    byte = tl.load(w_ptr + e * stride_we + rn[:, None, None] * stride_wn
-                   + (k0 // 2 + rg[:, None] * (GROUP // 2) + rj[None, :])[None, :, :],
+    byte = tl.load(w_ptr + e * stride_we + w_row[:, None, None]
+                   + (k_in + rg[:, None] * (GROUP // 2) + rj[None, :])[None, :, :],
                    mask=n_mask[:, None, None], other=0)                        # [BN, G, 16]
     if ASM_DECODE and not INTERPRET:
         vb = tl.broadcast_to(v[:, :, None], (BN, KS // GROUP, GROUP // 2)).to(tl.uint8)
@@ -253,7 +263,7 @@ def _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stri
 @triton.jit
 def _weight_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se, stride_sn,
                  PREDECODED: tl.constexpr, ASM_DECODE: tl.constexpr, BN: tl.constexpr,
-                 KS: tl.constexpr):
+                 KS: tl.constexpr, KCHUNK: tl.constexpr = False, n_rows=0):
     """One KS-wide K step of expert e's weight rows rn as (e4m3 codes [BN, KS] in the MMA K
     order, fp32 step factors [BN]).  PREDECODED: read from the buffers that
     ``_fp8_predecode_kernel`` wrote (codes [E, N, K] e4m3, factors [E, K / KS, N]); else
@@ -268,7 +278,7 @@ def _weight_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_s
                      other=0.0)
     else:
         w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, ASM_DECODE, BN, KS)
+                                  stride_se, stride_sn, ASM_DECODE, BN, KS, KCHUNK, n_rows)
     return w8, sw
 
 
@@ -290,7 +300,8 @@ def _act_step(a_ptr, sa_ptr, rm, m_mask, k0, stride_am, stride_sam, AB: tl.const
 def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_wn, stride_se,
                           stride_sn, stride_qe, stride_qn, stride_fe, stride_fk,
                           ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-                          SP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                          SP: tl.constexpr = 1, KCHUNK: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
     """SP K steps (KS wide) of BN rows of expert e0 + program 0 of an MXFP4 stack re-encoded
     losslessly: q[e, n, k] = the scale-folded e4m3 byte (MMA K order within the step),
     f[e, step, n] = the step's fp32 column factor.  The GEMMs then stream plain FP8 tiles that
@@ -303,7 +314,7 @@ def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_w
     for i in tl.static_range(SP):
         k0 = (tl.program_id(2) * SP + i) * KS
         w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, ASM_DECODE, BN, KS)
+                                  stride_se, stride_sn, ASM_DECODE, BN, KS, KCHUNK, N)
         tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
                  + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
         tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
@@ -348,7 +359,8 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
                       stride_we, stride_wn, stride_se, stride_sn, limit,
                       HAS_LIMIT: tl.constexpr, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
                       KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      PREDECODED: tl.constexpr = False, PDL: tl.constexpr = False):
+                      PREDECODED: tl.constexpr = False, KCHUNK: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) (bf16) for the pairs of one row block and N tile;
     x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``).
     One FP8 dot per KS-wide K step and weight, its row and column powers of two applied in fp32
@@ -368,10 +380,12 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
         for k0 in range(0, K, KS):
             a8, sa = _act_step(xq_ptr, xs_ptr, rm, m_mask, k0, stride_xm, stride_xsm, AB, KS)
             g8, sg = _weight_step(w1_ptr, s1_ptr, ew, rn, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
+                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS,
+                                  KCHUNK, N)
             acc1 = tl.fma(tl.dot(a8, tl.trans(g8)) * sa[:, None], sg[None, :], acc1)
             u8, su = _weight_step(w3_ptr, s3_ptr, ew, rn, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
+                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS,
+                                  KCHUNK, N)
             acc3 = tl.fma(tl.dot(a8, tl.trans(u8)) * sa[:, None], su[None, :], acc3)
         _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
                      limit, tl.bfloat16, HAS_LIMIT)
@@ -382,7 +396,8 @@ def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_pt
                         e1, stride_am, stride_asm, stride_ym, stride_we, stride_wn, stride_se,
                         stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
                         KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        PREDECODED: tl.constexpr = False, PDL: tl.constexpr = False):
+                        PREDECODED: tl.constexpr = False, KCHUNK: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] (bf16) for the pairs of one row block and N tile; act given as
     e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step.
     Experts e0 <= e < e1 only, as the up kernel."""
@@ -399,7 +414,8 @@ def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_pt
         for k0 in range(0, K, KS):
             a8, sa = _act_step(aq_ptr, as_ptr, rm, m_mask, k0, stride_am, stride_asm, AB, KS)
             w8, sw = _weight_step(w2_ptr, s2_ptr, ew, rn, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS)
+                                  stride_se, stride_sn, PREDECODED, ASM_DECODE, BN, KS,
+                                  KCHUNK, N)
             acc = tl.fma(tl.dot(a8, tl.trans(w8)) * sa[:, None], sw[None, :], acc)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         store_rne(y_ptrs, acc, m_mask[:, None] & n_mask[None, :])
@@ -573,17 +589,19 @@ def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.
 
 
 def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tensor, e0: int,
-               e1: int, asm: bool, ks: int, tile: tuple[int, int] | None = None) -> None:
+               e1: int, asm: bool, ks: int, tile: tuple[int, int] | None = None,
+               kchunk: bool = False) -> None:
     """q[e - e0], f[e - e0] = the FP8 re-encoding of MXFP4 experts e0 <= e < e1 of (w, s);
-    ``tile``: (rows, K steps) of a program (None: :data:`_PREDECODE_TILE`)."""
+    ``tile``: (rows, K steps) of a program (None: :data:`_PREDECODE_TILE`); ``kchunk``: (w, s)
+    K-chunk-major with chunks of ``ks`` (q, f stay row-major)."""
     n, k = q.shape[1], q.shape[2]
     bn, sp = tile or _PREDECODE_TILE
     sp = math.gcd(k // ks, sp)
     grid = (e1 - e0, triton.cdiv(n, bn), k // ks // sp)
     _fp8_predecode_kernel[grid](w, s, q, f, e0, n, w.stride(0), w.stride(1), s.stride(0),
                                 s.stride(1), q.stride(0), q.stride(1), f.stride(0), f.stride(1),
-                                ASM_DECODE=asm, BN=bn, KS=ks, SP=sp, num_warps=4,
-                                **pdl_args(w))
+                                ASM_DECODE=asm, BN=bn, KS=ks, SP=sp, KCHUNK=kchunk,
+                                num_warps=4, **pdl_args(w))
 
 
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
@@ -635,6 +653,9 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if T == 0 or k == 0:
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     ks = k_step(ab)
+    if experts.kchunk and experts.kchunk != ks:
+        raise ValueError(f"moe_experts_fp8mma: K-chunk-major stacks need kchunk = the K step "
+                         f"{ks}; found kchunk={experts.kchunk}")
     if not fold_spread_ok(experts, ks):
         from dsv4.ops import triton_moe
         return triton_moe.moe_experts_with_config(x, topk_ids, topk_weights, experts,
@@ -658,6 +679,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                          f"found {w1.stride()} / {w3.stride()}, {s1.stride()} / {s3.stride()}")
     e4m3 = torch.float8_e4m3fn
     asm = FP8MMA_DECODE == "asm"
+    kchunk = bool(experts.kchunk)
 
     xq = torch.empty(rows, D, dtype=e4m3, device=x.device)
     xs = torch.empty(rows, D // ab, dtype=torch.float32, device=x.device)
@@ -674,7 +696,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         _fp8mma_up_kernel[(nb, n_up)](
             xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, 0, E,
             xq.stride(0), xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
-            s1.stride(1), float(swiglu_limit), **up, **pdl_args(xq))
+            s1.stride(1), float(swiglu_limit), **up, KCHUNK=kchunk, **pdl_args(xq))
     else:
         overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
         slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
@@ -684,8 +706,8 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def predecode_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
-            _predecode(w1, s1, q1, f1, e0, e1, asm, ks)
-            _predecode(w3, s3, q3, f3, e0, e1, asm, ks)
+            _predecode(w1, s1, q1, f1, e0, e1, asm, ks, kchunk=kchunk)
+            _predecode(w3, s3, q3, f3, e0, e1, asm, ks, kchunk=kchunk)
 
         def gemm_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
@@ -709,7 +731,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         _fp8mma_down_kernel[(nb, n_down)](
             aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, 0, E, aq.stride(0),
             as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-            **down, **pdl_args(aq))
+            **down, KCHUNK=kchunk, **pdl_args(aq))
     else:
         # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size).
         down_bufs = [(q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D))
@@ -717,7 +739,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def predecode_down(slot: int, e0: int, e1: int) -> None:
             q2, f2 = down_bufs[slot]
-            _predecode(w2, s2, q2, f2, e0, e1, asm, ks)
+            _predecode(w2, s2, q2, f2, e0, e1, asm, ks, kchunk=kchunk)
 
         def gemm_down(slot: int, e0: int, e1: int) -> None:
             q2, f2 = down_bufs[slot]

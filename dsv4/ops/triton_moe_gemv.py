@@ -409,6 +409,9 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     _check_experts(x, topk_ids, topk_weights, experts)
     if experts.fmt != "fp4":
         raise ValueError(f"moe_experts_gemv: MXFP4 experts only; found {experts.fmt!r}")
+    if experts.kchunk:
+        raise ValueError("moe_experts_gemv: row-major stacks only; found K-chunk-major ones "
+                         f"(kchunk={experts.kchunk})")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"moe_experts_gemv: x must be bf16 or fp32; found {x.dtype}")
     scales = [_e8m0_bytes(getattr(experts, n)) for n in ("s1", "s3", "s2")]

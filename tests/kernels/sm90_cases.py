@@ -566,16 +566,21 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             tm.moe_experts_with_config(_empty(1, m.dim, dtype=torch.bfloat16),
                                        torch.randint(0, E_ALLOC, (1, m.topk)),
                                        torch.rand(1, m.topk), ex, 10.0, cfg)
-            # The stream-K schedule (dsv4.ops.triton_moe_streamk) at one and 16 tokens, and
-            # K-chunk-major MXFP4 stacks under both schedules.
-            layouts = [ex] + ([replace(ex, kchunk=bk)] if fmt == "fp4" else [])
-            for T in (1, 16):
-                base = tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk)
-                for stacks in layouts:
-                    for cfg in (base, replace(base, streamk=4)):
-                        tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
-                                                   torch.randint(0, E_ALLOC, (T, m.topk)),
-                                                   torch.rand(T, m.topk), stacks, 10.0, cfg)
+            # K-chunk-major MXFP4 stacks (the GPU layout) at one and 16 tokens.
+            if fmt == "fp4":
+                chunked = replace(ex, kchunk=bk)
+                for T in (1, 16):
+                    cfg = tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk)
+                    tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
+                                               torch.randint(0, E_ALLOC, (T, m.topk)),
+                                               torch.rand(T, m.topk), chunked, 10.0, cfg)
+        elif fmt == "fp4":
+            # The prefill plans on K-chunk-major stacks.
+            cfg = tm.pick_moe_config(8192 * m.topk, m.experts, m.dim, m.inter, bk)
+            tm.moe_experts_with_config(_empty(64, m.dim, dtype=torch.bfloat16),
+                                       torch.randint(0, E_ALLOC, (64, m.topk)),
+                                       torch.rand(64, m.topk), replace(ex, kchunk=bk), 10.0,
+                                       cfg)
 
 
 # MXFP4 experts (V4-Flash / Pro, V4.1-Flash), FP8 experts (the *-Base checkpoints), dense
@@ -592,11 +597,8 @@ def _moe_fold() -> None:
     """The one-multiply MXFP4 decode (SCALE_LE_128: every scale byte <= 128, checked on CUDA
     tensors only) of the expert kernels at the decode and prefill plans."""
     from dsv4.ops import triton_moe as tm
-    from dsv4.ops import triton_moe_streamk as sk
     with RECORDER.override(tm._moe_up_kernel, SCALE_LE_128=True), \
-            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True), \
-            RECORDER.override(sk._moe_up_streamk_kernel, SCALE_LE_128=True), \
-            RECORDER.override(sk._moe_down_streamk_kernel, SCALE_LE_128=True):
+            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True):
         _moe(V4_FLASH, "fp4", "decode")
         _moe(V4_FLASH, "fp4", "prefill")
 
@@ -647,10 +649,12 @@ def _moe_fp8mma() -> None:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, E_ALLOC, (64, m.topk), generator=gen)
         x = _empty(64, m.dim, dtype=torch.bfloat16)
+        from dataclasses import replace
         for cfg in plans:
             for predecode in (False, True):
-                tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg,
-                                       predecode=predecode)
+                for stacks in (ex, replace(ex, kchunk=128)):   # row-major, K-chunk-major
+                    tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), stacks, 10.0, cfg,
+                                           predecode=predecode)
             with RECORDER.override(tf8._fp8mma_up_kernel, ASM_DECODE=False), \
                     RECORDER.override(tf8._fp8mma_down_kernel, ASM_DECODE=False):
                 tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg,

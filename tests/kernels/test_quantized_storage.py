@@ -101,6 +101,34 @@ def test_experts_quantized_stacks_match_dense(expert_dtype: str) -> None:
     assert torch.equal(y_q, y_d) and y_q.abs().sum() > 0
 
 
+def test_experts_kchunk_relayout_keeps_the_output() -> None:
+    """MXFP4 stacks re-stored K-chunk-major (the GPU layout, Experts.relayout_kchunk): other
+    bytes, the same expert outputs; a CPU load keeps the row-major layout."""
+    cfg = ModelConfig.from_dict(tiny_config("v4", hidden_size=256, moe_intermediate_size=128,
+                                            n_routed_experts=4, num_experts_per_tok=2,
+                                            expert_dtype="fp4"))
+    ex = Experts(cfg, None, torch.float32, keep_quantized=True)
+    assert ex.k_step == 128 and ex.kchunk == 0
+    gen = torch.Generator().manual_seed(4)
+    for name, load in ex.official_targets("").items():
+        n, k = (256, 128) if name.endswith("w2.weight") else (128, 256)
+        q, s = formats.quant_mxfp4(torch.randn(n, k, generator=gen) * 0.1)
+        load(formats.QuantWeight(q, s, "fp4", 32, (n, k)))
+    assert ex.kchunk == 0                       # loaded on the CPU: row-major
+    x = torch.randn(5, 256, generator=gen)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 2]])
+    w = torch.rand(5, 2, generator=gen)
+    before = torch_dense.moe_experts(x, ids, w, ex.weights(), cfg.swiglu_limit)
+    rows = ex.w1.clone()
+    ex.relayout_kchunk()
+    assert ex.kchunk == 128 and ex.weights().kchunk == 128 and not torch.equal(ex.w1, rows)
+    assert torch.equal(torch_dense.kchunk_rows(ex.w1, 64), rows)
+    assert torch.equal(torch_dense.moe_experts(x, ids, w, ex.weights(), cfg.swiglu_limit),
+                       before)
+    ex.relayout_kchunk()                        # already chunked: a no-op
+    assert torch.equal(torch_dense.kchunk_rows(ex.w1, 64), rows)
+
+
 def test_experts_quantized_storage_rejects_other_formats() -> None:
     cfg = _expert_cfg("fp4")
     ex = Experts(cfg, None, torch.float32, keep_quantized=True)
