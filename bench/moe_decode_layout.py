@@ -49,14 +49,34 @@ def kchunk_stacks(ex: ref.ExpertWeights, bk: int) -> ref.ExpertWeights:
                                kchunk=bk)
 
 
-def variants(base: tri.MoeConfig) -> list[tuple[str, tri.MoeConfig, bool]]:
-    """(name, plan, K-chunk-major) of the timed variants: the default plan on both layouts."""
-    return [("row-major (default plan)", base, False), ("K-chunk-major", base, True)]
+def parse_plan(spec: str) -> dict[str, int]:
+    """``BN_up/BN_down/warps/split_up/split_down`` -> MoeConfig fields (``--plans``)."""
+    try:
+        bn_up, bn_down, warps, su, sd = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"moe_decode_layout: --plans wants BN_up/BN_down/warps/split_up/"
+                         f"split_down entries; found {spec!r}")
+    return dict(BN_up=bn_up, BN_down=bn_down, warps_up=warps, warps_down=warps, split_up=su,
+                split_down=sd)
+
+
+def variants(base: tri.MoeConfig, extra: list[dict[str, int]]
+             ) -> list[tuple[str, tri.MoeConfig, bool]]:
+    """(name, plan, K-chunk-major) of the timed variants: the default plan on both layouts,
+    then each ``extra`` plan (fields replaced in the default one) K-chunk-major."""
+    out = [("row-major (default plan)", base, False), ("K-chunk-major", base, True)]
+    for fields in extra:
+        cfg = dataclasses.replace(base, **fields)
+        out.append((f"K-chunk-major, BN {cfg.BN_up}/{cfg.BN_down} w{cfg.warps_up} split "
+                    f"{cfg.split_up}/{cfg.split_down}", cfg, True))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,2,4,16,64,256,8192")
+    ap.add_argument("--plans", default="", help="extra decode plans, comma-separated "
+                    "BN_up/BN_down/warps/split_up/split_down (K-chunk-major stacks)")
     ap.add_argument("--rotate", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke run)")
@@ -88,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         x, ids, w = calls[0]
         twin = ref.moe_experts(x[:256], ids[:256], w[:256], ex, 10.0)
         base = tri.pick_moe_config(T * k, E, D, inter, bk)
-        for name, cfg, chunked in variants(base):
+        extra = [parse_plan(p) for p in args.plans.split(",") if p] if T <= 16 else []
+        for name, cfg, chunked in variants(base, extra):
             res = _time_plan(cfg, calls, ex_ch if chunked else ex, twin, dev, replays)
             res.update(T=T, variant=name, plan=dataclasses.asdict(cfg), floor_us=floor_us)
             rows.append(res)
