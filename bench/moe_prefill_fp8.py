@@ -55,10 +55,11 @@ SWEEP = [f8.PLAN_SMALL,                                                         
 PREDECODE_TILES = [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]
 
 
-def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str
-                 ) -> ExpertWeights:
+def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str,
+                 kchunk: bool = False) -> ExpertWeights:
     """Random MXFP4 stacks (packed e2m1 int8 [E, N, K/2], e8m0 scales [E, N, K/32]) with the
-    FP8 act quant of official numerics (block 128)."""
+    FP8 act quant of official numerics (block 128); ``kchunk``: marked K-chunk-major with chunks
+    of 128 (the model's GPU layout; random bytes either way)."""
     def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = torch.randint(-128, 128, (E, n, k // 2), generator=gen, device=device,
                           dtype=torch.int8)
@@ -66,7 +67,7 @@ def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str
         return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
 
     (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
-    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128)
+    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128, 128 if kchunk else 0)
 
 
 def time_us(fn: Callable[[], Any], device: str) -> float:
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
     tokens = [int(t) for t in (args.tokens or ("4,20" if args.tiny else "2048,8192")).split(",")]
     gen = torch.Generator(device=device).manual_seed(0)
-    ex = mxfp4_stacks(E, D, inter, gen, device, kchunk=device == "cuda")   # the GPU layout
+    # The model's GPU layout (K-chunk-major) unless --rows.
+    ex = mxfp4_stacks(E, D, inter, gen, device, kchunk=device == "cuda" and not args.rows)
     rows: list[dict[str, Any]] = []
     print("| tokens | plan | weights | bf16-MMA µs | TFLOP/s | FP8-MMA µs | TFLOP/s | speed-up "
           "| rel. diff | finite |")
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--sweep", action="store_true", help="also time the other FP8 tile plans")
+    ap.add_argument("--rows", action="store_true",
+                    help="row-major stacks (the layout before the twelfth session)")
     ap.add_argument("--tiny", action="store_true", help="toy widths on CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     return run(ap.parse_args(argv))
