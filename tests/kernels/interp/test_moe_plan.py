@@ -89,3 +89,21 @@ def test_plan_kernel_is_deterministic_and_rejects_bad_block() -> None:
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(ValueError, match="BM"):
         tri.moe_plan(ids, 32, 24)
+
+
+# The one-program kernel of P <= SMALL_PLAN_MAX_PAIRS pairs: every P from 1 to the limit at
+# decode shapes, repeated ids within and across tokens, skipped ids, 16- and 32-row blocks.
+@pytest.mark.parametrize("P,E,BM,p_other", [(1, 256, 16, 0.0), (6, 256, 16, 0.0),
+                                            (7, 4, 16, 0.3), (12, 256, 16, 0.2),
+                                            (33, 8, 32, 0.1), (48, 3, 16, 0.0),
+                                            (63, 256, 16, 0.5), (64, 16, 16, 0.1),
+                                            (64, 256, 32, 1.0)])
+def test_small_plan_kernel_equals_twin(P: int, E: int, BM: int, p_other: float) -> None:
+    from dsv4.ops.triton_moe_plan import SMALL_PLAN_MAX_PAIRS
+    assert P <= SMALL_PLAN_MAX_PAIRS
+    gen = torch.Generator().manual_seed(P * 7 + E + BM)
+    ids = _ids(1, P, E, gen, p_other).reshape(1, P)
+    _check_same(ids, E, BM)
+    # Shaped as tokens x picks (the same flat order).
+    if P % 2 == 0:
+        _check_same(ids.reshape(P // 2, 2), E, BM)
