@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Twelfth session, second call (~5 min): the stream-K decode expert GEMMs and K-chunk-major
 # MXFP4 stacks — GPU tests, then bench/moe_decode_layout.py at 1 / 2 / 4 / 16 / 64 tokens.
+# Ran at 297dd03; the stream-K schedule (and these test / bench forms) were removed in 847cba8.
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
