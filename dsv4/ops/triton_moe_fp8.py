@@ -106,9 +106,11 @@ FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
 # expert once per call (3.8 ms for a V4-Flash layer), a fixed cost the GEMMs' gain must pay
 # for.  H200, V4-Flash, predecoded against the bf16-MMA kernels (bench/moe_prefill_fp8.py,
 # bench/sessions/gpu_session_s10e.sh): 4K tokens (96 pairs an expert) 0.77x, 8K (192)
-# 0.99x, 32K (768) 1.25x (1.00x / 1.32x in bench/sessions/gpu_session_s11a.sh): from 384 (16K
-# tokens of V4-Flash on one GPU).
-MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "384"))
+# 0.99x, 32K (768) 1.25x (1.00x / 1.32x in bench/sessions/gpu_session_s11a.sh); with the
+# K-chunk-major stacks of the twelfth session (bench/sessions/gpu_session_s12e.sh) 8K 1.19x,
+# 32K 1.47x (the bf16 kernels 6-8% slower on that layout, the predecoded path faster): from
+# 192 (8K tokens of V4-Flash on one GPU).
+MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "192"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
 FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"

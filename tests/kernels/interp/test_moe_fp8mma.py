@@ -464,14 +464,14 @@ def test_fp8mma_applies(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_op_table_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """triton_moe.moe_experts (the op table's) takes the FP8-MMA path exactly when
     FP8MMA_PREFILL and fp8mma_applies: from MIN_PAIRS_PER_EXPERT pairs an expert (on by
-    default at 384), the bf16-MMA kernels below and with DSV4_FP8MMA=0."""
+    default at 192), the bf16-MMA kernels below and with DSV4_FP8MMA=0."""
     gen = torch.Generator().manual_seed(12)
     ex = _spread_experts(gen, 4)
     x = torch.zeros(4, D, dtype=torch.bfloat16)
     ids = torch.zeros(4, 2, dtype=torch.int64)             # 8 pairs = 1 an expert
     calls = []
     monkeypatch.setattr(f8, "moe_experts_fp8mma", lambda *a, **kw: calls.append(1) or "fp8")
-    assert f8.FP8MMA_PREFILL and f8.MIN_PAIRS_PER_EXPERT == 384    # the defaults
+    assert f8.FP8MMA_PREFILL and f8.MIN_PAIRS_PER_EXPERT == 192    # the defaults
     monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 1)
     assert tri.moe_experts(x, ids, torch.ones(4, 2), ex, 10.0) == "fp8" and calls == [1]
     monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 2)
