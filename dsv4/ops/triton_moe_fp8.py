@@ -538,6 +538,8 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
         return False
     if topk_ids.numel() < MIN_PAIRS_PER_EXPERT * experts.num_experts:
         return False
+    if experts.kchunk and experts.kchunk != k_step(ab):
+        return False          # chunks of another width than this path's K step
     return fold_spread_ok(experts, k_step(ab))
 
 
