@@ -597,6 +597,7 @@ class MoeConfig:
     """Tile plan of one expert call: BM rows per block (each block one expert), N tiles of the
     up (gate+up) and down GEMMs, K step (= the FP8 act-quant block under official numerics),
     and the K splits of the up and down GEMMs (1: unsplit; more are clamped to the K steps).
+
     A split GEMM sums its fp32 partials in a fixed order inside the kernel: its output is
     bit-reproducible run to run and equal to the unsplit one to fp32 rounding, not bit-equal
     (another accumulation order)."""
@@ -809,8 +810,8 @@ def dequant_experts(experts: ExpertWeights, which: str, out: torch.Tensor) -> to
     """Dequantize the stack ``which`` ("w1", "w3", "w2") into ``out`` [E, N, K] (any row
     stride; exact for MXFP4, the twin's rounding for FP8 with fp32 scales)."""
     if experts.kchunk:
-        raise ValueError("dequant_experts: K-chunk-major stacks (kchunk) are read by the grouped "
-                         "MMA kernels only")
+        raise ValueError("dequant_experts: K-chunk-major stacks (kchunk) are read by the MMA "
+                         "expert kernels only")
     w, s, e8m0 = _weight_args(experts, which)
     E, N = w.shape[0], w.shape[1]
     K = out.shape[2]
