@@ -58,6 +58,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
+    _INTERPRET_HOST,
     INTERPRET,
     mma,
     pow2_from_exp,
@@ -68,7 +69,8 @@ from dsv4.ops.triton_dense import (
     torch_twin_off_gpu,
     ue8m0_exponent,
 )
-from dsv4.ops.triton_moe_plan import moe_plan, moe_plan_torch
+from dsv4.ops.triton_moe_plan import (SMALL_PLAN_MAX_PAIRS, moe_plan, moe_plan_torch,
+                                      small_plan_rows, small_plan_store)
 
 __all__ = [
     "DEQUANT_GEMM_MIN_ROWS",
@@ -79,7 +81,9 @@ __all__ = [
     "moe_experts_grouped",
     "moe_experts_with_config",
     "moe_plan",
+    "moe_plan_prep",
     "moe_plan_torch",
+    "moe_prep",
     "pick_moe_config",
 ]
 
@@ -376,6 +380,72 @@ def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_sr
                 q, _ = _fake_quant_pair(tf, tf)
                 t = q.to(OUT)
             tl.store(base + tl.arange(0, BK)[None, :], t, mask=m_mask[:, None])
+
+
+@triton.jit
+def _moe_plan_prep_small_kernel(ids_ptr, src_ptr, pairs_ptr, bexp_ptr, dst_ptr, P, E, NB, TOPK,
+                                stride_src, stride_dst, FMT: tl.constexpr,
+                                QUANT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                                PP: tl.constexpr, NBP: tl.constexpr, RB: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    """The routing plan of P <= PP pairs and the activation prep of ``_moe_prep_kernel``
+    (GATHER) in one launch, for decode: every program works out the plan's rows in registers
+    (:func:`small_plan_rows`: a few [PP, PP] comparisons, cheaper than waiting for another
+    kernel); program 0 writes the plan, program 1 + j the K step j of every pair's activation
+    row (x of its token, FP8 fake-quantized under QUANT, split [even | odd] for MXFP4) at its
+    plan row.  Padding rows are left unwritten, as by ``_moe_prep_kernel``."""
+    grid_dependency_sync(PDL)
+    rp, key, valid, dest, first, nblk, first_blk = small_plan_rows(ids_ptr, P, E, BM, PP)
+    pid = tl.program_id(0)
+    if pid == 0:
+        small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first, nblk,
+                         first_blk, BM, NBP, RB)
+    else:
+        k0 = (pid - 1) * BK
+        OUT: tl.constexpr = dst_ptr.dtype.element_ty
+        tok = rp // TOPK
+        t = tl.load(src_ptr + tok.to(tl.int64)[:, None] * stride_src + k0
+                    + tl.arange(0, BK)[None, :], mask=valid[:, None], other=0.0)
+        base = dst_ptr + dest.to(tl.int64)[:, None] * stride_dst + k0
+        if FMT == 1:
+            ev, od = tl.split(tl.reshape(t, (PP, BK // 2, 2)))
+            if QUANT:
+                qe, qo = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
+                ev, od = qe.to(OUT), qo.to(OUT)
+            rj = tl.arange(0, BK // 2)
+            tl.store(base + rj[None, :], ev, mask=valid[:, None])
+            tl.store(base + (BK // 2 + rj)[None, :], od, mask=valid[:, None])
+        else:
+            if QUANT:
+                tf = t.to(tl.float32)
+                q, _ = _fake_quant_pair(tf, tf)
+                t = q.to(OUT)
+            tl.store(base + tl.arange(0, BK)[None, :], t, mask=valid[:, None])
+
+
+def moe_plan_prep(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, BM: int,
+                  fmt: int, quant: bool, BK: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """(pairs, block_expert, xs) of :func:`moe_plan` and :func:`moe_prep` (GATHER) in one launch
+    for at most :data:`SMALL_PLAN_MAX_PAIRS` pairs (CUDA or the interpreter); the same values
+    (xs padding rows unwritten)."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int64)
+    flat = flat.contiguous()
+    P, (T, D) = flat.numel(), x.shape
+    if not 0 < P <= SMALL_PLAN_MAX_PAIRS or BM < 1 or BM & (BM - 1) or D % BK:
+        raise ValueError(f"moe_plan_prep: expected 1..{SMALL_PLAN_MAX_PAIRS} pairs, BM a power "
+                         f"of two and D a multiple of {BK}; found P={P}, BM={BM}, D={D}")
+    nb = triton.cdiv(P, BM) + min(num_experts, P)
+    pairs = torch.empty(nb * BM, dtype=torch.int32, device=x.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=x.device)
+    xs = torch.empty(nb * BM, D, dtype=x.dtype, device=x.device)
+    _moe_plan_prep_small_kernel[(1 + D // BK,)](
+        flat, x, pairs, block_expert, xs, P, num_experts, nb, P // T, x.stride(0), xs.stride(0),
+        FMT=fmt, QUANT=quant, BM=BM, BK=BK, PP=max(16, triton.next_power_of_2(P)),
+        NBP=max(16, triton.next_power_of_2(nb)), RB=256, num_warps=4, **pdl_args(x))
+    return pairs, block_expert, xs
 
 
 @dataclass(frozen=True)
@@ -908,10 +978,15 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
-    pairs, block_expert = moe_plan(ids, E, cfg.BM)
-    nb = block_expert.shape[0]
     fmt = _FMT_CODE[experts.fmt]
     quant = bool(experts.act_block)
+    # Decode: the plan and the activation prep in one launch; else two.
+    fused_prep = P <= SMALL_PLAN_MAX_PAIRS and (x.is_cuda or _INTERPRET_HOST)
+    if fused_prep:
+        pairs, block_expert, xs = moe_plan_prep(x, ids, E, cfg.BM, fmt, quant, cfg.BK)
+    else:
+        pairs, block_expert = moe_plan(ids, E, cfg.BM)
+    nb = block_expert.shape[0]
     w1, s1, e8m0 = _weight_args(experts, "w1")
     w3, s3, _ = _weight_args(experts, "w3")
     w2, s2, _ = _weight_args(experts, "w2")
@@ -932,8 +1007,9 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     need = max(nb * tiles_up if split_up > 1 else 0, nb * tiles_down if split_down > 1 else 0)
     arrivals = splitk_counters(x.device, need, "moe_experts") if need else block_expert
     # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
-    xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
-    moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK)
+    if not fused_prep:
+        xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
+        moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     # fp32 partials of the splits (gate, up: [2, S, rows, I]); only real rows are written and
     # read.  Unsplit: never touched (act stands in).

@@ -16,7 +16,8 @@ import triton.language as tl
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import _INTERPRET_HOST
 
-__all__ = ["SMALL_PLAN_MAX_PAIRS", "moe_plan", "moe_plan_torch"]
+__all__ = ["SMALL_PLAN_MAX_PAIRS", "moe_plan", "moe_plan_torch", "small_plan_rows",
+           "small_plan_store"]
 
 
 @triton.jit
@@ -72,16 +73,12 @@ def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
 
 
 @triton.jit
-def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
-                           PP: tl.constexpr, NBP: tl.constexpr, RB: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    """:func:`_moe_plan_kernel` for P <= PP pairs (decode) in one program: every pair's place
-    from [PP, PP] comparisons in registers, instead of E + 1 programs each histogramming the
-    ids (the decode plan took ~6 µs on the H200 critical path).  Pair p (id e valid) goes to
-    row first_block(e)·BM + #{q < p with the same id}; first_block(e) = Σ over the valid ids
-    e' < e of ceil(count(e') / BM).  All rows are set to P first (padding, unused blocks), then
-    after a block-wide barrier the pairs are scattered over them."""
-    grid_dependency_sync(PDL)
+def small_plan_rows(ids_ptr, P, E, BM: tl.constexpr, PP: tl.constexpr):
+    """The plan of P <= PP pairs from [PP, PP] comparisons in registers: per pair p (lane p),
+    its plan row ``first_block(e)·BM + #{q < p with the same id}`` where first_block(e) = Σ over
+    the valid ids e' < e of ceil(count(e') / BM); whether its id is valid (0..E-1); and per
+    lane the id key, whether it is its id's first pair, and that id's block count / first
+    block (for the block map).  Returns (lanes, key, valid, dest, first, nblk, first_blk)."""
     rp = tl.arange(0, PP)
     ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
     # Skipped ids (other shards) sort as E, the lanes past P as E + 1: neither is placed.
@@ -89,28 +86,47 @@ def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.conste
     key = tl.where(rp < P, key, E + 1)
     kp = key[:, None]                       # row: pair p
     kq = key[None, :]                       # column: pair q
-    q_before = rp[None, :] < rp[:, None]
     same = kq == kp
     count = tl.sum(same.to(tl.int32), axis=1)                                  # [PP]
-    rank_in = tl.sum((same & q_before).to(tl.int32), axis=1)                   # [PP]
+    rank_in = tl.sum((same & (rp[None, :] < rp[:, None])).to(tl.int32), axis=1)
     valid = key < E
     first = valid & (rank_in == 0)           # the first pair of each valid id
     nblk = tl.where(first, (count + BM - 1) // BM, 0)                          # [PP]
     # Σ of the block counts of the smaller ids, for pair p: over columns q.
     first_blk = tl.sum(tl.where(kq < kp, nblk[None, :], 0), axis=1)           # [PP]
-    # Every row P (padding rows and unused blocks), then the pairs over them.
+    return rp, key, valid, first_blk * BM + rank_in, first, nblk, first_blk
+
+
+@triton.jit
+def small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first, nblk,
+                     first_blk, BM: tl.constexpr, NBP: tl.constexpr, RB: tl.constexpr):
+    """Write the plan of :func:`small_plan_rows`: every row P (padding rows, unused blocks),
+    then after a block-wide barrier the pairs over them; block b -> the id whose block range
+    [first_blk, first_blk + nblk) holds b, else E."""
     for r0 in range(0, NB * BM, RB):
         rr = r0 + tl.arange(0, RB)
         tl.store(pairs_ptr + rr, tl.zeros((RB,), dtype=tl.int32) + P, mask=rr < NB * BM)
     tl.debug_barrier()
-    tl.store(pairs_ptr + first_blk * BM + rank_in, rp, mask=valid)
-    # block b -> the id whose block range [first_blk, first_blk + nblk) holds b, else E.
+    tl.store(pairs_ptr + dest, rp, mask=valid)
     rb = tl.arange(0, NBP)
     hit = (first[None, :] & (first_blk[None, :] <= rb[:, None])
            & (rb[:, None] < first_blk[None, :] + nblk[None, :]))                # [NBP, PP]
-    owner = tl.sum(tl.where(hit, kq, 0), axis=1)
+    owner = tl.sum(tl.where(hit, key[None, :], 0), axis=1)
     owned = tl.sum(hit.to(tl.int32), axis=1) > 0
     tl.store(bexp_ptr + rb, tl.where(owned, owner, E), mask=rb < NB)
+
+
+@triton.jit
+def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
+                           PP: tl.constexpr, NBP: tl.constexpr, RB: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """:func:`_moe_plan_kernel` for P <= PP pairs (decode) in one program
+    (:func:`small_plan_rows`, :func:`small_plan_store`), instead of E + 1 programs each
+    histogramming the ids (the decode plan took ~6 µs on the H200 critical path)."""
+    grid_dependency_sync(PDL)
+    rp, key, valid, dest, first, nblk, first_blk = small_plan_rows(ids_ptr, P, E, BM, PP)
+    small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first, nblk,
+                     first_blk, BM, NBP, RB)
 
 
 # Up to this many (token, pick) pairs moe_plan takes the one-program kernel (at most 10 tokens

@@ -86,6 +86,38 @@ def test_plan_kernel_in_a_cuda_graph() -> None:
         assert torch.equal(pairs, ref_pairs) and torch.equal(bexp, ref_bexp)
 
 
+@pytest.mark.parametrize("T", [1, 2, 10])
+def test_plan_prep_fused_gpu(T: int) -> None:
+    """Decode (<= 64 pairs): the one-launch plan + activation prep equals the twin's plan and
+    moe_prep's rows, eagerly and replayed from a CUDA graph on new inputs."""
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(50 + T)
+    ids, _ = _routing(T, gen)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+
+    def check(pairs, bexp, xs) -> None:
+        ref_pairs, ref_bexp = tri.moe_plan_torch(ids, E, 16)
+        assert torch.equal(pairs, ref_pairs) and torch.equal(bexp, ref_bexp)
+        ref = torch.zeros_like(xs)
+        tri.moe_prep(x, pairs, bexp, ref, T * TOPK, E, TOPK, True, 1, True, 16, 128)
+        real = pairs < T * TOPK
+        assert torch.equal(xs[real], ref[real])
+
+    check(*tri.moe_plan_prep(x, ids, E, 16, 1, True, 128))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.moe_plan_prep(x, ids, E, 16, 1, True, 128)
+    for seed in (51, 52):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        new, _ = _routing(T, g)
+        ids.copy_(new)
+        x.copy_(torch.randn(T, D, generator=g, device=DEV).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*out)
+
+
 @pytest.mark.parametrize("T", [1, 7, 64, 256, 2048])
 def test_default_plan_gpu(T: int) -> None:
     """Official numerics (act_block 128), bf16 compute, the kernel path under the default plan

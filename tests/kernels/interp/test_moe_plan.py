@@ -107,3 +107,26 @@ def test_small_plan_kernel_equals_twin(P: int, E: int, BM: int, p_other: float) 
     # Shaped as tokens x picks (the same flat order).
     if P % 2 == 0:
         _check_same(ids.reshape(P // 2, 2), E, BM)
+
+
+@pytest.mark.parametrize("T,k,E,fmt,quant", [(1, 6, 256, 1, True), (3, 2, 8, 1, False),
+                                             (5, 4, 6, 0, False), (2, 6, 16, 2, True),
+                                             (10, 6, 64, 1, True)])
+def test_plan_prep_fused_equals_plan_then_prep(T: int, k: int, E: int, fmt: int,
+                                               quant: bool) -> None:
+    """moe_plan_prep (decode: the plan and the activation prep in one launch) gives the twin's
+    plan and, on every real pair's row, the bytes moe_prep writes after moe_plan."""
+    gen = torch.Generator().manual_seed(T * 13 + k + E)
+    ids = _ids(T, k, E, gen, 0.2)
+    x = (torch.randn(T, 256, generator=gen) * 3).to(torch.bfloat16)
+    BM, BK = 16, 128
+    pairs, bexp, xs = tri.moe_plan_prep(x, ids, E, BM, fmt, quant, BK)
+    pairs_ref, bexp_ref = tri.moe_plan_torch(ids, E, BM)
+    assert torch.equal(pairs, pairs_ref) and torch.equal(bexp, bexp_ref)
+    ref = torch.zeros_like(xs)
+    tri.moe_prep(x, pairs, bexp, ref, T * k, E, k, True, fmt, quant, BM, BK)
+    real = pairs < T * k
+    assert torch.equal(xs[real], ref[real])
+    with pytest.raises(ValueError, match="moe_plan_prep"):
+        tri.moe_plan_prep(x, torch.zeros(T, 65 // T + 1, dtype=torch.long), E, BM, fmt, quant,
+                          BK)
