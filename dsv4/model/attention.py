@@ -161,20 +161,19 @@ def _token_entry_rows(ctx: StepContext, ratio: int, page_size: int,
 
 
 def _picked_rows(ctx: StepContext, ratio: int, page_size: int, ids: Tensor,
-                 dense: bool = False) -> Tensor:
+                 ops: SimpleNamespace, dense: bool = False) -> Tensor:
     """[T, k] int32 pool rows (``dense``: dense-copy rows) of the top-k entry ids ``ids``
     (−1 stays −1).
 
-    Two kernels per layer: the entry-row table gets a −1 column at index L, int32, once per
-    step (memoized, shared by every layer of the ratio), and an id −1 becomes L by ``mod L+1``
-    (ids are < L), so a single gather maps picks and blanks alike."""
+    The entry-row table gets a −1 column at index L, int32, once per step (memoized, shared by
+    every layer of the ratio), and an id −1 becomes L by ``mod L+1`` (ids are < L), so a single
+    gather maps picks and blanks alike (``ops.picked_rows``: one kernel on the GPU)."""
     key = ("picked_row_table", ratio, page_size, dense)
     if key not in ctx.memo:
         rows = _token_entry_rows(ctx, ratio, page_size, dense)
         blank = rows.new_full((rows.shape[0], 1), -1)
         ctx.memo[key] = torch.cat((rows, blank), dim=1).to(torch.int32)
-    table = ctx.memo[key]
-    return table.gather(1, ids.remainder(table.shape[1]))
+    return ops.picked_rows(ctx.memo[key], ids)
 
 
 def _visible_rows(ctx: StepContext, ratio: int, page_size: int, dense: bool = False) -> Tensor:
@@ -365,7 +364,7 @@ class Attention(nn.Module):
         join_branch_lane(x.device)
         kv_b, dense = self._entry_source(ctx, cache, dtype)
         if ids is not None:
-            idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids, dense)
+            idx_b = _picked_rows(ctx, self.ratio, cache.page_size, ids, self.ops, dense)
         else:
             idx_b = _visible_rows(ctx, self.ratio, cache.page_size, dense)
         return kv_b, idx_b
@@ -402,7 +401,7 @@ class Attention(nn.Module):
                                  f"{self.topk_source}, which has not run in this step")
             ids = ctx.memo[key]
         kv_b, dense = self._entry_source(ctx, cache, dtype)
-        return kv_b, _picked_rows(ctx, self.ratio, cache.page_size, ids, dense)
+        return kv_b, _picked_rows(ctx, self.ratio, cache.page_size, ids, self.ops, dense)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> Tensor:

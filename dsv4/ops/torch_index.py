@@ -15,7 +15,17 @@ from dsv4.formats import fake_quant_fp4, hadamard_transform
 from dsv4.ops import torch_attn
 from dsv4.ops.torch_norm import check_rope_args
 
-__all__ = ["indexer_queries", "check_indexer_query_args"]
+__all__ = ["indexer_queries", "check_indexer_query_args", "picked_rows"]
+
+
+def picked_rows(table: Tensor, ids: Tensor) -> Tensor:
+    """[T, k] int32 pool rows of the top-k entry ids ``ids`` [T, k] (int, −1 for a blank, else
+    < L) through each token's row table ``table`` [T, L + 1] int32 whose last column holds −1:
+    ``ids mod (L + 1)`` sends a blank to that column, so one gather maps picks and blanks."""
+    if table.dim() != 2 or ids.dim() != 2 or ids.shape[0] != table.shape[0]:
+        raise ValueError(f"picked_rows: expected table [T, L+1] and ids [T, k]; found "
+                         f"{tuple(table.shape)} and {tuple(ids.shape)}")
+    return table.gather(1, ids.remainder(table.shape[1]))
 
 
 def check_indexer_query_args(q: Tensor, weights: Tensor, cos: Tensor, sin: Tensor,

@@ -34,7 +34,7 @@ from dsv4.ops import torch_index as twin
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_as, store_rne, torch_twin_off_gpu
 
-__all__ = ["indexer_queries", "index_tile", "MAX_DIM"]
+__all__ = ["indexer_queries", "index_tile", "MAX_DIM", "picked_rows"]
 
 MAX_DIM = 1024
 # Elements of one program's tile (heads × head dim).
@@ -152,3 +152,40 @@ def indexer_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, s
         q_out.stride(1), weights.stride(0), cos.stride(0), float(weight_scale),
         float(D ** -0.5), enable_fp_fusion=False, **args, **tile, **pdl_args(q))
     return q_out, w_out
+
+
+@triton.jit
+def _picked_rows_kernel(table_ptr, ids_ptr, out_ptr, K, C, stride_t, stride_i, stride_o,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t, j] = table[t, ids[t, j] mod C] (the twin's ``remainder``: −1 -> C − 1)."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < K
+    ids = tl.load(ids_ptr + t * stride_i + j, mask=m, other=0)
+    col = ids % C
+    col = tl.where(col < 0, col + C, col)
+    rows = tl.load(table_ptr + t * stride_t + col, mask=m, other=-1)
+    tl.store(out_ptr + t * stride_o + j, rows, mask=m)
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_index")
+def picked_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[T, k] int32 pool rows of top-k entry ids through the per-token row tables, one launch
+    (the twin's remainder + gather are two torch kernels without programmatic dependent
+    launch).  See the torch twin."""
+    if table.dim() != 2 or ids.dim() != 2 or ids.shape[0] != table.shape[0]:
+        return twin.picked_rows(table, ids)         # its error message
+    T, K = ids.shape
+    out = torch.empty(T, K, dtype=table.dtype, device=table.device)
+    if T == 0 or K == 0:
+        return out
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    if ids.stride(1) != 1:
+        ids = ids.contiguous()
+    block = min(1024, triton.next_power_of_2(K))
+    _picked_rows_kernel[(T, triton.cdiv(K, block))](
+        table, ids, out, K, table.shape[1], table.stride(0), ids.stride(0), out.stride(0),
+        BLOCK=block, num_warps=4, **pdl_args(table))
+    return out

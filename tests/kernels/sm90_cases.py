@@ -614,6 +614,19 @@ def _moe_fold() -> None:
         _moe(V4_FLASH, "fp4", "prefill")
 
 
+@scenario("index/picked_rows")
+def _picked_rows() -> None:
+    """Top-k entry ids -> pool rows (dsv4.ops.triton_index.picked_rows) at decode and prefill
+    shapes, int64 and int32 ids."""
+    import torch
+
+    from dsv4.ops import triton_index as ti
+    for T, L, k in ((1, 2048, 512), (4096, 8192, 512)):
+        table = _empty(T, L + 1, dtype=torch.int32)
+        for dt in (torch.int64, torch.int32):
+            ti.picked_rows(table, _empty(T, k, dtype=dt))
+
+
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch
