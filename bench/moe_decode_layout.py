@@ -10,8 +10,8 @@ bench/moe_decode.py.
         [--plans BN_up/BN_down/warps/split_up/split_down,...] [--units 2,4,...]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_decode_layout.py --tiny   # CPU smoke run
 
-Columns: µs per call, the floor (weight bytes / 4.29 TB/s or FLOPs / 1459 TFLOP/s), the ratio, GB/s, the relative difference to
-the torch twin (first 256 rows), finite.  Twelfth session (H200, an earlier form of this script
+Columns: µs per call, the floor (weight bytes / 4.29 TB/s or FLOPs / 1459 TFLOP/s), the ratio,
+GB/s, the relative difference to the torch twin (first 256 rows), finite.  Twelfth session (H200, an earlier form of this script
 that also timed a stream-K schedule, since removed): 1 token 57.7 -> 57.1 µs, 2: 97.9 -> 87.4,
 4: 173.0 -> 151.4, 16: 491.8 -> 444.3, 64: 1,195 -> 1,063.
 """

@@ -337,6 +337,28 @@ def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
 
 
 @triton.jit
+def store_prepped(base, t, mask, FMT: tl.constexpr, QUANT: tl.constexpr, BK: tl.constexpr):
+    """One K step of activation rows ``t`` [R, BK] stored GEMM-ready at ``base`` [R, 1] (each
+    row's start + k0, in the destination dtype): FP8 fake-quantized per row (QUANT: the block is
+    the K step), for MXFP4 (FMT 1) split into [even columns | odd columns]; rows where ``mask``
+    is False are not written."""
+    OUT: tl.constexpr = base.dtype.element_ty
+    R: tl.constexpr = t.shape[0]
+    if FMT == 1:
+        ev, od = tl.split(tl.reshape(t, (R, BK // 2, 2)))
+        if QUANT:
+            ev, od = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
+        rj = tl.arange(0, BK // 2)
+        tl.store(base + rj[None, :], ev.to(OUT), mask=mask[:, None])
+        tl.store(base + (BK // 2 + rj)[None, :], od.to(OUT), mask=mask[:, None])
+    else:
+        if QUANT:
+            tf = t.to(tl.float32)
+            t, _ = _fake_quant_pair(tf, tf)
+        tl.store(base + tl.arange(0, BK)[None, :], t.to(OUT), mask=mask[:, None])
+
+
+@triton.jit
 def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_src, stride_dst,
                      GATHER: tl.constexpr, FMT: tl.constexpr, QUANT: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
@@ -362,24 +384,10 @@ def _moe_prep_kernel(src_ptr, pair_ptr, bexp_ptr, dst_ptr, P, E, TOPK, stride_sr
             rows = pair // TOPK
         else:
             rows = rm
-        OUT: tl.constexpr = dst_ptr.dtype.element_ty
         t = tl.load(src_ptr + rows.to(tl.int64)[:, None] * stride_src + k0
                     + tl.arange(0, BK)[None, :], mask=m_mask[:, None], other=0.0)
-        base = dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0
-        if FMT == 1:
-            ev, od = tl.split(tl.reshape(t, (RB, BK // 2, 2)))
-            if QUANT:
-                qe, qo = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
-                ev, od = qe.to(OUT), qo.to(OUT)
-            rj = tl.arange(0, BK // 2)
-            tl.store(base + rj[None, :], ev, mask=m_mask[:, None])
-            tl.store(base + (BK // 2 + rj)[None, :], od, mask=m_mask[:, None])
-        else:
-            if QUANT:
-                tf = t.to(tl.float32)
-                q, _ = _fake_quant_pair(tf, tf)
-                t = q.to(OUT)
-            tl.store(base + tl.arange(0, BK)[None, :], t, mask=m_mask[:, None])
+        store_prepped(dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0, t, m_mask, FMT,
+                      QUANT, BK)
 
 
 @triton.jit
@@ -402,25 +410,11 @@ def _moe_plan_prep_small_kernel(ids_ptr, src_ptr, pairs_ptr, bexp_ptr, dst_ptr, 
                          first_blk, BM, NBP, RB)
     else:
         k0 = (pid - 1) * BK
-        OUT: tl.constexpr = dst_ptr.dtype.element_ty
         tok = rp // TOPK
         t = tl.load(src_ptr + tok.to(tl.int64)[:, None] * stride_src + k0
                     + tl.arange(0, BK)[None, :], mask=valid[:, None], other=0.0)
-        base = dst_ptr + dest.to(tl.int64)[:, None] * stride_dst + k0
-        if FMT == 1:
-            ev, od = tl.split(tl.reshape(t, (PP, BK // 2, 2)))
-            if QUANT:
-                qe, qo = _fake_quant_pair(ev.to(tl.float32), od.to(tl.float32))
-                ev, od = qe.to(OUT), qo.to(OUT)
-            rj = tl.arange(0, BK // 2)
-            tl.store(base + rj[None, :], ev, mask=valid[:, None])
-            tl.store(base + (BK // 2 + rj)[None, :], od, mask=valid[:, None])
-        else:
-            if QUANT:
-                tf = t.to(tl.float32)
-                q, _ = _fake_quant_pair(tf, tf)
-                t = q.to(OUT)
-            tl.store(base + tl.arange(0, BK)[None, :], t, mask=valid[:, None])
+        store_prepped(dst_ptr + dest.to(tl.int64)[:, None] * stride_dst + k0, t, valid, FMT,
+                      QUANT, BK)
 
 
 def moe_plan_prep(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, BM: int,
@@ -487,20 +481,25 @@ def moe_prep(src: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
 
 
 @triton.jit
-def _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm, limit,
-                 OUT: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """act = w · swiglu(g, u) of one tile from the fp32 gate/up GEMM results, stored rounded."""
-    # The twin's w1/w3 GEMMs return the compute dtype: round there before the SwiGLU.
-    g = acc1
-    u = acc3
+def weighted_swiglu(g, u, wt, limit, OUT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """w · swiglu(g, u) in fp32 of the rows' gate / up GEMM sums g, u [R, C] and routing weights
+    wt [R]: g and u rounded to the compute dtype ``OUT`` first (the twin's w1 / w3 GEMMs return
+    it), the V4 clamp under HAS_LIMIT."""
     if OUT == tl.bfloat16:
         g = round_to_bf16(g)
         u = round_to_bf16(u)
     if HAS_LIMIT:
         u = tl.clamp(u, -limit, limit)
         g = tl.minimum(g, limit)
+    return g * tl.sigmoid(g) * u * wt[:, None]
+
+
+@triton.jit
+def _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm, limit,
+                 OUT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """act = w · swiglu(g, u) of one tile from the fp32 gate/up GEMM results, stored rounded."""
     wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
-    a = g * tl.sigmoid(g) * u * wt[:, None]
+    a = weighted_swiglu(acc1, acc3, wt, limit, OUT, HAS_LIMIT)
     store_rne(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + rn[None, :], a,
               m_mask[:, None] & n_mask[None, :])
 

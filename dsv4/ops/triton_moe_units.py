@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
-from dsv4.ops.triton_dense import round_to_bf16, sm_count, store_rne
+from dsv4.ops.triton_dense import round_to_bf16, sm_count
 # The MMA expert kernels' tile helpers (triton_moe imports this module lazily: no cycle).
-from dsv4.ops.triton_moe import (_dot_tile, _fake_quant_pair, _load_prepped_tile,
-                                 _load_weight_tile)
+from dsv4.ops.triton_moe import (_dot_tile, _load_prepped_tile, _load_weight_tile,
+                                 store_prepped, weighted_swiglu)
 
 __all__ = ["MOE_UNITS", "UNITS_MAX_PAIRS", "UNITS_PER_SM", "moe_units_applies",
            "moe_down_units", "moe_up_units"]
@@ -70,6 +70,19 @@ def _unit_range(bexp_ptr, NB, E, N, K, NBP: tl.constexpr, BN: tl.constexpr, BK: 
     return p * U // G, (p + 1) * U // G, n_tiles, ks
 
 
+@triton.jit
+def _unit(u, KS, n_tiles, bexp_ptr, pair_ptr, P, N, ri, rj, BM: tl.constexpr,
+          BN: tl.constexpr):
+    """Unit u (order: block, N tile, K step; K step fastest): its expert, plan rows [BM], their
+    pair ids and real-row mask, output columns [BN] and their mask, and its K step."""
+    t = u // KS
+    blk = t // n_tiles
+    rm = blk * BM + ri
+    pair = tl.load(pair_ptr + rm)
+    rn = (t - blk * n_tiles) * BN + rj
+    return tl.load(bexp_ptr + blk), rm, pair, pair < P, rn, rn < N, u - t * KS
+
+
 # ------------------------------------------------------------------------------ kernels
 @triton.jit
 def _moe_up_units_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, ws1_ptr,
@@ -87,15 +100,8 @@ def _moe_up_units_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_
     ri = tl.arange(0, BM)
     rj = tl.arange(0, BN)
     for u in range(u0, u1):
-        t = u // KS
-        ks = u - t * KS
-        blk = t // n_tiles
-        e = tl.load(bexp_ptr + blk)
-        rm = blk * BM + ri
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
-        rn = (t - blk * n_tiles) * BN + rj
-        n_mask = rn < N
+        e, rm, pair, m_mask, rn, n_mask, ks = _unit(u, KS, n_tiles, bexp_ptr, pair_ptr, P, N,
+                                                    ri, rj, BM, BN)
         k0 = ks * BK
         x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
         g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
@@ -127,15 +133,8 @@ def _moe_down_units_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, ws_ptr, 
     ri = tl.arange(0, BM)
     rj = tl.arange(0, BN)
     for u in range(u0, u1):
-        t = u // KS
-        ks = u - t * KS
-        blk = t // n_tiles
-        e = tl.load(bexp_ptr + blk)
-        rm = blk * BM + ri
-        pair = tl.load(pair_ptr + rm)
-        m_mask = pair < P
-        rn = (t - blk * n_tiles) * BN + rj
-        n_mask = rn < N
+        e, rm, pair, m_mask, rn, n_mask, ks = _unit(u, KS, n_tiles, bexp_ptr, pair_ptr, P, N,
+                                                    ri, rj, BM, BN)
         k0 = ks * BK
         a_ev, a_od = _load_prepped_tile(act_ptr, rm, m_mask, k0, stride_am, FMT, BK)
         w_ev, w_od = _load_weight_tile(w2_ptr, s2_ptr, e, rn, n_mask, k0, stride_we, stride_wn,
@@ -170,28 +169,12 @@ def _moe_up_reduce_kernel(ws1_ptr, ws3_ptr, pair_ptr, bexp_ptr, wt_ptr, dst_ptr,
         for s in range(0, KS):
             g += tl.load(ws1_ptr + s * stride_wsk + offs, mask=m_mask[:, None], other=0.0)
             u += tl.load(ws3_ptr + s * stride_wsk + offs, mask=m_mask[:, None], other=0.0)
-        if OUT == tl.bfloat16:
-            g = round_to_bf16(g)
-            u = round_to_bf16(u)
-        if HAS_LIMIT:
-            u = tl.clamp(u, -limit, limit)
-            g = tl.minimum(g, limit)
         wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
-        a = g * tl.sigmoid(g) * u * wt[:, None]
+        a = weighted_swiglu(g, u, wt, limit, OUT, HAS_LIMIT)
         if OUT == tl.bfloat16:
-            a = round_to_bf16(a)
-        base = dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0
-        if FMT == 1:
-            ev, od = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
-            if QUANT:
-                ev, od = _fake_quant_pair(ev, od)
-            rj = tl.arange(0, BK // 2)
-            tl.store(base + rj[None, :], ev.to(OUT), mask=m_mask[:, None])
-            tl.store(base + (BK // 2 + rj)[None, :], od.to(OUT), mask=m_mask[:, None])
-        else:
-            if QUANT:
-                a, _ = _fake_quant_pair(a, a)
-            tl.store(base + tl.arange(0, BK)[None, :], a.to(OUT), mask=m_mask[:, None])
+            a = round_to_bf16(a)        # the activation the split-K path stores
+        store_prepped(dst_ptr + rm.to(tl.int64)[:, None] * stride_dst + k0, a, m_mask, FMT,
+                      QUANT, BK)
 
 
 @triton.jit

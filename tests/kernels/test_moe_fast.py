@@ -226,33 +226,37 @@ def test_split_k_bit_reproducible_gpu(T: int) -> None:
     assert _rel(y32, y32_ref) < 1e-5 and _counters_clean()
 
 
-def test_split_k_in_a_cuda_graph() -> None:
-    """A one-token split-K call captured after its warm-up, replayed on new inputs written into
-    the captured ones: each replay equals the eager call bit for bit (the counters start clean
-    every replay)."""
+def replays_match_eager(ex, cfg, seed: int) -> None:
+    """A one-token expert call under plan ``cfg`` captured after its warm-up, replayed on new
+    inputs written into the captured ones: each replay equals the eager call bit for bit, and
+    the split-K counters end clean (shared by the expert GPU test files)."""
     from dsv4.ops import triton_moe as tri
-    gen = torch.Generator(device=DEV).manual_seed(400)
-    ex = _stacks(gen, 128)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(1, D, generator=gen, device=DEV).to(torch.bfloat16)
     ids, w = _routing(1, gen)
-    cfg = tri.pick_moe_config(TOPK, E, D, INTER, 128)
-    assert cfg.split_up > 1
     tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)      # warm-up: compile, counters
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-    for seed in (401, 402, 403):
-        g = torch.Generator(device=DEV).manual_seed(seed)
+    for new_seed in (seed + 1, seed + 2, seed + 3):
+        g = torch.Generator(device=DEV).manual_seed(new_seed)
         x.copy_(torch.randn(1, D, generator=g, device=DEV).to(torch.bfloat16))
         new_ids, new_w = _routing(1, g)
         ids.copy_(new_ids)
         w.copy_(new_w)
         graph.replay()
         torch.cuda.synchronize()
-        eager = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-        assert torch.equal(y, eager), seed
+        assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)), new_seed
     assert _counters_clean()
+
+
+def test_split_k_in_a_cuda_graph() -> None:
+    """The one-token split-K default plan (the counters start clean every replay)."""
+    from dsv4.ops import triton_moe as tri
+    cfg = tri.pick_moe_config(TOPK, E, D, INTER, 128)
+    assert cfg.split_up > 1
+    replays_match_eager(_stacks(torch.Generator(device=DEV).manual_seed(400), 128), cfg, 400)
 
 
 @pytest.mark.parametrize("T", [1, 16, 64, 8192])

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.kernels.test_gpu_kernels import _poison, _rel
-from tests.kernels.test_moe_fast import D, DEV, E, INTER, TOPK, _counters_clean, _routing, _stacks
+from tests.kernels.test_moe_fast import (D, DEV, E, INTER, TOPK, _counters_clean, _routing,
+                                         _stacks, replays_match_eager)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -66,23 +67,5 @@ def test_kchunk_fp8mma_gpu(predecode: bool) -> None:
 
 def test_kchunk_in_a_cuda_graph() -> None:
     from dsv4.ops import triton_moe as tri
-    gen = torch.Generator(device=DEV).manual_seed(600)
-    ex = _kchunk(_stacks(gen, 128))
-    x = torch.randn(1, D, generator=gen, device=DEV).to(torch.bfloat16)
-    ids, w = _routing(1, gen)
-    cfg = tri.pick_moe_config(TOPK, E, D, INTER, 128)
-    tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-    for seed in (601, 602, 603):
-        g = torch.Generator(device=DEV).manual_seed(seed)
-        x.copy_(torch.randn(1, D, generator=g, device=DEV).to(torch.bfloat16))
-        new_ids, new_w = _routing(1, g)
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)), seed
-    assert _counters_clean()
+    ex = _kchunk(_stacks(torch.Generator(device=DEV).manual_seed(600), 128))
+    replays_match_eager(ex, tri.pick_moe_config(TOPK, E, D, INTER, 128), 600)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.kernels.test_gpu_kernels import _poison, _rel
-from tests.kernels.test_moe_fast import D, DEV, E, INTER, TOPK, _routing, _stacks
+from tests.kernels.test_moe_fast import (D, DEV, E, INTER, TOPK, _routing, _stacks,
+                                         replays_match_eager)
 from tests.kernels.test_moe_kchunk_gpu import _kchunk
 
 pytestmark = pytest.mark.skipif(
@@ -44,22 +45,6 @@ def test_units_gpu(T: int, per_sm: int) -> None:
 
 def test_units_in_a_cuda_graph() -> None:
     from dsv4.ops import triton_moe as tri
-    gen = torch.Generator(device=DEV).manual_seed(900)
-    ex = _kchunk(_stacks(gen, 128))
-    x = torch.randn(1, D, generator=gen, device=DEV).to(torch.bfloat16)
-    ids, w = _routing(1, gen)
+    ex = _kchunk(_stacks(torch.Generator(device=DEV).manual_seed(900), 128))
     cfg = dataclasses.replace(tri.pick_moe_config(TOPK, E, D, INTER, 128), units=4)
-    tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
-    for seed in (901, 902, 903):
-        g = torch.Generator(device=DEV).manual_seed(seed)
-        x.copy_(torch.randn(1, D, generator=g, device=DEV).to(torch.bfloat16))
-        new_ids, new_w = _routing(1, g)
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)), seed
+    replays_match_eager(ex, cfg, 900)
