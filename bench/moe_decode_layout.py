@@ -38,19 +38,6 @@ from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_units as units  # noqa: E402
 
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-
-def kchunk_stacks(ex: ref.ExpertWeights, bk: int) -> ref.ExpertWeights:
-    """The same experts stored K-chunk-major with chunks of the K step ``bk``."""
-    w = [ref.rows_kchunk(t.view(torch.uint8), bk // 2).view(t.dtype) for t in (ex.w1, ex.w3,
-                                                                               ex.w2)]
-    s = [ref.rows_kchunk(t.view(torch.uint8), bk // 32).view(t.dtype) for t in (ex.s1, ex.s3,
-                                                                                ex.s2)]
-    return dataclasses.replace(ex, w1=w[0], w3=w[1], w2=w[2], s1=s[0], s3=s[1], s2=s[2],
-                               kchunk=bk)
-
-
 def parse_plan(spec: str) -> dict[str, int]:
     """``BN_up/BN_down/warps/split_up/split_down`` -> MoeConfig fields (``--plans``)."""
     try:
@@ -97,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     ex = mxfp4_stacks(E, D, inter, gen, dev)
     bk = tri._block_k(ex, D, inter)
-    ex_ch = kchunk_stacks(ex, bk)
+    ex_ch = ref.kchunk_experts(ex, bk)
     replays = 1 if args.tiny else args.replays
     rotate = 1 if args.tiny else args.rotate
     rows: list[dict[str, Any]] = []

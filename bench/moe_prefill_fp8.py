@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_decode import mxfp4_stacks  # noqa: E402
 
 from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
-from dsv4.ops.torch_dense import ExpertWeights  # noqa: E402
 
 FLASH = {"E": 256, "D": 4096, "I": 2048, "k": 6}
 TINY = {"E": 4, "D": 256, "I": 128, "k": 2}
@@ -53,21 +55,6 @@ SWEEP = [f8.PLAN_SMALL,                                                         
 
 # Re-encoding tiles timed by --sweep: (rows, K steps) of one _fp8_predecode_kernel program.
 PREDECODE_TILES = [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]
-
-
-def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, device: str,
-                 kchunk: bool = False) -> ExpertWeights:
-    """Random MXFP4 stacks (packed e2m1 int8 [E, N, K/2], e8m0 scales [E, N, K/32]) with the
-    FP8 act quant of official numerics (block 128); ``kchunk``: marked K-chunk-major with chunks
-    of 128 (the model's GPU layout; random bytes either way)."""
-    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.randint(-128, 128, (E, n, k // 2), generator=gen, device=device,
-                          dtype=torch.int8)
-        s = torch.randint(118, 123, (E, n, k // 32), generator=gen, device=device)
-        return w, s.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
-    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128, 128 if kchunk else 0)
 
 
 def time_us(fn: Callable[[], Any], device: str) -> float:

@@ -28,7 +28,7 @@ from dsv4.model.layers import (Linear, check_numerics, fp32_math_dtype, fused_li
                                keeps_quantized, set_parameter)
 from dsv4.ops import get_ops
 from dsv4.ops.streams import join_side_lane, side_lane
-from dsv4.ops.torch_dense import ExpertWeights, rows_kchunk
+from dsv4.ops.torch_dense import ExpertWeights, expert_k_step, kchunk_experts, rows_kchunk
 
 _EXPERT_NAME = re.compile(r"^(\d+)\.(w1|w2|w3)\.weight$")
 
@@ -152,7 +152,8 @@ class Experts(nn.Module):
         # weight tile one contiguous run, ~11% faster expert GEMMs from 2 tokens per step,
         # docs/PERFORMANCE.md twelfth session); ``kchunk`` says what the stacks hold now.
         self.kchunk = 0
-        self.k_step = expert_k_step(act_block, d, i)
+        k_step = expert_k_step(act_block, d, i)
+        self.k_step = k_step if d % k_step == 0 and i % k_step == 0 else 0
         self.w1_scale: torch.Tensor | None = None
         self.w3_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
@@ -235,11 +236,11 @@ class Experts(nn.Module):
         for other formats, already chunked stacks, or widths without a K step."""
         if self.fmt != "fp4" or self.kchunk or not self.k_step:
             return
+        chunked = kchunk_experts(self.weights(), self.k_step)
         with torch.no_grad():
             for name in ("w1", "w3", "w2"):
-                for t, width in ((getattr(self, name), self.k_step // 2),
-                                 (getattr(self, f"{name}_scale"), self.k_step // FP4_BLOCK)):
-                    t.copy_(rows_kchunk(t.view(torch.uint8), width).view(t.dtype))
+                getattr(self, name).copy_(getattr(chunked, name))
+                getattr(self, f"{name}_scale").copy_(getattr(chunked, "s" + name[1]))
         self.kchunk = self.k_step
 
     def _materialize(self, which: str, device: torch.device) -> torch.Tensor:
@@ -259,17 +260,6 @@ class Experts(nn.Module):
         return ExpertWeights(self.w1, self.w3, self.w2, self.act_block, self.fmt,
                              self.w1_scale, self.w3_scale, self.w2_scale, self.block,
                              self.kchunk)
-
-
-def expert_k_step(act_block: int | None, dim: int, inter: int) -> int:
-    """The K step of the MXFP4 expert kernels (``triton_moe._block_k``): the act block under
-    official numerics, else the largest of 128 / 64 / 32 dividing both widths (0: none)."""
-    if act_block:
-        return act_block if dim % act_block == 0 and inter % act_block == 0 else 0
-    for bk in (128, 64, 32):
-        if dim % bk == 0 and inter % bk == 0:
-            return bk
-    return 0
 
 
 class SharedExpert(nn.Module):

@@ -8,7 +8,7 @@ docs/ARCHITECTURE.md: tokens are flattened, ``x`` of the mHC ops is ``[T, n_hc, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -332,6 +332,31 @@ def kchunk_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     *lead, n, c = t.shape
     return (t.reshape(*lead, c // width, n, width).transpose(-3, -2).contiguous()
             .reshape(*lead, n, c))
+
+
+def kchunk_experts(ex: ExpertWeights, kchunk: int) -> ExpertWeights:
+    """Row-major MXFP4 stacks ``ex`` re-stored K-chunk-major with chunks of ``kchunk`` codes
+    (copies; :attr:`ExpertWeights.kchunk`)."""
+    if ex.kchunk:
+        raise ValueError(f"kchunk_experts: the stacks are K-chunk-major already "
+                         f"(kchunk={ex.kchunk})")
+    codes = {n: rows_kchunk(getattr(ex, n).view(torch.uint8), kchunk // 2)
+             .view(getattr(ex, n).dtype) for n in ("w1", "w3", "w2")}
+    scales = {n: rows_kchunk(getattr(ex, n).view(torch.uint8), kchunk // 32)
+              .view(getattr(ex, n).dtype) for n in ("s1", "s3", "s2")}
+    return replace(ex, **codes, **scales, kchunk=kchunk)
+
+
+def expert_k_step(act_block: int | None, dim: int, inter: int) -> int:
+    """The K step of the MXFP4 / dense expert kernels: the act block under official numerics,
+    else the largest of 128 / 64 dividing both widths, else 32 (which may not divide them: the
+    callers check)."""
+    if act_block:
+        return act_block
+    for bk in (128, 64):
+        if dim % bk == 0 and inter % bk == 0:
+            return bk
+    return 32
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -56,7 +56,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
-from dsv4.ops.torch_dense import ExpertWeights
+from dsv4.ops.torch_dense import ExpertWeights, expert_k_step
 from dsv4.ops.triton_dense import (
     _INTERPRET_HOST,
     INTERPRET,
@@ -69,8 +69,8 @@ from dsv4.ops.triton_dense import (
     torch_twin_off_gpu,
     ue8m0_exponent,
 )
-from dsv4.ops.triton_moe_plan import (SMALL_PLAN_MAX_PAIRS, moe_plan, moe_plan_torch,
-                                      small_plan_rows, small_plan_store)
+from dsv4.ops.triton_moe_plan import (SMALL_PLAN_MAX_PAIRS, flat_ids, moe_plan,
+                                      moe_plan_torch, small_plan_rows, small_plan_store)
 
 __all__ = [
     "DEQUANT_GEMM_MIN_ROWS",
@@ -423,10 +423,7 @@ def moe_plan_prep(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, BM:
     """(pairs, block_expert, xs) of :func:`moe_plan` and :func:`moe_prep` (GATHER) in one launch
     for at most :data:`SMALL_PLAN_MAX_PAIRS` pairs (CUDA or the interpreter); the same values
     (xs padding rows unwritten)."""
-    flat = topk_ids.reshape(-1)
-    if flat.dtype not in (torch.int32, torch.int64):
-        flat = flat.to(torch.int64)
-    flat = flat.contiguous()
+    flat = flat_ids(topk_ids)
     P, (T, D) = flat.numel(), x.shape
     if not 0 < P <= SMALL_PLAN_MAX_PAIRS or BM < 1 or BM & (BM - 1) or D % BK:
         raise ValueError(f"moe_plan_prep: expected 1..{SMALL_PLAN_MAX_PAIRS} pairs, BM a power "
@@ -857,14 +854,10 @@ def _weight_args(experts: ExpertWeights, which: str) -> tuple[torch.Tensor, torc
 
 def _block_k(experts: ExpertWeights, D: int, inter: int) -> int:
     """K step: the act-quant block when set, the FP8 weight block for fp8, else up to 128."""
-    if experts.act_block:
-        bk = experts.act_block
-    elif experts.fmt == "fp8":
+    if experts.fmt == "fp8" and not experts.act_block:
         bk = experts.block
     else:
-        bk = 128
-        while bk > 32 and (D % bk or inter % bk):
-            bk //= 2
+        bk = expert_k_step(experts.act_block, D, inter)
     if experts.fmt == "fp8" and bk != experts.block:
         raise ValueError(f"moe_experts: FP8 experts need the act block ({bk}) equal to the "
                          f"weight block ({experts.block})")

@@ -16,7 +16,7 @@ import triton.language as tl
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import _INTERPRET_HOST
 
-__all__ = ["SMALL_PLAN_MAX_PAIRS", "moe_plan", "moe_plan_torch", "small_plan_rows",
+__all__ = ["SMALL_PLAN_MAX_PAIRS", "flat_ids", "moe_plan", "moe_plan_torch", "small_plan_rows",
            "small_plan_store"]
 
 
@@ -134,6 +134,14 @@ def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.conste
 SMALL_PLAN_MAX_PAIRS = 64
 
 
+def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """The (token, pick) ids as the plan kernels read them: flat, contiguous, int32 / int64."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int64)
+    return flat.contiguous()
+
+
 def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, pick) pairs by expert into row blocks of BM: one Triton launch on CUDA
@@ -150,10 +158,7 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
     if num_experts < 1 or BM < 1 or BM & (BM - 1):
         raise ValueError(f"moe_plan: expected num_experts >= 1 and BM a power of two; found "
                          f"num_experts={num_experts}, BM={BM}")
-    flat = topk_ids.reshape(-1)
-    if flat.dtype not in (torch.int32, torch.int64):
-        flat = flat.to(torch.int64)
-    flat = flat.contiguous()
+    flat = flat_ids(topk_ids)
     P = flat.numel()
     E = num_experts
     nb = triton.cdiv(P, BM) + min(E, P)

@@ -6,7 +6,6 @@ CUDA-graph replay equals the eager call (skipped without CUDA)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -23,10 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 def _kchunk(ex):
     from dsv4.ops import torch_dense as ref
-    w = [ref.rows_kchunk(t.view(torch.uint8), 64).view(t.dtype) for t in (ex.w1, ex.w3, ex.w2)]
-    s = [ref.rows_kchunk(t.view(torch.uint8), 4).view(t.dtype) for t in (ex.s1, ex.s3, ex.s2)]
-    return dataclasses.replace(ex, w1=w[0], w3=w[1], w2=w[2], s1=s[0], s3=s[1], s2=s[2],
-                               kchunk=128)
+    return ref.kchunk_experts(ex, 128)
 
 
 @pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 1024])

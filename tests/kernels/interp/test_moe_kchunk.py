@@ -40,9 +40,7 @@ def _routing(T: int, E: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor
 
 
 def _chunked(ex: ref.ExpertWeights) -> ref.ExpertWeights:
-    w1, w3, w2 = (ref.rows_kchunk(w, 64) for w in (ex.w1, ex.w3, ex.w2))
-    s1, s3, s2 = (ref.rows_kchunk(s.view(torch.uint8), 4).view(E8M0) for s in (ex.s1, ex.s3, ex.s2))
-    return ref.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, kchunk=128)
+    return ref.kchunk_experts(ex, 128)
 
 
 def test_layout_helpers_invert_each_other() -> None:

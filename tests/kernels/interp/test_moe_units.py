@@ -8,7 +8,6 @@ Run with TRITON_INTERPRET=1 (tests/kernels/test_interpreter.py does that in a ch
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -67,16 +66,11 @@ def test_units_match_twin_and_split_fp4(per_sm: int, T: int) -> None:
     y = tri.moe_experts_with_config(x, ids, w, ex, 10.0, _cfg(per_sm))
     assert y.shape == (T, D) and torch.isfinite(y).all()
     assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < 1e-5
-    split = tri.moe_experts_with_config(x, ids, w, ex, 10.0, dataclasses.replace(_cfg(0)))
+    split = tri.moe_experts_with_config(x, ids, w, ex, 10.0, _cfg(0))
     assert rel_err(y, split) < 1e-6
     assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ex, 10.0, _cfg(per_sm)))
     # K-chunk-major stacks: the same bits.
-    ch = dataclasses.replace(
-        ex, w1=ref.rows_kchunk(ex.w1, 64), w3=ref.rows_kchunk(ex.w3, 64),
-        w2=ref.rows_kchunk(ex.w2, 64),
-        s1=ref.rows_kchunk(ex.s1.view(torch.uint8), 4).view(E8M0),
-        s3=ref.rows_kchunk(ex.s3.view(torch.uint8), 4).view(E8M0),
-        s2=ref.rows_kchunk(ex.s2.view(torch.uint8), 4).view(E8M0), kchunk=128)
+    ch = ref.kchunk_experts(ex, 128)
     assert torch.equal(y, tri.moe_experts_with_config(x, ids, w, ch, 10.0, _cfg(per_sm)))
 
 
