@@ -396,7 +396,10 @@ def clone_request(cache: HybridCache, src_slot: int, src_pages: list[int], dst_s
 
 
 # ------------------------------------------------------------------------------ benches
-def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int) -> dict:
+def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int,
+                  gaps: str | None = None) -> dict:
+    """Median seconds of a prefill of S tokens from position 0 (last-token logits); ``gaps``:
+    append the GPU idle gaps of one more call (``bench/timeline.py`` ``eager_gaps``) there."""
     cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(S)
     ids = torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=DEV)
@@ -410,6 +413,10 @@ def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int) -> 
     logits = step()  # warm-up (kernel compilation)
     finite = bool(torch.isfinite(logits).all())
     secs = statistics.median(sync_time(step, reps))
+    if gaps and DEV == "cuda":
+        from bench.timeline import eager_gaps
+        with open(gaps, "a") as f:
+            f.write(f"##### prefill {S} tokens\n{eager_gaps(step)}\n")
     flops = prefill_flops(model, S)
     floor = flops / PEAK_FP8
     return {"S": S, "seconds": secs, "tokens_per_s": S / secs, "tflop": flops / 1e12,
@@ -683,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="write torch.profiler tables here")
     ap.add_argument("--timeline", default=None,
                     help="append each decode graph's kernel timeline (bench/timeline.py) here")
+    ap.add_argument("--gaps", default=None,
+                    help="append each prefill's GPU idle gaps (bench/timeline.py) here")
     ap.add_argument("--hf", default=None,
                     help="also run transformers: 'S;B:ctx,B:ctx' e.g. '4096;1:4096,16:1024'")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu with --tiny (smoke test)")
@@ -763,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"budget reached: prefill {S} skipped")
             break
         try:
-            r = bench_prefill(model, cache, S, args.reps)
+            r = bench_prefill(model, cache, S, args.reps, args.gaps)
             results["prefill"].append(r)
             log(f"prefill S={S}: {r['seconds'] * 1e3:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
                 f"floor {r['floor_s'] * 1e3:.2f} ms (x{r['ratio']:.2f}), finite={r['finite']}")
