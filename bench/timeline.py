@@ -106,8 +106,10 @@ def gap_report(events: list[dict], min_gap_us: float = 5.0, top: int = 25) -> st
                  if e.get("cat") in _GPU_CATS and "ts" in e)
     if not gpu:
         return "no GPU events in the trace (CUPTI unavailable?)\n"
+    # Runtime calls (torch's kernels, copies) and driver calls (Triton's cuLaunchKernelEx).
+    host_api = ("cuda_runtime", "cuda_driver")
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in host_api and "correlation" in e.get("args", {})}
     py = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("tid"),
                  str(e.get("name"))) for e in events if e.get("cat") == "python_function")
 
@@ -122,7 +124,7 @@ def gap_report(events: list[dict], min_gap_us: float = 5.0, top: int = 25) -> st
         busy += max(0.0, ts + dur - max(ts, end))
         end = max(end, ts + dur)
     span = end - gpu[0][0]
-    blocking = [e for e in events if e.get("cat") == "cuda_runtime"
+    blocking = [e for e in events if e.get("cat") in host_api
                 and any(k in str(e.get("name")) for k in ("Synchronize", "Memcpy"))]
     by_site: dict[str, list[float]] = defaultdict(list)
     rows = []

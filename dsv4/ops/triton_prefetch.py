@@ -3,10 +3,10 @@ not called by the model: ``bench/l2_prefetch.py`` measures whether a decode GEMV
 weight faster from a warmed L2, and whether a prefetch on a side stream hides behind the
 latency-bound kernels before it).
 
-``l2_prefetch(t, programs)`` reads every 32-bit word of ``t`` through L2 (``.cg``: not L1) with
-a few programs and returns their XOR (int32 [1]): the result keeps the loads from being
-optimized away and gives the test something exact to check against the twin,
-:func:`l2_prefetch_torch`.
+``l2_prefetch(t, programs)`` reads every 32-bit word of ``t`` (through L2 only, ``.cg``, or
+with an evict-last hint) with a few programs and returns their XOR (int32 [1]): the result
+keeps the loads from being optimized away and gives the test something exact to check against
+the twin, :func:`l2_prefetch_torch`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
-from dsv4.ops.triton_dense import _INTERPRET_HOST
+from dsv4.ops.triton_dense import _INTERPRET_HOST, sm_count
 
 __all__ = ["l2_prefetch", "l2_prefetch_torch"]
 
@@ -50,8 +50,8 @@ def _l2_prefetch_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr,
     r = tl.arange(0, BLOCK)
     for start in range(pid * BLOCK, n_words, step):
         offs = start + r
-        if EVICT_LAST:
-            v = tl.load(src_ptr + offs, mask=offs < n_words, other=0, cache_modifier=".cg",
+        if EVICT_LAST:   # (ptxas refuses .evict_last with .cg)
+            v = tl.load(src_ptr + offs, mask=offs < n_words, other=0,
                         eviction_policy="evict_last")
         else:
             v = tl.load(src_ptr + offs, mask=offs < n_words, other=0, cache_modifier=".cg")
@@ -71,8 +71,7 @@ def l2_prefetch(t: torch.Tensor, programs: int = 0, block: int = 4096,
     if n == 0:
         return out
     if programs <= 0:
-        programs = torch.cuda.get_device_properties(t.device).multi_processor_count \
-            if t.is_cuda else 4
+        programs = sm_count(t.device)
     programs = max(1, min(programs, triton.cdiv(n, block)))
     _l2_prefetch_kernel[(programs,)](words, out, n, BLOCK=block, EVICT_LAST=evict_last,
                                      num_warps=4, **pdl_args(words))

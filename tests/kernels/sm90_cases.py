@@ -627,6 +627,19 @@ def _picked_rows() -> None:
             ti.picked_rows(table, _empty(T, k, dtype=dt))
 
 
+@scenario("prefetch/l2")
+def _l2_prefetch() -> None:
+    """The L2 warm-up reads (dsv4.ops.triton_prefetch, bench/l2_prefetch.py) over a 32 MB
+    weight, both cache hints."""
+    import torch
+
+    from dsv4.ops import triton_prefetch as tp
+    w = _empty(32768, 1024, dtype=torch.uint8)
+    for programs in (16, 132):
+        for evict_last in (False, True):
+            tp.l2_prefetch(w, programs, evict_last=evict_last)
+
+
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch
