@@ -35,6 +35,7 @@ import contextlib
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -43,7 +44,7 @@ from dsv4.cache.tensors import HybridCache, compressor_specs
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.model.compressor import Compressor, CompressorV2, entry_pool_rows, write_entries
-from dsv4.model.context import StepContext
+from dsv4.model.context import StepContext, ints_to_device
 from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
 from dsv4.model.layers import (Linear, RMSNorm, check_numerics, exact_fp8_copy, fused_linears,
                                rope_cos_sin, rope_params)
@@ -130,10 +131,14 @@ def window_plan(ctx: StepContext, window: int, decode_in_ring: bool) -> dict[str
         step_row = R * W + ctx.cu_seqlens[req][:, None] + (wpos - p0[:, None])
         idx = torch.where(wpos >= p0[:, None], step_row, req[:, None] * W + wpos % W)
     idx = torch.where(valid, idx, -1).to(torch.int32)
-    end = (ctx.start_pos + ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1])[req]
-    keep = pos >= end - W                                                 # newest W per request
-    plan = {"idx": idx, "ring_tokens": torch.nonzero(keep).squeeze(1),
-            "ring_rows": (slot * W + pos % W)[keep]}
+    # The newest W tokens of each request (the last min(n, W) of its rows), from the host
+    # lists: a device mask and nonzero would synchronize.
+    cu = ctx.cu_seqlens_host
+    ring_tokens = ints_to_device([np.concatenate(
+        [np.arange(cu[r + 1] - min(n, W), cu[r + 1]) for r, n in enumerate(ctx.seqlens_host)])],
+        dev)[0]
+    plan = {"idx": idx, "ring_tokens": ring_tokens,
+            "ring_rows": (slot * W + pos % W).index_select(0, ring_tokens)}
     ctx.memo[key] = plan
     return plan
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from dsv4.cache.formats import RecordFormat, encode_rows
 from dsv4.cache.tensors import CompressorSpec, CompressorState
 from dsv4.config import ModelConfig
-from dsv4.model.context import StepContext
+from dsv4.model.context import StepContext, ints_to_device
 from dsv4.model.layers import (Linear, RMSNorm, check_numerics, fp32_math_dtype, rope_cos_sin,
                                rope_params, stacked_weight)
 from dsv4.ops import torch_compress
@@ -82,13 +83,13 @@ def entry_plan(ctx: StepContext, ratio: int) -> EntryPlan:
     if key not in ctx.memo:
         first = [s // ratio for s in ctx.start_pos_host]
         counts = [e // ratio - f for e, f in zip(ctx.end_pos_host, first)]
-        dev = ctx.device
-        cnt = torch.tensor(counts, dtype=torch.int64, device=dev)
-        req = torch.repeat_interleave(torch.arange(len(counts), device=dev), cnt)
-        offs = torch.cumsum(cnt, 0) - cnt
-        ent = torch.arange(req.shape[0], device=dev) - offs[req]
-        ent = ent + torch.tensor(first, dtype=torch.int64, device=dev)[req]
-        ctx.memo[key] = EntryPlan(ratio, req, ent, counts, first)
+        # On the host (host lists only): no device sync, one copy.
+        cnt = np.asarray(counts, dtype=np.int64)
+        req = np.repeat(np.arange(len(counts)), cnt)
+        offs = np.cumsum(cnt) - cnt
+        ent = np.arange(req.shape[0]) - offs[req] + np.asarray(first, dtype=np.int64)[req]
+        req_d, ent_d = ints_to_device([req, ent], ctx.device)
+        ctx.memo[key] = EntryPlan(ratio, req_d, ent_d, counts, first)
     return ctx.memo[key]
 
 
@@ -115,7 +116,7 @@ def entry_pool_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
         pages = ctx.block_tables.gather(1, (j // epp).clamp(max=ctx.block_tables.shape[1] - 1)
                                         .expand(ctx.num_requests, L))
         rows = pages * epp + j % epp
-        have = j[None, :] < torch.tensor(n_ent, dtype=torch.int64, device=ctx.device)[:, None]
+        have = j[None, :] < ints_to_device([n_ent], ctx.device)[0][:, None]
         ctx.memo[key] = torch.where(have & (pages >= 0), rows, -1)
     return ctx.memo[key]
 

@@ -11,10 +11,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["StepContext", "StaticShape", "pages_needed", "decode_buckets", "bucket_for"]
+__all__ = ["StepContext", "StaticShape", "pages_needed", "decode_buckets", "bucket_for",
+           "ints_to_device"]
+
+
+def ints_to_device(arrays: Sequence[np.ndarray], device: torch.device | str | None
+                   ) -> list[Tensor]:
+    """int64 tensors on ``device`` with the values and shapes of host ``arrays``.
+
+    On a GPU they travel in one pinned buffer and one non-blocking copy: a ``torch.tensor(list,
+    device="cuda")`` is a pageable copy, which waits for the stream's queued work, so every one
+    of them in a prefill step left the GPU idle while the host caught up again (the 8K-prefill
+    gap report of the thirteenth session, docs/PERFORMANCE.md)."""
+    arrays = [np.asarray(a, dtype=np.int64) for a in arrays]
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.int64)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    out, at = [], 0
+    for a in arrays:
+        out.append(dev[at:at + a.size].view(a.shape))
+        at += a.size
+    return out
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -184,30 +209,33 @@ class StepContext:
             raise ValueError(f"StepContext.build: seqlens, start_pos, slots and block_tables must "
                              f"have one entry per request; got {R}, {len(start_pos)}, {len(slots)},"
                              f" {len(block_tables)}")
-        ids = _as_long(input_ids, device)
         if device is None:
-            device = ids.device
-        cu = [0]
-        for n in seqlens:
-            cu.append(cu[-1] + n)
-        positions = [s + k for s, n in zip(start_pos, seqlens) for k in range(n)]
+            device = input_ids.device if isinstance(input_ids, Tensor) else "cpu"
+        n = np.asarray(seqlens, dtype=np.int64)
+        cu = np.concatenate(([0], np.cumsum(n)))
+        T = int(cu[-1])
+        req = np.repeat(np.arange(R), n)
+        positions = np.asarray(start_pos, dtype=np.int64)[req] + np.arange(T) - cu[:-1][req]
         width = max([len(b) for b in block_tables] + [1])
         bt = [[int(p) for p in b] + [-1] * (width - len(b)) for b in block_tables]
-        if logits_indices is None:
-            logits_indices = [c - 1 for c in cu[1:]]
-        logits_indices = [int(i) for i in logits_indices]
+        logits = (cu[1:] - 1 if logits_indices is None
+                  else np.asarray([int(i) for i in logits_indices], dtype=np.int64))
+        slot_list = [int(s) for s in slots]
+        host = [positions, cu, start_pos, slot_list, np.asarray(bt, dtype=np.int64).reshape(R, width),
+                logits, req]
+        if not isinstance(input_ids, Tensor):
+            host.append(np.asarray(list(input_ids), dtype=np.int64))
+        on_dev = ints_to_device(host, device)
+        ids = on_dev[7] if len(on_dev) > 7 else _as_long(input_ids, device)
         tt = None if token_types is None else _as_long(token_types, device)
-        return cls(
-            input_ids=ids,
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
-            start_pos=torch.tensor(start_pos, dtype=torch.int64, device=device),
-            slots=torch.tensor([int(s) for s in slots], dtype=torch.int64, device=device),
-            block_tables=torch.tensor(bt, dtype=torch.int64, device=device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        ctx = cls(
+            input_ids=ids, positions=on_dev[0], cu_seqlens=on_dev[1], start_pos=on_dev[2],
+            slots=on_dev[3], block_tables=on_dev[4], logits_indices=on_dev[5],
             seqlens_host=seqlens, start_pos_host=start_pos, token_types=tt,
-            slots_host=[int(s) for s in slots], block_tables_host=bt,
-            logits_all=logits_indices == list(range(cu[-1])))
+            slots_host=slot_list, block_tables_host=bt,
+            logits_all=len(logits) == T and bool((logits == np.arange(T)).all()))
+        ctx.memo["request_of_token"] = on_dev[6]
+        return ctx
 
     @classmethod
     def static_decode(cls, input_ids: Sequence[int], start_pos: Sequence[int],
@@ -347,9 +375,8 @@ class StepContext:
             # One token per request: no host counts (and no device sync) needed.
             self.memo[key] = torch.arange(self.num_requests, device=self.device)
         if key not in self.memo:
-            counts = torch.tensor(self.seqlens_host, dtype=torch.int64, device=self.device)
-            self.memo[key] = torch.repeat_interleave(
-                torch.arange(self.num_requests, device=self.device), counts)
+            req = np.repeat(np.arange(self.num_requests), self.seqlens_host)
+            self.memo[key] = ints_to_device([req], self.device)[0]
         return self.memo[key]
 
     def token_range(self, request: int) -> tuple[int, int]:
