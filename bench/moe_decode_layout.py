@@ -7,13 +7,15 @@ V4-Flash widths, official numerics, CUDA-graph replay of rotated routings (<= 25
 bench/moe_decode.py.
 
     PYTHONPATH=. python bench/moe_decode_layout.py [--tokens 1,2,4,16,64,256,8192]
-        [--plans BN_up/BN_down/warps/split_up/split_down,...] [--units 2,4,...]
+        [--plans BN_up/BN_down/warps/split_up/split_down,...]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_decode_layout.py --tiny   # CPU smoke run
 
 Columns: µs per call, the floor (weight bytes / 4.29 TB/s or FLOPs / 1459 TFLOP/s), the ratio,
-GB/s, the relative difference to the torch twin (first 256 rows), finite.  Twelfth session (H200, an earlier form of this script
-that also timed a stream-K schedule, since removed): 1 token 57.7 -> 57.1 µs, 2: 97.9 -> 87.4,
-4: 173.0 -> 151.4, 16: 491.8 -> 444.3, 64: 1,195 -> 1,063.
+GB/s, the relative difference to the torch twin (first 256 rows), finite.  Twelfth session
+(H200, an earlier form of this script that also timed a stream-K schedule, since removed):
+1 token 57.7 -> 57.1 µs, 2: 97.9 -> 87.4, 4: 173.0 -> 151.4, 16: 491.8 -> 444.3, 64: 1,195 ->
+1,063.  Its ``--units`` option timed a K-step unit path in the thirteenth session (slower at
+1 / 2 tokens: 97-130 / 151-194 µs against 55.6 / 86.5; removed).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from moe_decode import (BW, FLASH, PEAK_FP8, TINY, _device, _time_plan, expert_b
 
 from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_moe as tri  # noqa: E402
-from dsv4.ops import triton_moe_units as units  # noqa: E402
 
 def parse_plan(spec: str) -> dict[str, int]:
     """``BN_up/BN_down/warps/split_up/split_down`` -> MoeConfig fields (``--plans``)."""
@@ -49,20 +50,15 @@ def parse_plan(spec: str) -> dict[str, int]:
                 split_down=sd)
 
 
-def variants(base: tri.MoeConfig, extra: list[dict[str, int]], units: list[int]
+def variants(base: tri.MoeConfig, extra: list[dict[str, int]]
              ) -> list[tuple[str, tri.MoeConfig, bool]]:
     """(name, plan, K-chunk-major) of the timed variants: the default plan on both layouts,
-    then each ``extra`` plan (fields replaced in the default one) and the K-step unit path at
-    each of ``units`` programs per SM (dsv4.ops.triton_moe_units), K-chunk-major."""
-    out = [("row-major (default plan)", dataclasses.replace(base, units=0), False),
-           ("K-chunk-major", dataclasses.replace(base, units=0), True)]
+    then each ``extra`` plan (fields replaced in the default one), K-chunk-major."""
+    out = [("row-major (default plan)", base, False), ("K-chunk-major", base, True)]
     for fields in extra:
-        cfg = dataclasses.replace(base, units=0, **fields)
+        cfg = dataclasses.replace(base, **fields)
         out.append((f"K-chunk-major, BN {cfg.BN_up}/{cfg.BN_down} w{cfg.warps_up} split "
                     f"{cfg.split_up}/{cfg.split_down}", cfg, True))
-    for n in units:
-        out.append((f"K-chunk-major, K-step units {n}/SM", dataclasses.replace(base, units=n),
-                    True))
     return out
 
 
@@ -71,8 +67,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", default="1,2,4,16,64,256,8192")
     ap.add_argument("--plans", default="", help="extra decode plans, comma-separated "
                     "BN_up/BN_down/warps/split_up/split_down (K-chunk-major stacks)")
-    ap.add_argument("--units", default="", help="programs per SM of the K-step unit path to "
-                    "time, comma-separated (up to UNITS_MAX_PAIRS pairs)")
     ap.add_argument("--rotate", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="toy widths (CPU smoke run)")
@@ -105,9 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         twin = ref.moe_experts(x[:256], ids[:256], w[:256], ex, 10.0)
         base = tri.pick_moe_config(T * k, E, D, inter, bk)
         extra = [parse_plan(p) for p in args.plans.split(",") if p] if T <= 16 else []
-        per_sm = ([int(v) for v in args.units.split(",") if v]
-                  if T * k <= units.UNITS_MAX_PAIRS else [])
-        for name, cfg, chunked in variants(base, extra, per_sm):
+        for name, cfg, chunked in variants(base, extra):
             res = _time_plan(cfg, calls, ex_ch if chunked else ex, twin, dev, replays)
             res.update(T=T, variant=name, plan=dataclasses.asdict(cfg), floor_us=floor_us)
             rows.append(res)

@@ -2,7 +2,7 @@
 (``_moe_up_kernel``, ``_moe_down_kernel``) compiled for sm_90, per opcode: the measure used to
 make the in-register MXFP4 decode cheaper (the kernels are partly issue-bound).
 
-    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--stripped] [--units]
+    PYTHONPATH=. python bench/moe_sass_count.py [--fold 0|1|both] [--stripped]
         [--dump DIR]
 
 Plans: BM 16 / BN 128 / 4 warps (decode) and BM 128 / BN 128 / 8 warps (prefill), BK 128,
@@ -10,8 +10,7 @@ unsplit, e8m0 scales, bf16.  Pointers, strides, N and K get the divisibility-16 
 launch gets (else the loads are not vectorized).  The loop is the longest backward branch;
 each row also counts its register copies (``IMAD.MOV``, part of the ``IMAD`` total).
 ``--stripped``: the kernels with the decode of ``bench/moe_decode_nodecode.py`` (what the rest
-of the K step costs).  ``--units``: also the K-step unit kernels (``dsv4.ops.triton_moe_units``)
-at the decode plan; each loop iteration is one unit, i.e. one K step.  TRITON_INTERPRET must be unset.
+of the K step costs).  TRITON_INTERPRET must be unset.
 """
 
 from __future__ import annotations
@@ -33,20 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4.ops import triton_moe as tm  # noqa: E402
 
 _PTR = {"xs_ptr": "*bf16", "act_ptr": "*bf16", "y_ptr": "*bf16", "wt_ptr": "*fp32",
-        "part_ptr": "*fp32", "part1_ptr": "*fp32", "part3_ptr": "*fp32", "ws_ptr": "*fp32",
-        "ws1_ptr": "*fp32", "ws3_ptr": "*fp32"}
+        "part_ptr": "*fp32", "part1_ptr": "*fp32", "part3_ptr": "*fp32"}
 PLANS = ((16, 128, 4), (128, 128, 8))
 
 
-def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool,
-                   units: bool = False) -> object:
-    """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan; ``units``: the K-step
-    unit kernels of ``dsv4.ops.triton_moe_units`` instead."""
-    if units:
-        from dsv4.ops import triton_moe_units as tu
-        fn = tu._moe_up_units_kernel if which == "up" else tu._moe_down_units_kernel
-    else:
-        fn = tm._moe_up_kernel if which == "up" else tm._moe_down_kernel
+def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool) -> object:
+    """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan."""
+    fn = tm._moe_up_kernel if which == "up" else tm._moe_down_kernel
     consts = dict(FMT=1, SB=32, SW_E8M0=True, HAS_LIMIT=True, FAST_FP4=True, SCALE_LE_128=fold,
                   SPLIT=False, KCHUNK=False, NBP=8, BM=BM, BN=BN, BK=128)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -100,9 +92,6 @@ def main() -> int:
     ap.add_argument("--fold", choices=("0", "1", "both"), default="both")
     ap.add_argument("--stripped", action="store_true",
                     help="the MXFP4 decode stripped as in bench/moe_decode_nodecode.py")
-    ap.add_argument("--units", action="store_true",
-                    help="also the K-step unit kernels (dsv4.ops.triton_moe_units) at the decode "
-                         "plan")
     ap.add_argument("--dump", help="write each kernel's SASS into this folder")
     args = ap.parse_args()
     if args.stripped:
@@ -110,22 +99,19 @@ def main() -> int:
         from moe_decode_nodecode import strip_decode
         strip_decode()
     folds = {"0": (False,), "1": (True,), "both": (False, True)}[args.fold]
-    kinds = [(False, PLANS)] + ([(True, PLANS[:1])] if args.units else [])
     for fold in folds:
         for which in ("down", "up"):
-            for units, plans in kinds:
-                for BM, BN, warps in plans:
-                    k = compile_kernel(which, BM, BN, warps, fold, units)
-                    n, ops, sass = loop_counts(k.asm["cubin"])
-                    name = f"{which}{'_units' if units else ''}"
-                    if args.dump:
-                        Path(args.dump).mkdir(parents=True, exist_ok=True)
-                        Path(args.dump, f"{name}_bm{BM}_fold{int(fold)}.sass").write_text(sass)
-                    top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
-                    # LDGSTS in the loop: the software pipeliner's async copies (0: unpipelined).
-                    print(f"fold={int(fold)} {name:10s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr "
-                          f"per K step ({moves_in_loop(sass)} IMAD.MOV, {ops['LDGSTS']} LDGSTS)"
-                          f" | {top}", flush=True)
+            for BM, BN, warps in PLANS:
+                k = compile_kernel(which, BM, BN, warps, fold)
+                n, ops, sass = loop_counts(k.asm["cubin"])
+                if args.dump:
+                    Path(args.dump).mkdir(parents=True, exist_ok=True)
+                    Path(args.dump, f"{which}_bm{BM}_fold{int(fold)}.sass").write_text(sass)
+                top = ", ".join(f"{o} {c}" for o, c in ops.most_common(8))
+                # LDGSTS in the loop: the software pipeliner's async copies (0: unpipelined).
+                print(f"fold={int(fold)} {which:4s} BM{BM:<3d} BN{BN} w{warps}: {n:5d} instr "
+                      f"per K step ({moves_in_loop(sass)} IMAD.MOV, {ops['LDGSTS']} LDGSTS)"
+                      f" | {top}", flush=True)
     return 0
 
 

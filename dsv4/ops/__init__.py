@@ -41,10 +41,10 @@ OP_NAMES = (
 # compress_entries, compress_update_state, indexer_queries, encode_records, write_records,
 # moe_route, swiglu_act, moe_combine, hc_post_pre) passed its GPU checks on the H200
 # (bench/sessions/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32
-# (2026-11-30) and fp8_grouped_linear (2026-12-01, bench/sessions/gpu_session_s8e.sh).  A new
-# kernel goes here until its GPU checks run: picked_rows (twelfth session, written after the last
-# device call; bench/sessions/gpu_session_s13a.sh checks it).
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"picked_rows"})
+# (2026-11-30), fp8_grouped_linear (2026-12-01, bench/sessions/gpu_session_s8e.sh) and
+# picked_rows (2026-12-02, bench/sessions/gpu_session_s13a.sh).  A new kernel goes here until
+# its GPU checks run.
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...))).
 _COMPOSED_TWINS = frozenset({"hc_post_pre"})

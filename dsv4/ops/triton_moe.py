@@ -663,8 +663,6 @@ class MoeConfig:
     """Tile plan of one expert call: BM rows per block (each block one expert), N tiles of the
     up (gate+up) and down GEMMs, K step (= the FP8 act-quant block under official numerics),
     and the K splits of the up and down GEMMs (1: unsplit; more are clamped to the K steps).
-    ``units`` > 0: both GEMMs as independent K-step units on ``units`` programs per SM
-    (:mod:`dsv4.ops.triton_moe_units`; the splits are then ignored).
 
     A split GEMM sums its fp32 partials in a fixed order inside the kernel: its output is
     bit-reproducible run to run and equal to the unsplit one to fp32 rounding, not bit-equal
@@ -679,7 +677,6 @@ class MoeConfig:
     stages: int = 3
     split_up: int = 1
     split_down: int = 1
-    units: int = 0
 
     def __post_init__(self) -> None:
         for name in ("BM", "BN_up", "BN_down"):
@@ -690,8 +687,6 @@ class MoeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MoeConfig: {name} must be an int >= 1; found {v!r}")
-        if isinstance(self.units, bool) or not isinstance(self.units, int) or self.units < 0:
-            raise ValueError(f"MoeConfig: units must be an int >= 0; found {self.units!r}")
 
 
 # Split-K at decode.  At one token only ~6 row blocks × the N tiles stream the weights (192
@@ -729,11 +724,9 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     rows = num_pairs / active
     if rows <= 16:
         bn_up, bn_down = (64, 128) if num_pairs <= 8 else (128, 128)
-        from dsv4.ops import triton_moe_units as units
         return MoeConfig(BM=16, BN_up=bn_up, BN_down=bn_down, BK=block_k, stages=3,
                          split_up=_pick_split(active * -(-inter // bn_up), dim),
-                         split_down=_pick_split(active * -(-dim // bn_down), inter),
-                         units=units.UNITS_PER_SM if units.moe_units_applies(num_pairs) else 0)
+                         split_down=_pick_split(active * -(-dim // bn_down), inter))
     if rows <= 32:
         return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
     if rows < 128:
@@ -1001,20 +994,6 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     rows = nb * cfg.BM
     consts = dict(FMT=fmt, SB=sb, SW_E8M0=e8m0, FAST_FP4=fast, SCALE_LE_128=fold,
                   KCHUNK=bool(experts.kchunk))
-    if cfg.units:
-        # One or two tokens: K-step units, the sums in the launches after each GEMM.
-        from dsv4.ops import triton_moe_units as units
-        if not fused_prep:
-            xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
-            moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK)
-        act_in = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-        units.moe_up_units(xs, w1, w3, s1, s3, pairs, block_expert, wts, act_in, P, E,
-                           swiglu_limit, consts, quant, cfg.BM, cfg.BN_up, cfg.BK, cfg.warps_up,
-                           stages_up, cfg.units)
-        units.moe_down_units(act_in, w2, s2, pairs, block_expert, ids, out, P, E, consts,
-                             cfg.BM, cfg.BN_down, cfg.BK, cfg.warps_down, stages_down,
-                             cfg.units)
-        return out
     # K splits (at most one per K step); grid axis 2.
     split_up = min(cfg.split_up, D // cfg.BK)
     split_down = min(cfg.split_down, inter // cfg.BK)

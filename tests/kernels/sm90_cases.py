@@ -574,14 +574,6 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
                     tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
                                                torch.randint(0, E_ALLOC, (T, m.topk)),
                                                torch.rand(T, m.topk), chunked, 10.0, cfg)
-            # The K-step unit path (dsv4.ops.triton_moe_units) at one and two tokens.
-            for T in (1, 2):
-                cfg = replace(tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk),
-                              units=4)
-                stacks = replace(ex, kchunk=bk) if fmt == "fp4" else ex
-                tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
-                                           torch.randint(0, E_ALLOC, (T, m.topk)),
-                                           torch.rand(T, m.topk), stacks, 10.0, cfg)
         elif fmt == "fp4":
             # The prefill plans on K-chunk-major stacks.
             cfg = tm.pick_moe_config(8192 * m.topk, m.experts, m.dim, m.inter, bk)
@@ -605,11 +597,8 @@ def _moe_fold() -> None:
     """The one-multiply MXFP4 decode (SCALE_LE_128: every scale byte <= 128, checked on CUDA
     tensors only) of the expert kernels at the decode and prefill plans."""
     from dsv4.ops import triton_moe as tm
-    from dsv4.ops import triton_moe_units as tu
     with RECORDER.override(tm._moe_up_kernel, SCALE_LE_128=True), \
-            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True), \
-            RECORDER.override(tu._moe_up_units_kernel, SCALE_LE_128=True), \
-            RECORDER.override(tu._moe_down_units_kernel, SCALE_LE_128=True):
+            RECORDER.override(tm._moe_down_kernel, SCALE_LE_128=True):
         _moe(V4_FLASH, "fp4", "decode")
         _moe(V4_FLASH, "fp4", "prefill")
 
