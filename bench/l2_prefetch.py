@@ -20,48 +20,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import BW, time_graph  # noqa: E402
 
 from dsv4.ops import triton_dense as td  # noqa: E402
 from dsv4.ops.triton_prefetch import l2_prefetch  # noqa: E402
 
-BW = 4.29e12
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("shared_w1+w3", 4096, 4096),
           ("shared_w2", 4096, 2048)]
 
 
-def seq_us(parts: list[Callable[[], object]], reps: int = 50) -> float:
-    """Median µs of one pass over ``parts`` from CUDA-graph replays of ``reps`` passes."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in parts:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in parts:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(7):
-        t0.record()
-        g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        out.append(t0.elapsed_time(t1) * 1e3 / reps)
-    return statistics.median(out)
+def seq_us(parts: list[Callable[[], object]]) -> float:
+    """Median µs of one pass over ``parts`` (``bench/kernels.py`` ``time_graph``: CUDA-graph
+    replays)."""
+    return time_graph([lambda: [f() for f in parts]])
 
 
 def main(argv: list[str] | None = None) -> dict:
