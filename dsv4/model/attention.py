@@ -60,6 +60,12 @@ _WINDOW_NOPE_FP8_BLOCK = 64
 # read the bf16 weight (cuBLAS), as the GEMV serves 1-2 rows (triton_dense.GEMV_GROUPED_MAX_M).
 WO_A_GEMV_MAX_ROWS = 2
 
+# V4 window-only and HCA layers: the window branch (kv_norm + RoPE, the ring write) runs on the
+# side lane, next to q's wq_b GEMV and head norm, where the main stream is the attention's
+# critical path (a CSA layer's side lane carries the indexer, which is longer: there it stays on
+# the main stream).  0 keeps it on the main stream (bench/flash_bench.py --launch-ab).
+KV_ON_SIDE_LANE = 1
+
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
 DENSE_PREFILL_MIN_TOKENS = 64
@@ -297,6 +303,21 @@ class Attention(nn.Module):
             ctx.memo[key] = rope_cos_sin(self.cfg, self.layer_id, ctx.positions)
         return ctx.memo[key]
 
+    def _window_branch(self, kv_lat: Tensor, ctx: StepContext, cache: HybridCache, cos: Tensor,
+                       sin: Tensor, dtype: torch.dtype) -> tuple[Tensor | PackedRows, Tensor]:
+        """kv = kv_norm(kv_lat) with RoPE on its tail (spec §3.6), stored into the window ring:
+        (kv_a, idx_a) of :meth:`_window_source`."""
+        # Record rings quantize on write exactly as the fake quant would: only tensor rings in
+        # official numerics fake-quantize here (V4: the nope channels per 64, fused; V4.1: all
+        # channels per 32).
+        fake_quant = cache.window_format is None and self.numerics == "official"
+        kv = self.ops.norm_rope(kv_lat, self.kv_norm.weight, cos, sin, self.kv_norm.eps,
+                                fp8_block=_WINDOW_NOPE_FP8_BLOCK
+                                if fake_quant and not self.cfg.is_v41 else 0)
+        if fake_quant and self.cfg.is_v41:
+            kv = quant_window_kv(kv, self.numerics)
+        return self._window_source(kv, ctx, cache, dtype)
+
     def _window_source(self, kv: Tensor, ctx: StepContext, cache: HybridCache,
                        dtype: torch.dtype) -> tuple[Tensor | PackedRows, Tensor]:
         """(kv_a, idx_a) of the window branch; stores the newest W rows into the ring.
@@ -425,38 +446,33 @@ class Attention(nn.Module):
         # wq_a and wkv read the same x: one FP8 GEMM on the GPU (column slices of its output).
         q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
         qr = self.q_norm(q_lat)
-        kv_b = idx_b = None
+        kv_b = idx_b = kv_a = idx_a = None
         overlap = self.ratio > 0 and not self.cfg.is_v41
-        if overlap:
+        window_on_side = bool(KV_ON_SIDE_LANE) and not self.cfg.is_v41 and self.indexer is None
+        if overlap or window_on_side:
             # V4: the compressed branch (compressor, indexer, picked rows) reads only x, qr and
-            # its own pools; on the GPU it runs on a side stream next to wq_b and the window
-            # write (dsv4.ops.streams), joined before the attention reads its output.
+            # its own pools, the window branch only kv_lat and its ring; on the GPU they run on
+            # a side stream next to wq_b (dsv4.ops.streams), joined before the attention reads
+            # their outputs.  (q's dtype is x's: wq_b keeps its input's.)
             with side_lane(x.device, T):
-                kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, x.dtype)
+                if overlap:
+                    kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, x.dtype)
+                if window_on_side:
+                    kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, x.dtype)
         # V4: per-head unweighted renorm (in q's dtype); V4.1 has none.  Then RoPE of each head's
         # tail.  One fused op, in place on wq_b's fresh output.
         q = self.ops.head_norm_rope(self.wq_b(qr).view(T, H, hd), cos, sin, self.cfg.norm_eps,
                                     renorm=not self.cfg.is_v41, inplace=True)
-
-        # Record rings quantize on write exactly as the fake quant would: only tensor rings in
-        # official numerics fake-quantize here (V4: the nope channels per 64, fused; V4.1: all
-        # channels per 32).
-        fake_quant = cache.window_format is None and self.numerics == "official"
-        kv = self.ops.norm_rope(kv_lat, self.kv_norm.weight, cos, sin, self.kv_norm.eps,
-                                fp8_block=_WINDOW_NOPE_FP8_BLOCK
-                                if fake_quant and not self.cfg.is_v41 else 0)
-        if fake_quant and self.cfg.is_v41:
-            kv = quant_window_kv(kv, self.numerics)
-
-        kv_a, idx_a = self._window_source(kv, ctx, cache, q.dtype)
-        if overlap:
+        if not window_on_side:
+            kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
+        if overlap or window_on_side:
             join_side_lane(x.device)
         elif self.ratio > 0:
             kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
         if self.numerics == "official":
             # bf16 P before P·V, as the reference kernel (spec §3.6.5)
             o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
-                                     p_dtype=kv.dtype)
+                                     p_dtype=kv_lat.dtype)
         else:
             o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale)
         o = self.ops.apply_rope(o, cos, sin, inverse=True)
