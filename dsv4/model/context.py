@@ -221,12 +221,12 @@ class StepContext:
         logits = (cu[1:] - 1 if logits_indices is None
                   else np.asarray([int(i) for i in logits_indices], dtype=np.int64))
         slot_list = [int(s) for s in slots]
-        host = [positions, cu, start_pos, slot_list, np.asarray(bt, dtype=np.int64).reshape(R, width),
-                logits, req]
-        if not isinstance(input_ids, Tensor):
+        host = [positions, cu, start_pos, slot_list,
+                np.asarray(bt, dtype=np.int64).reshape(R, width), logits, req]
+        if not isinstance(input_ids, Tensor):      # host ids travel in the same copy
             host.append(np.asarray(list(input_ids), dtype=np.int64))
         on_dev = ints_to_device(host, device)
-        ids = on_dev[7] if len(on_dev) > 7 else _as_long(input_ids, device)
+        ids = on_dev[7] if len(host) > 7 else _as_long(input_ids, device)
         tt = None if token_types is None else _as_long(token_types, device)
         ctx = cls(
             input_ids=ids, positions=on_dev[0], cu_seqlens=on_dev[1], start_pos=on_dev[2],

@@ -48,3 +48,32 @@ def test_context_rejects_inconsistent_fields() -> None:
         StepContext.single([1, 2], token_types=[-1])
     ok = StepContext.single([1, 2], token_types=[-1, 0])
     assert ok.token_types.tolist() == [-1, 0]
+
+
+def test_ints_to_device_and_host_derived_plans() -> None:
+    """The index tensors now derived on the host (one packed copy) hold what the device
+    formulas they replaced gave: request ids, the window ring's newest rows, entry plans."""
+    import numpy as np
+
+    from dsv4.model.attention import window_plan
+    from dsv4.model.compressor import entry_plan
+    from dsv4.model.context import ints_to_device
+
+    a, b, c = ints_to_device([np.arange(3), np.zeros((2, 2), np.int32), [7]], "cpu")
+    assert a.tolist() == [0, 1, 2] and b.shape == (2, 2) and b.dtype == torch.int64
+    assert c.tolist() == [7] and ints_to_device([], "cpu") == []
+    ctx = StepContext.build([1] * 9, seqlens=[2, 6, 1], start_pos=[0, 5, 3], slots=[2, 0, 1],
+                            block_tables=[[3], [1, 4], [0]])
+    assert ctx.request_of_token.tolist() == [0, 0, 1, 1, 1, 1, 1, 1, 2]
+    assert ctx.logits_all is False and ctx.input_ids.dtype == torch.int64
+    W = 4
+    plan = window_plan(ctx, W, False)
+    # The old formula: tokens whose position is within W of their request's end.
+    req = ctx.request_of_token
+    end = (ctx.start_pos + ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1])[req]
+    keep = ctx.positions >= end - W
+    assert torch.equal(plan["ring_tokens"], torch.nonzero(keep).squeeze(1))
+    assert torch.equal(plan["ring_rows"], (ctx.slots[req] * W + ctx.positions % W)[keep])
+    ep = entry_plan(ctx, 4)          # entries j with start <= 4j + 3 < end
+    assert ep.request.tolist() == [1, 2] and ep.entry.tolist() == [1, 0]
+    assert ep.counts_host == [0, 1, 1] and ep.start_entry_host == [0, 1, 0]
