@@ -102,16 +102,17 @@ def gap_report(events: list[dict], min_gap_us: float = 5.0, top: int = 25) -> st
     with CPU + CUDA activities and ``with_stack=True``), the idle intervals of the union of all
     streams' GPU work, each charged to the Python site (innermost dsv4 frame) that launched the
     GPU work ending it, and the host calls that blocked during it (synchronizing copies)."""
-    gpu = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e) for e in events
-                 if e.get("cat") in _GPU_CATS and "ts" in e)
+    gpu = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e) for e in events
+                  if e.get("cat") in _GPU_CATS and "ts" in e), key=lambda v: v[:2])
     if not gpu:
         return "no GPU events in the trace (CUPTI unavailable?)\n"
     # Runtime calls (torch's kernels, copies) and driver calls (Triton's cuLaunchKernelEx).
     host_api = ("cuda_runtime", "cuda_driver")
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in host_api and "correlation" in e.get("args", {})}
-    py = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("tid"),
-                 str(e.get("name"))) for e in events if e.get("cat") == "python_function")
+    py = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("tid"),
+           str(e.get("name"))) for e in events if e.get("cat") == "python_function"]
+    py.sort(key=lambda v: (v[0], -v[1]))    # outermost frame first at equal starts
 
     def stack_at(ts: float, tid: object) -> list[str]:
         return [n for a, b, t, n in py if t == tid and a <= ts <= b]
@@ -146,7 +147,7 @@ def gap_report(events: list[dict], min_gap_us: float = 5.0, top: int = 25) -> st
     for s, gs in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"{len(gs):5d} {sum(gs):9.1f}  {s}")
     lines.append("\nlargest gaps: us, at us, next GPU work, its site | a blocking host call's site")
-    for g, at, name, site, blocked in sorted(rows, reverse=True)[:top]:
+    for g, at, name, site, blocked in sorted(rows, key=lambda r: -r[0])[:top]:
         lines.append(f"{g:8.1f} {at:9.1f}  {name}  {site}" + (f" | {blocked}" if blocked else ""))
     return "\n".join(lines) + "\n"
 
