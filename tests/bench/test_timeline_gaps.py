@@ -24,7 +24,8 @@ def _trace() -> list[dict]:
                                   "args": {"correlation": c}}
     return [
         k(0, 10, "k0", 1), k(30, 10, "k1", 2), k(35, 20, "k2", 3),      # k2 overlaps k1
-        {"cat": "gpu_memcpy", "ts": 100, "dur": 5, "name": "Memcpy HtoD", "args": {"correlation": 4}},
+        {"cat": "gpu_memcpy", "ts": 100, "dur": 5, "name": "Memcpy HtoD",
+         "args": {"correlation": 4}},
         {"cat": "cuda_driver", "ts": 25, "dur": 3, "name": "cuLaunchKernelEx", "tid": 1,
          "args": {"correlation": 2}},
         {"cat": "cuda_runtime", "ts": 90, "dur": 20, "name": "cudaMemcpyAsync", "tid": 1,
