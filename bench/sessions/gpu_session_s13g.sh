@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Thirteenth session, last call (~2.5 min; ~250 s of device time were left): the window branch
-# of V4 window-only / HCA layers on the side lane (attention.KV_ON_SIDE_LANE) — 4-layer B=1 with
-# every launch variant interleaved; one of them puts the window branch back on the main lane,
-# and each variant's logits are compared bit for bit with the plain launch's.
+# Written in the thirteenth session, not run (its device time ran out; ~2.5 min): the window
+# branch of V4 window-only / HCA layers on the side lane (attention.KV_ON_SIDE_LANE, off by
+# default) — 4-layer B=1 with every launch variant interleaved; one of them turns the side-lane
+# window branch on, and each variant's logits are compared bit for bit with the plain launch's.
+# If it is faster and bit-equal: set KV_ON_SIDE_LANE = 1 and run the lanes' bits test
+# (tests/model/test_side_stream_gpu.py).
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage

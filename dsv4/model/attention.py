@@ -60,11 +60,12 @@ _WINDOW_NOPE_FP8_BLOCK = 64
 # read the bf16 weight (cuBLAS), as the GEMV serves 1-2 rows (triton_dense.GEMV_GROUPED_MAX_M).
 WO_A_GEMV_MAX_ROWS = 2
 
-# V4 window-only and HCA layers: the window branch (kv_norm + RoPE, the ring write) runs on the
-# side lane, next to q's wq_b GEMV and head norm, where the main stream is the attention's
+# 1: in V4 window-only and HCA layers the window branch (kv_norm + RoPE, the ring write) runs on
+# the side lane, next to q's wq_b GEMV and head norm, where the main stream is the attention's
 # critical path (a CSA layer's side lane carries the indexer, which is longer: there it stays on
-# the main stream).  0 keeps it on the main stream (bench/flash_bench.py --launch-ab).
-KV_ON_SIDE_LANE = 1
+# the main stream).  Written after the thirteenth session's last device call: off until a GPU
+# run has timed it and compared its bits (bench/sessions/gpu_session_s13g.sh, --launch-ab).
+KV_ON_SIDE_LANE = 0
 
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).

@@ -78,3 +78,33 @@ def test_branch_lane_has_its_own_split_k_counters(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(streams, "_lane", 2)
     branch = td.splitk_counters(cpu, 8)
     assert branch is not side and set(td._splitk_counter_cache) == {(cpu, 1), (cpu, 2)}
+
+
+def test_window_branch_placement_keeps_the_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attention.KV_ON_SIDE_LANE only moves where the window branch is issued: a V4 schedule
+    model (window, window, CSA, HCA layers; fp8 records) gives the same logits either way, at
+    prefill and at decode (on the CPU both run in order; the GPU check is the launch A/B of
+    bench/flash_bench.py)."""
+    from bench import flash_bench as fb
+    from dsv4.cache.formats import RECORD_DTYPE
+    from dsv4.cache.tensors import HybridCache
+    from dsv4.model import attention
+    from dsv4.model.context import StepContext, pages_needed
+
+    monkeypatch.setattr(fb, "DEV", "cpu")
+    torch.manual_seed(0)
+    model = fb.build_model(4, tiny=True)
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (70,))
+    pages = list(range(pages_needed(80, fb.PAGE)))
+    outs = []
+    for flag in (0, 1):
+        monkeypatch.setattr(attention, "KV_ON_SIDE_LANE", flag)
+        cache = HybridCache.allocate(cfg, num_pages=len(pages), num_slots=1, page_size=fb.PAGE,
+                                     dtype=RECORD_DTYPE, device="cpu")
+        pre = model.compute_logits(model.forward(
+            StepContext.build(ids, [70], [0], [0], [pages]), cache))
+        dec = model.compute_logits(model.forward(
+            StepContext.build(ids[:1], [1], [70], [0], [pages]), cache))
+        outs.append((pre, dec))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
