@@ -32,6 +32,7 @@ the values are the same, exact in bf16, so the output is the same bit for bit).
 from __future__ import annotations
 
 import contextlib
+import os
 
 from types import SimpleNamespace
 
@@ -65,7 +66,8 @@ WO_A_GEMV_MAX_ROWS = 2
 # critical path (a CSA layer's side lane carries the indexer, which is longer: there it stays on
 # the main stream).  Written after the thirteenth session's last device call: off until a GPU
 # run has timed it and compared its bits (bench/sessions/gpu_session_s13g.sh, --launch-ab).
-KV_ON_SIDE_LANE = 0
+# DSV4_KV_ON_SIDE_LANE=1 turns it on at import (the GPU bits test runs that way).
+KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "0"))
 
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
