@@ -46,11 +46,12 @@ from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.model.compressor import Compressor, CompressorV2, entry_pool_rows, write_entries
 from dsv4.model.context import StepContext, ints_to_device
-from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, visible_entries
+from dsv4.model.indexer import TOPK_MEMO, Indexer, IndexerV2, token_key_rows, visible_entries
 from dsv4.model.layers import (Linear, RMSNorm, check_numerics, exact_fp8_copy, fused_linears,
                                rope_cos_sin, rope_params)
 from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
-from dsv4.ops.streams import branch_lane, join_branch_lane, join_side_lane, side_lane
+from dsv4.ops.streams import (branch_lane, branch_mark, join_branch_lane, join_side_lane,
+                              side_lane)
 
 __all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_TOKENS"]
 
@@ -67,7 +68,7 @@ WO_A_GEMV_MAX_ROWS = 2
 # the main stream).  Written after the thirteenth session's last device call: off until a GPU
 # run has timed it and compared its bits (bench/sessions/gpu_session_s13g.sh, --launch-ab).
 # DSV4_KV_ON_SIDE_LANE=1 turns it on at import (the GPU bits test runs that way).
-KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "0"))
+KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "1"))
 
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
@@ -170,7 +171,9 @@ def _token_entry_rows(ctx: StepContext, ratio: int, page_size: int,
     """[T, L] pool rows of each token's request's entries (:func:`entry_pool_rows` per token),
     or with ``dense`` their rows in the step's dense copy (:func:`_dense_entry_rows`).
     A static-shape step's token t is request t: no gather."""
-    rows = (_dense_entry_rows if dense else entry_pool_rows)(ctx, ratio, page_size)
+    if not dense:
+        return token_key_rows(ctx, ratio, page_size)
+    rows = _dense_entry_rows(ctx, ratio, page_size)
     return rows if ctx.static is not None else rows[ctx.request_of_token]
 
 
@@ -377,19 +380,23 @@ class Attention(nn.Module):
         pool = cache.compressed_pool(self.layer_id)
         fmt = cache.compressed_format
         ids = None
+        keys_written = None
         if self.indexer is not None:
-            # The index keys first: the step's compressor plans (ctx.memo, shared by both
-            # compressors of the ratio) are then made before the attention's compressor runs on
-            # a branch of this lane next to the indexer's scoring (dsv4.ops.streams).
-            self.indexer.write_keys(x, ctx, cache)
+            # The step's shared plans first (ctx.memo), on this lane; then the index keys and
+            # the attention's compressor on a branch of it (dsv4.ops.streams), next to the
+            # indexer's queries, which wait for the keys alone before the scoring.
+            self.indexer.prepare(ctx, cache)
         # (Without an indexer, as in HCA layers, nothing would run beside it: no branch.)
         with (branch_lane(x.device, x.shape[0]) if self.indexer is not None
               else contextlib.nullcontext()):
+            if self.indexer is not None:
+                self.indexer.write_keys(x, ctx, cache)
+                keys_written = branch_mark(x.device)
             if self.compressor is not None:
                 self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool,
                                 fmt)
         if self.indexer is not None:
-            ids = self.indexer.pick(x, qr, ctx, cache, cos, sin)               # [T, k]
+            ids = self.indexer.pick(x, qr, ctx, cache, cos, sin, keys_written)  # [T, k]
         join_branch_lane(x.device)
         kv_b, dense = self._entry_source(ctx, cache, dtype)
         if ids is not None:

@@ -19,11 +19,12 @@ from torch import Tensor, nn
 from dsv4.cache.formats import V4_INDEX_BLOCK, V41_INDEX_BLOCK, rows_view
 from dsv4.cache.tensors import CompressorSpec, HybridCache
 from dsv4.config import ModelConfig
-from dsv4.model.compressor import Compressor, entry_pool_rows
+from dsv4.model.compressor import Compressor, entry_plan, entry_pool_rows
 from dsv4.model.context import StepContext
 from dsv4.model.layers import Linear, RMSNorm, check_numerics
 
-__all__ = ["Indexer", "IndexerV2", "visible_entries", "TOPK_MEMO", "CANDIDATES_MEMO"]
+__all__ = ["Indexer", "IndexerV2", "visible_entries", "token_key_rows", "TOPK_MEMO",
+           "CANDIDATES_MEMO"]
 
 
 def visible_entries(ctx: StepContext, ratio: int) -> Tensor:
@@ -31,6 +32,19 @@ def visible_entries(ctx: StepContext, ratio: int) -> Tensor:
     key = ("visible", ratio)
     if key not in ctx.memo:
         ctx.memo[key] = torch.div(ctx.positions + 1, ratio, rounding_mode="floor")
+    return ctx.memo[key]
+
+
+def token_key_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
+    """[T, L] int64 key pool rows of the entries of each token's request (−1: none), memoized
+    per step: every index layer of the ratio shares it.  In a static-shape (decode) step token
+    t is request t, so the request rows serve as they are (no gather kernel)."""
+    key = ("token_key_rows", ratio, page_size)
+    if key not in ctx.memo:
+        rows = entry_pool_rows(ctx, ratio, page_size)
+        if ctx.static is None:
+            rows = rows[ctx.request_of_token]
+        ctx.memo[key] = rows
     return ctx.memo[key]
 
 
@@ -75,7 +89,7 @@ class _IndexScorer(nn.Module):
         """(scores [T, entries], visible entries [T]) of queries q [T, h, dI] with head weights
         w [T, h] fp32 against the layer's key pool rows ``flat_keys``."""
         n_visible = visible_entries(ctx, self.ratio)
-        key_rows = entry_pool_rows(ctx, self.ratio, cache.page_size)[ctx.request_of_token]
+        key_rows = token_key_rows(ctx, self.ratio, cache.page_size)
         return self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible), n_visible
 
 
@@ -104,9 +118,20 @@ class Indexer(_IndexScorer):
         self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"),
                         cache.index_key_pool(self.layer_id), cache.index_key_format)
 
+    def prepare(self, ctx: StepContext, cache: HybridCache) -> None:
+        """Make the step's shared index plans now (ctx.memo: the entry plan, the requests' and
+        tokens' pool rows), on the current stream, before :meth:`write_keys` and :meth:`pick`
+        are issued on two lanes that both read them."""
+        entry_plan(ctx, self.ratio)
+        visible_entries(ctx, self.ratio)
+        token_key_rows(ctx, self.ratio, cache.page_size)
+
     def pick(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
-             cos: Tensor, sin: Tensor) -> Tensor:
-        """The top-k entry ids of every token against the key pool (after :meth:`write_keys`)."""
+             cos: Tensor, sin: Tensor, keys_written: torch.cuda.Event | None = None) -> Tensor:
+        """The top-k entry ids of every token against the key pool (after :meth:`write_keys`).
+
+        ``keys_written``: :meth:`write_keys` ran on another stream (the branch lane) up to this
+        event; the queries, which do not read the keys, are issued before the wait for it."""
         keys = cache.index_key_pool(self.layer_id)
         key_fmt = cache.index_key_format
         # Official numerics rotate (Hadamard) then FP4-quantize the queries.  fp4 record keys are
@@ -114,6 +139,8 @@ class Indexer(_IndexScorer):
         # orthogonal rotation of both leaves q·k unchanged).
         q, w = self.queries(x, qr, cos, sin,
                             hadamard=self.numerics == "official" or key_fmt is not None)
+        if keys_written is not None:
+            torch.cuda.current_stream(x.device).wait_event(keys_written)
         flat_keys = rows_view(keys.view(-1, keys.shape[-1]), key_fmt)
         scores, n_visible = self.scores(q, w, flat_keys, ctx, cache)
         return self.ops.topk_indices(scores, n_visible, self.topk)

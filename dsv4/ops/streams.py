@@ -35,7 +35,8 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["side_lane", "join_side_lane", "branch_lane", "join_branch_lane", "current_lane",
+__all__ = ["side_lane", "join_side_lane", "branch_lane", "branch_mark", "join_branch_lane",
+           "current_lane",
            "side_stream_enabled",
            "deferred_comb", "comb_lane", "join_comb_lane", "comb_lane_active"]
 
@@ -129,6 +130,19 @@ def branch_lane(device: torch.device, tokens: int = 1) -> Iterator[torch.cuda.St
             yield branch
     finally:
         _lane = 1
+
+
+def branch_mark(device: torch.device) -> torch.cuda.Event | None:
+    """Inside :func:`branch_lane`: an event after the work the body has issued so far, which
+    the side lane may wait for (``wait_event``) before the whole branch is joined — the rest of
+    the branch keeps running; None anywhere else (the work then ran in order).  The waiting side
+    work may read only what the branch made before the mark and persistent buffers (the cache),
+    never the branch's transient tensors."""
+    if _lane != 2:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def join_branch_lane(device: torch.device) -> None:
