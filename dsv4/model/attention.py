@@ -70,6 +70,13 @@ WO_A_GEMV_MAX_ROWS = 2
 # DSV4_KV_ON_SIDE_LANE=1 turns it on at import (the GPU bits test runs that way).
 KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "1"))
 
+# 1: in V4 CSA layers the index keys are compressed on the branch lane (before the attention's
+# compressor) while the side lane computes the indexer's queries, which then wait for the keys
+# alone (streams.branch_mark); 0: the keys first on the side lane, as before.  Written in the
+# fourteenth session; off until a GPU run has bit-checked and timed it
+# (bench/sessions/gpu_session_s14b.sh with DSV4_INDEX_KEYS_ON_BRANCH=1).
+INDEX_KEYS_ON_BRANCH = int(os.environ.get("DSV4_INDEX_KEYS_ON_BRANCH", "0"))
+
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
 DENSE_PREFILL_MIN_TOKENS = 64
@@ -386,10 +393,12 @@ class Attention(nn.Module):
             # the attention's compressor on a branch of it (dsv4.ops.streams), next to the
             # indexer's queries, which wait for the keys alone before the scoring.
             self.indexer.prepare(ctx, cache)
+            if not INDEX_KEYS_ON_BRANCH:
+                self.indexer.write_keys(x, ctx, cache)
         # (Without an indexer, as in HCA layers, nothing would run beside it: no branch.)
         with (branch_lane(x.device, x.shape[0]) if self.indexer is not None
               else contextlib.nullcontext()):
-            if self.indexer is not None:
+            if self.indexer is not None and INDEX_KEYS_ON_BRANCH:
                 self.indexer.write_keys(x, ctx, cache)
                 keys_written = branch_mark(x.device)
             if self.compressor is not None:

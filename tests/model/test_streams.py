@@ -80,11 +80,13 @@ def test_branch_lane_has_its_own_split_k_counters(monkeypatch: pytest.MonkeyPatc
     assert branch is not side and set(td._splitk_counter_cache) == {(cpu, 1), (cpu, 2)}
 
 
-def test_window_branch_placement_keeps_the_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attention.KV_ON_SIDE_LANE only moves where the window branch is issued: a V4 schedule
-    model (window, window, CSA, HCA layers; fp8 records) gives the same logits either way, at
-    prefill and at decode (on the CPU both run in order; the GPU check is the launch A/B of
-    bench/flash_bench.py)."""
+@pytest.mark.parametrize("flag_name", ["KV_ON_SIDE_LANE", "INDEX_KEYS_ON_BRANCH"])
+def test_branch_placement_keeps_the_bits(monkeypatch: pytest.MonkeyPatch, flag_name: str
+                                         ) -> None:
+    """attention.KV_ON_SIDE_LANE (the window branch) and INDEX_KEYS_ON_BRANCH (the CSA index
+    keys) only move where work is issued: a V4 schedule model (window, window, CSA, HCA layers;
+    fp8 records) gives the same logits either way, at prefill and at decode (on the CPU both
+    run in order; the GPU check is the launch A/B of bench/flash_bench.py)."""
     from bench import flash_bench as fb
     from dsv4.cache.formats import RECORD_DTYPE
     from dsv4.cache.tensors import HybridCache
@@ -99,7 +101,7 @@ def test_window_branch_placement_keeps_the_bits(monkeypatch: pytest.MonkeyPatch)
     pages = list(range(pages_needed(80, fb.PAGE)))
     outs = []
     for flag in (0, 1):
-        monkeypatch.setattr(attention, "KV_ON_SIDE_LANE", flag)
+        monkeypatch.setattr(attention, flag_name, flag)
         cache = HybridCache.allocate(cfg, num_pages=len(pages), num_slots=1, page_size=fb.PAGE,
                                      dtype=RECORD_DTYPE, device="cpu")
         pre = model.compute_logits(model.forward(
