@@ -65,9 +65,8 @@ WO_A_GEMV_MAX_ROWS = 2
 # 1: in V4 window-only and HCA layers the window branch (kv_norm + RoPE, the ring write) runs on
 # the side lane, next to q's wq_b GEMV and head norm, where the main stream is the attention's
 # critical path (a CSA layer's side lane carries the indexer, which is longer: there it stays on
-# the main stream).  Written after the thirteenth session's last device call: off until a GPU
-# run has timed it and compared its bits (bench/sessions/gpu_session_s13g.sh, --launch-ab).
-# DSV4_KV_ON_SIDE_LANE=1 turns it on at import (the GPU bits test runs that way).
+# the main stream).  H200, 4 layers, B=1 (docs/PERFORMANCE.md, fourteenth session): 900.7 against
+# 910.1 µs, the same bits.  DSV4_KV_ON_SIDE_LANE=0 turns it off at import.
 KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "1"))
 
 # 1: in V4 CSA layers the index keys are compressed on the branch lane (before the attention's
@@ -389,9 +388,10 @@ class Attention(nn.Module):
         ids = None
         keys_written = None
         if self.indexer is not None:
-            # The step's shared plans first (ctx.memo), on this lane; then the index keys and
-            # the attention's compressor on a branch of it (dsv4.ops.streams), next to the
-            # indexer's queries, which wait for the keys alone before the scoring.
+            # The step's shared plans first (ctx.memo), on this lane.  Then the index keys —
+            # here, or with INDEX_KEYS_ON_BRANCH on the branch lane, where the queries wait for
+            # them alone before the scoring — and the attention's compressor on a branch of
+            # this lane next to the indexer (dsv4.ops.streams).
             self.indexer.prepare(ctx, cache)
             if not INDEX_KEYS_ON_BRANCH:
                 self.indexer.write_keys(x, ctx, cache)
