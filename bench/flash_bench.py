@@ -329,8 +329,7 @@ LAUNCH_VARIANTS = {
     "pdl, no branch lane": {"DSV4_PDL": "1", "DSV4_BRANCH_LANE": "0"},
     "pdl at any size": {"DSV4_PDL": "1", "DSV4_PDL_MAX_TOKENS": str(1 << 30)},
     "pdl, window branch in order": {"DSV4_PDL": "1", "attention.KV_ON_SIDE_LANE": "0"},
-    "pdl, index keys on the branch lane": {"DSV4_PDL": "1",
-                                           "attention.INDEX_KEYS_ON_BRANCH": "1"},
+    "pdl, index keys in order": {"DSV4_PDL": "1", "attention.INDEX_KEYS_ON_BRANCH": "0"},
 }
 
 

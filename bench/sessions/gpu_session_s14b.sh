@@ -5,7 +5,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
-DSV4_INDEX_KEYS_ON_BRANCH=1 stage lanes 130 python -m pytest -q -x tests/model/test_side_stream_gpu.py
+stage lanes 130 python -m pytest -q -x tests/model/test_side_stream_gpu.py
 stage ab 150 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1 \
     --ctx 8192 --steps 2 --budget 140 --launch-ab --timeline "$LOGS/tl.txt" --out "$LOGS/ab.json"
 stage dec 150 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches 16,64 \

@@ -71,10 +71,9 @@ KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "1"))
 
 # 1: in V4 CSA layers the index keys are compressed on the branch lane (before the attention's
 # compressor) while the side lane computes the indexer's queries, which then wait for the keys
-# alone (streams.branch_mark); 0: the keys first on the side lane, as before.  Written in the
-# fourteenth session; off until a GPU run has bit-checked and timed it
-# (bench/sessions/gpu_session_s14b.sh with DSV4_INDEX_KEYS_ON_BRANCH=1).
-INDEX_KEYS_ON_BRANCH = int(os.environ.get("DSV4_INDEX_KEYS_ON_BRANCH", "0"))
+# alone (streams.branch_mark); 0: the keys first on the side lane.  H200, 4 layers, B=1
+# (docs/PERFORMANCE.md, fourteenth session, run B): the CSA layer 209 -> 185 µs, the same bits.
+INDEX_KEYS_ON_BRANCH = int(os.environ.get("DSV4_INDEX_KEYS_ON_BRANCH", "1"))
 
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
