@@ -97,12 +97,15 @@ class Gate(nn.Module):
                                      self.top_k, self.route_scale, self.gate_temp,
                                      self.norm_topk_prob, ops=self.ops)
             return weights, ids
+        bias, tid2eid, ids = ((None, self.tid2eid, input_ids) if self.is_hash
+                              else (self.bias, None, None))
+        gate = getattr(self.ops, "moe_gate", None)
+        if gate is not None:
+            # The gate GEMM and the routing as one op (at decode one kernel).
+            return gate(x, self.weight, bias, tid2eid, ids, self.top_k, self.route_scale)
         # The gate GEMM (fp32, the skinny-GEMM op); everything after it is one op (one kernel).
         logits = self.ops.linear_fp32(x, self.weight)
-        if self.is_hash:
-            return self.ops.moe_route(logits, None, self.tid2eid, input_ids, self.top_k,
-                                      self.route_scale)
-        return self.ops.moe_route(logits, self.bias, None, None, self.top_k, self.route_scale)
+        return self.ops.moe_route(logits, bias, tid2eid, ids, self.top_k, self.route_scale)
 
 
 class Experts(nn.Module):
@@ -333,6 +336,15 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, input_ids, image_mask)
         if self.experts.expert_offset:
             ids = ids - self.experts.expert_offset  # local ids; other ranks' experts are skipped
+        fused = getattr(self.ops, "moe_experts_shared", None)
+        if shared is not None and not self.parallel.enabled and fused is not None:
+            # One rank: routed + shared summed in the experts' last launch, which joins the
+            # shared expert's lane only after the routed GEMMs were issued.
+            device = x.device
+            out = fused(x, ids, weights, self.experts.weights(), self.swiglu_limit, shared,
+                        lambda: join_side_lane(device))
+            join_side_lane(device)  # a no-op once the op has joined
+            return out
         routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
         join_side_lane(x.device)
         if shared is not None and not self.parallel.enabled:

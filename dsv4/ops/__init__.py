@@ -33,7 +33,7 @@ OP_NAMES = (
     "head_norm_rope", "norm_rope", "compress_entries", "compress_update_state",
     "indexer_queries", "encode_records", "write_records",
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre", "linear_fp32",
-    "fp8_grouped_linear", "picked_rows",
+    "fp8_grouped_linear", "picked_rows", "moe_gate", "moe_experts_shared",
 )
 
 # Written in the second session, when no GPU time was left (docs/PERFORMANCE.md).
@@ -43,11 +43,14 @@ OP_NAMES = (
 # (bench/sessions/gpu_session*.sh, 2026-11-29/30), and so did topk_indices and linear_fp32
 # (2026-11-30), fp8_grouped_linear (2026-12-01, bench/sessions/gpu_session_s8e.sh) and
 # picked_rows (2026-12-02, bench/sessions/gpu_session_s13a.sh).  A new kernel goes here until
-# its GPU checks run.
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
+# its GPU checks run.  Written in the fifteenth session (2026-12-03) without a GPU: moe_gate
+# (the gate GEMM and the routing in one launch) and moe_experts_shared (the routed + shared sum
+# in the experts' combine launch).
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"moe_gate", "moe_experts_shared"})
 
-# Twins that are compositions of other ops (hc_pre(hc_post(...))).
-_COMPOSED_TWINS = frozenset({"hc_post_pre"})
+# Twins that are compositions of other ops (hc_pre(hc_post(...)), moe_route(linear_fp32(...)),
+# moe_combine(moe_experts(...))): without their fused kernel the model calls the parts.
+_COMPOSED_TWINS = frozenset({"hc_post_pre", "moe_gate", "moe_experts_shared"})
 
 _cache: dict[tuple[str, bool], SimpleNamespace] = {}
 

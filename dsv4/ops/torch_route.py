@@ -11,16 +11,27 @@ Triton kernels in ``dsv4/ops/triton_route.py`` have the same signatures.
   in fp32, rounded once to ``out_dtype`` (limit 0: no clamp).
 * ``moe_combine(routed, shared, out_dtype)``: ``routed (fp32) + shared`` rounded to
   ``out_dtype``.
+
+Two compositions whose Triton forms save a decode launch each:
+
+* ``moe_gate(x, weight, bias, tid2eid, input_ids, top_k, route_scale)``: the gate GEMM
+  (``linear_fp32``) and ``moe_route``;
+* ``moe_experts_shared(x, ids, weights, experts, limit, shared, wait_shared)``:
+  ``moe_combine(moe_experts(...), shared, x.dtype)``, with ``wait_shared()`` called before
+  ``shared`` is read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from dsv4.ops.torch_dense import swiglu
+from dsv4.ops.torch_dense import ExpertWeights, linear_fp32, moe_experts, swiglu
 
-__all__ = ["check_route_args", "moe_combine", "moe_route", "swiglu_act"]
+__all__ = ["check_route_args", "moe_combine", "moe_experts_shared", "moe_gate", "moe_route",
+           "swiglu_act"]
 
 
 def check_route_args(logits: torch.Tensor, bias: torch.Tensor | None,
@@ -83,3 +94,22 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor,
         raise ValueError(f"moe_combine: expected routed fp32 and shared of one shape; found "
                          f"{routed.dtype} {tuple(routed.shape)} and {tuple(shared.shape)}")
     return (routed + shared.float()).to(out_dtype)
+
+
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
+             route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a V4 MoE layer: the fp32 gate GEMM ``x·weightᵀ`` [T, E], then
+    :func:`moe_route`: (weights [T, k] fp32, ids [T, k] int64)."""
+    return moe_route(linear_fp32(x, weight), bias, tid2eid, input_ids, top_k, route_scale)
+
+
+def moe_experts_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       experts: ExpertWeights, swiglu_limit: float, shared: torch.Tensor,
+                       wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+    """One rank's MoE output in x's dtype: the routed experts (fp32) plus ``shared``, rounded
+    once; ``wait_shared()`` runs before ``shared`` is read."""
+    routed = moe_experts(x, topk_ids, topk_weights, experts, swiglu_limit)
+    if wait_shared is not None:
+        wait_shared()
+    return moe_combine(routed, shared, x.dtype)

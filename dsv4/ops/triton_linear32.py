@@ -61,37 +61,11 @@ def _dot_split_a(acc, a, b):
 
 
 @triton.jit
-def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_ws, k_per_split,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SPLITS: tl.constexpr, DOT: tl.constexpr, BF16X3: tl.constexpr = False,
-                     W_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out[M, N] (fp32) = x[M, K] @ w[N, K]^T with fp32 products and sums.
-
-    Grid: (M tiles × N tiles, SPLITS); split s covers K ``[s·k_per_split, (s+1)·k_per_split)``
-    clipped to K (``k_per_split`` is a multiple of BK; every split has >= 1 chunk inside K).
-
-    BF16X3 (bf16 x, dot path): x stays bf16 and each fp32 weight tile is split into three bf16
-    parts summing to it exactly; three bf16 tensor-core dots then give exact products.
-
-    W_BF16 (a bf16 weight, the checkpoint's values held compactly): the broadcast path upcasts
-    the tile (exact); the dot path multiplies on bf16 MMAs — one dot for a bf16 x, three for an
-    fp32 x split exactly into bf16 parts — so products stay exact with half the weight bytes.
-
-    DOT: the tile product is ``tl.dot(..., input_precision="ieee")`` (FMA, BM >= 16); else it
-    is a broadcast multiply accumulated per (row, column, k lane) in a [BM, BN, BK] register
-    tile, summed over the lanes once at the end (for BM < 16, where a dot would waste most of
-    its rows).
-
-    With SPLITS > 1 the reduction happens here, deterministically (as ``_fp8_gemm_kernel``):
-    each split stores its fp32 partial into ``ws[s]``, bumps the tile's arrival counter
-    (acq_rel, gpu scope), and the last to arrive sums ``ws[0] + ws[1] + … + ws[SPLITS−1]`` in
-    that order, stores the tile and resets the counter to 0 (for the next launch and for
-    CUDA-graph replays).
-    """
-    grid_dependency_sync(PDL)
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+def linear32_tile(x_ptr, w_ptr, pid, split, M, N, K, stride_xm, stride_wn, k_per_split,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                  BF16X3: tl.constexpr, W_BF16: tl.constexpr):
+    """Split ``split``'s fp32 partial of output tile ``pid`` (see :func:`_linear32_kernel`):
+    (acc [BM, BN], rows, columns, row mask, column mask)."""
     num_pid_n = tl.cdiv(N, BN)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
@@ -131,6 +105,44 @@ def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_x
             acc3 += a[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
+    return acc, rm, rn, m_mask, n_mask
+
+
+@triton.jit
+def _linear32_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_ws, k_per_split,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SPLITS: tl.constexpr, DOT: tl.constexpr, BF16X3: tl.constexpr = False,
+                     W_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out[M, N] (fp32) = x[M, K] @ w[N, K]^T with fp32 products and sums.
+
+    Grid: (M tiles × N tiles, SPLITS); split s covers K ``[s·k_per_split, (s+1)·k_per_split)``
+    clipped to K (``k_per_split`` is a multiple of BK; every split has >= 1 chunk inside K).
+
+    BF16X3 (bf16 x, dot path): x stays bf16 and each fp32 weight tile is split into three bf16
+    parts summing to it exactly; three bf16 tensor-core dots then give exact products.
+
+    W_BF16 (a bf16 weight, the checkpoint's values held compactly): the broadcast path upcasts
+    the tile (exact); the dot path multiplies on bf16 MMAs — one dot for a bf16 x, three for an
+    fp32 x split exactly into bf16 parts — so products stay exact with half the weight bytes.
+
+    DOT: the tile product is ``tl.dot(..., input_precision="ieee")`` (FMA, BM >= 16); else it
+    is a broadcast multiply accumulated per (row, column, k lane) in a [BM, BN, BK] register
+    tile, summed over the lanes once at the end (for BM < 16, where a dot would waste most of
+    its rows).
+
+    With SPLITS > 1 the reduction happens here, deterministically (as ``_fp8_gemm_kernel``):
+    each split stores its fp32 partial into ``ws[s]``, bumps the tile's arrival counter
+    (acq_rel, gpu scope), and the last to arrive sums ``ws[0] + ws[1] + … + ws[SPLITS−1]`` in
+    that order, stores the tile and resets the counter to 0 (for the next launch and for
+    CUDA-graph replays).
+    """
+    grid_dependency_sync(PDL)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    acc, rm, rn, m_mask, n_mask = linear32_tile(
+        x_ptr, w_ptr, pid, split, M, N, K, stride_xm, stride_wn, k_per_split, BM, BN, BK,
+        DOT, BF16X3, W_BF16)
     mask = m_mask[:, None] & n_mask[None, :]
     out = out_ptr + rm[:, None] * N + rn[None, :]
     if SPLITS > 1:

@@ -79,6 +79,7 @@ __all__ = [
     "dequant_experts",
     "moe_experts",
     "moe_experts_grouped",
+    "moe_experts_shared",
     "moe_experts_with_config",
     "moe_plan",
     "moe_plan_prep",
@@ -603,9 +604,13 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: tl.constexpr,
+def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, shared_ptr, D, E, TOPK: tl.constexpr,
+                        BD: tl.constexpr, SHARED: tl.constexpr = False,
                         PDL: tl.constexpr = False):
-    """out[t] = Σ_j y[t·k + j] in fp32 over the picks j whose expert id is in 0..E-1."""
+    """out[t] = Σ_j y[t·k + j] in fp32 over the picks j whose expert id is in 0..E-1.
+
+    SHARED (:func:`moe_experts_shared`): plus ``shared[t]`` in fp32, rounded once to out's
+    dtype — the sum and rounding of ``triton_route.moe_combine``, without its launch."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -616,7 +621,11 @@ def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BD: t
         ok = (e >= 0) & (e < E)
         v = tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * D + rd, mask=d_mask & ok, other=0.0)
         acc += v.to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * D + rd, acc, mask=d_mask)
+    if SHARED:
+        sh = tl.load(shared_ptr + t.to(tl.int64) * D + rd, mask=d_mask, other=0.0)
+        store_rne(out_ptr + t.to(tl.int64) * D + rd, acc + sh.to(tl.float32), d_mask)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * D + rd, acc, mask=d_mask)
 
 
 @triton.jit
@@ -943,21 +952,23 @@ def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     del w2, a
     y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, out, D, E, TOPK=k, BD=BD, num_warps=4,
                                                  **pdl_args(y))
     return out
 
 
 def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             experts: ExpertWeights, swiglu_limit: float,
-                            cfg: MoeConfig | None = None) -> torch.Tensor:
-    """:func:`moe_experts` with an explicit tile plan (``None``: :func:`pick_moe_config`)."""
+                            cfg: MoeConfig | None = None, shared: torch.Tensor | None = None,
+                            wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+    """:func:`moe_experts` with an explicit tile plan (``None``: :func:`pick_moe_config`);
+    with ``shared``, :func:`moe_experts_shared` (``wait_shared`` runs before its first read)."""
     _check_experts(x, topk_ids, topk_weights, experts)
     T, D = x.shape
     E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if T == 0 or k == 0:
-        return out.zero_()
+        return _with_shared(out.zero_(), x, shared, wait_shared)
     bk = _block_k(experts, D, inter)
     P = T * k
     if cfg is None:
@@ -1033,21 +1044,44 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         num_stages=stages_down, **consts, **pdl_args(act_in))
     del part_down
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
-                                                 **pdl_args(y))
+    if shared is not None:
+        # The routed + shared sum in this launch (one launch less on the decode chain); the
+        # shared expert's branch is joined only now, after the routed GEMMs were issued.
+        if wait_shared is not None:
+            wait_shared()
+        _check_shared(x, shared)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, shared.contiguous(), D, E,
+                                                     TOPK=k, BD=BD, SHARED=True, num_warps=4,
+                                                     **pdl_args(y))
+        return out
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, out, D, E, TOPK=k, BD=BD,
+                                                 num_warps=4, **pdl_args(y))
     return out
 
 
-@torch_twin_off_gpu("dsv4.ops.torch_dense")
-def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
-    """Weighted sum of the routed experts picked per token (spec §3.9), fp32 [T, D].
+def _check_shared(x: torch.Tensor, shared: torch.Tensor) -> None:
+    if shared.shape != x.shape or shared.device != x.device:
+        raise ValueError(f"moe_experts_shared: shared must be [T, D] = {tuple(x.shape)} on "
+                         f"{x.device}; found {tuple(shared.shape)} on {shared.device}")
 
-    x [T, D] (bf16 / fp32); topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights
-    [T, k] fp32; ``experts`` dense, MXFP4 or FP8-block stacks (:class:`ExpertWeights`).  Each
-    pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
-    the picks are summed in fp32.
-    """
+
+def _with_shared(routed: torch.Tensor, x: torch.Tensor, shared: torch.Tensor | None,
+                 wait_shared: Callable[[], None] | None) -> torch.Tensor:
+    """``routed`` as is without ``shared``; else routed + shared in x's dtype (its own op)."""
+    if shared is None:
+        return routed
+    if wait_shared is not None:
+        wait_shared()
+    _check_shared(x, shared)
+    from dsv4.ops import triton_route
+    return triton_route.moe_combine(routed, shared, x.dtype)
+
+
+def _other_expert_path(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor | None:
+    """The routed experts through a path other than the grouped split-K kernels, where one
+    applies (GEMV, FP8-MMA prefill, dequantize + grouped GEMM); None otherwise."""
     from dsv4.ops import triton_moe_gemv as gemv
     # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV;
     # row-major stacks only).
@@ -1063,4 +1097,36 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             and hasattr(torch, "_grouped_mm")
             and pairs >= DEQUANT_GEMM_MIN_ROWS * experts.num_experts):
         return moe_experts_grouped(x, topk_ids, topk_weights, experts, swiglu_limit)
+    return None
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_dense")
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
+    """Weighted sum of the routed experts picked per token (spec §3.9), fp32 [T, D].
+
+    x [T, D] (bf16 / fp32); topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights
+    [T, k] fp32; ``experts`` dense, MXFP4 or FP8-block stacks (:class:`ExpertWeights`).  Each
+    pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
+    the picks are summed in fp32.
+    """
+    routed = _other_expert_path(x, topk_ids, topk_weights, experts, swiglu_limit)
+    if routed is not None:
+        return routed
     return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None)
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_route")
+def moe_experts_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       experts: ExpertWeights, swiglu_limit: float, shared: torch.Tensor,
+                       wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+    """The MoE output of one rank: :func:`moe_experts` plus the shared expert's ``shared``
+    [T, D], summed in fp32 and rounded to x's dtype — ``moe_combine(moe_experts(...), shared,
+    x.dtype)`` bit for bit, with the sum done in the experts' last launch on the grouped
+    kernels' path.  ``wait_shared`` (e.g. joining the stream lane that computes ``shared``)
+    is called once, after the routed GEMMs are issued and before ``shared`` is first read."""
+    routed = _other_expert_path(x, topk_ids, topk_weights, experts, swiglu_limit)
+    if routed is not None:
+        return _with_shared(routed, x, shared, wait_shared)
+    return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None,
+                                   shared, wait_shared)

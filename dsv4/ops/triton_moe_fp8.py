@@ -756,6 +756,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         del bufs, down_bufs
     del aq, as_
     BD = min(1024, triton.next_power_of_2(D))
-    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, D, E, TOPK=k, BD=BD, num_warps=4,
+    _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, out, D, E, TOPK=k, BD=BD, num_warps=4,
                                                  **pdl_args(y))
     return out

@@ -33,9 +33,11 @@ from triton.language.extra import libdevice
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_route import check_route_args
-from dsv4.ops.triton_dense import INTERPRET, store_rne, torch_twin_off_gpu
+from dsv4.ops.triton_dense import (INTERPRET, splitk_counters, splitk_reduce, store_rne,
+                                   torch_twin_off_gpu)
+from dsv4.ops.triton_linear32 import Linear32Config, linear32_tile
 
-__all__ = ["moe_combine", "moe_route", "swiglu_act"]
+__all__ = ["GATE_MAX_ROWS", "moe_combine", "moe_gate", "moe_route", "swiglu_act"]
 
 _TILE = 2048          # elements per program tile (token rows × padded experts / channels)
 _MAX_EXPERTS = 4096   # one program row holds every score of a token: wider gates run the twin
@@ -66,19 +68,24 @@ def _softplus(x):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr,
-                  T, E, stride_l, route_scale,
-                  K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
-    """Routing of BLOCK_T tokens: weights [T, K] fp32 and ids [T, K] int64."""
-    grid_dependency_sync(PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, row0, T, E,
+               stride_l, route_scale, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, FROM_L2: tl.constexpr):
+    """Routing of token rows ``row0 .. row0 + BLOCK_T``: weights [T, K] fp32, ids [T, K] int64.
+
+    FROM_L2: the logits were just written by other programs of this launch (``moe_gate``):
+    read them from L2 (``.cg``), never from a possibly stale L1 line."""
+    rows = row0 + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     r64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0)
+    if FROM_L2:
+        x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg")
+    else:
+        x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0)
     s = tl.sqrt_rn(_softplus(x))
     kcols = tl.arange(0, KP)
     picked_w = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
@@ -110,6 +117,76 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_p
     omask = row_ok[:, None] & (kcols[None, :] < K)
     tl.store(w_ptr + r64[:, None] * K + kcols[None, :], out, mask=omask)
     tl.store(ids_ptr + r64[:, None] * K + kcols[None, :], picked_id, mask=omask)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr,
+                  T, E, stride_l, route_scale,
+                  K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    """Routing of BLOCK_T tokens: weights [T, K] fp32 and ids [T, K] int64."""
+    grid_dependency_sync(PDL)
+    route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr,
+               tl.program_id(0) * BLOCK_T, T, E, stride_l, route_scale, K, KP, HASH, BLOCK_T,
+               BLOCK_E, False)
+
+
+@triton.jit
+def _gate_route_kernel(x_ptr, w_ptr, logits_ptr, ws_ptr, count_ptr, bias_ptr, tid2eid_ptr,
+                       input_ids_ptr, wout_ptr, ids_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_ws, k_per_split, route_scale,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       SPLITS: tl.constexpr, DOT: tl.constexpr, W_BF16: tl.constexpr,
+                       TOP_K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """``moe_gate``: the gate GEMM of ``triton_linear32._linear32_kernel`` (same grid, tiles,
+    split-K reduction: the same logits), then the routing of every row by the program that
+    finishes the last output tile.
+
+    Each tile's finisher stores its logits and counts itself in at the counter after the
+    tiles' (``count_ptr + tiles``; acq_rel, gpu scope, like the split-K arrivals); the one that
+    arrives last reads all the logits from L2 and runs :func:`route_rows` over the row blocks,
+    then resets that counter for the next launch and for graph replays."""
+    grid_dependency_sync(PDL)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles = tl.num_programs(0)
+    acc, rm, rn, m_mask, n_mask = linear32_tile(
+        x_ptr, w_ptr, pid, split, M, N, K, stride_xm, stride_wn, k_per_split, BM, BN, BK,
+        DOT, False, W_BF16)
+    mask = m_mask[:, None] & n_mask[None, :]
+    out = logits_ptr + rm[:, None] * N + rn[None, :]
+    if SPLITS > 1:
+        part = ws_ptr + rm[:, None] * N + rn[None, :]
+        last, total = splitk_reduce(acc, part, mask, split, stride_ws, count_ptr + pid, SPLITS)
+        if last:
+            tl.store(out, total, mask=mask)
+            _route_after_tiles(count_ptr + tiles, tiles, logits_ptr, bias_ptr, tid2eid_ptr,
+                               input_ids_ptr, wout_ptr, ids_ptr, M, N, route_scale, TOP_K, KP,
+                               HASH, BLOCK_T, BLOCK_E, ROW_BLOCKS)
+    else:
+        tl.store(out, acc, mask=mask)
+        _route_after_tiles(count_ptr + tiles, tiles, logits_ptr, bias_ptr, tid2eid_ptr,
+                           input_ids_ptr, wout_ptr, ids_ptr, M, N, route_scale, TOP_K, KP, HASH,
+                           BLOCK_T, BLOCK_E, ROW_BLOCKS)
+
+
+@triton.jit
+def _route_after_tiles(count, tiles, logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, wout_ptr,
+                       ids_ptr, T, E, route_scale, TOP_K: tl.constexpr, KP: tl.constexpr,
+                       HASH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                       ROW_BLOCKS: tl.constexpr):
+    # Every thread's logits stores are issued before one thread publishes the arrival.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    if arrived == tiles - 1:
+        tl.debug_barrier()
+        for rb in tl.static_range(ROW_BLOCKS):
+            route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, wout_ptr, ids_ptr,
+                       rb * BLOCK_T, T, E, E, route_scale, TOP_K, KP, HASH, BLOCK_T, BLOCK_E,
+                       True)
+        tl.store(count, 0)
 
 
 @triton.jit
@@ -222,3 +299,69 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor,
         _combine_kernel[(triton.cdiv(n, block),)](routed.contiguous(), shared.contiguous(), y, n,
                                                   BLOCK=block, num_warps=4, **pdl_args(routed))
     return y
+
+
+# Rows for which moe_gate runs as one launch (decode batches); more rows: the two ops' kernels.
+GATE_MAX_ROWS = 16
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_route")
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
+             route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a V4 MoE layer, ``moe_route(linear_fp32(x, weight), ...)``: for up to
+    :data:`GATE_MAX_ROWS` rows in one launch (the routing runs in the program that finishes
+    the gate GEMM's last tile), else the two ops' kernels.  The logits are
+    ``triton_linear32.linear_fp32``'s (same plan and summation order); with the bf16 x and
+    weight of the GPU model every product is exact, so contraction cannot change them and the
+    result is that of the two kernels bit for bit."""
+    return moe_gate_with_config(x, weight, bias, tid2eid, input_ids, top_k, route_scale, None)
+
+
+def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
+                         top_k: int, route_scale: float, cfg: Linear32Config | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_gate` with an explicit GEMM plan (``None``: ``linear_fp32``'s)."""
+    from dsv4.ops import torch_dense
+    from dsv4.ops import triton_linear32 as l32
+    T = x.shape[0] if x.dim() == 2 else 0
+    E = weight.shape[0] if weight.dim() == 2 else 0
+    block_e = triton.next_power_of_2(max(1, E))
+    if (not 1 <= T <= GATE_MAX_ROWS or block_e > _TILE
+            or x.dtype not in _FLOAT_DTYPES
+            or weight.dtype not in (torch.float32, torch.bfloat16)):
+        return moe_route(l32.linear_fp32(x, weight), bias, tid2eid, input_ids, top_k,
+                         route_scale)
+    torch_dense.check_linear_fp32_args(x, weight)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    check_route_args(logits, bias, tid2eid, input_ids, top_k)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    K = x.shape[1]
+    w_bf16 = weight.dtype == torch.bfloat16
+    if cfg is None:
+        cfg = (l32.pick_bf16w_config(T, E, K, x.device) if w_bf16
+               else l32.pick_linear32_config(T, E, K, x.device))
+    chunks = triton.cdiv(K, cfg.BK)
+    k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.BK
+    split = triton.cdiv(K, k_per_split)
+    tiles = triton.cdiv(T, cfg.BM) * triton.cdiv(E, cfg.BN)
+    ws = (torch.empty(split, T, E, dtype=torch.float32, device=x.device) if split > 1
+          else logits)
+    # Tile arrivals at [0, tiles), the routing's at [tiles].
+    counters = splitk_counters(x.device, tiles + 1, "moe_gate")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    is_hash = tid2eid is not None
+    block_t = max(1, min(_TILE // block_e, triton.next_power_of_2(T)))
+    _gate_route_kernel[(tiles, split)](
+        x, weight, logits, ws, counters, logits if is_hash else bias.float().contiguous(),
+        tid2eid.contiguous() if is_hash else logits,
+        input_ids.contiguous() if is_hash else logits, weights, ids,
+        T, E, K, x.stride(0), weight.stride(0), T * E, k_per_split, float(route_scale),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16, W_BF16=w_bf16,
+        TOP_K=int(top_k), KP=triton.next_power_of_2(top_k), HASH=is_hash, BLOCK_T=block_t,
+        BLOCK_E=block_e, ROW_BLOCKS=triton.cdiv(T, block_t), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_args(x))
+    return weights, ids

@@ -30,12 +30,13 @@ def test_unverified_kernels_are_twins_by_default(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
     on = ops.get_ops("triton")
     assert ops.UNVERIFIED_ON_GPU <= set(ops.OP_NAMES)
-    for name in ops.UNVERIFIED_ON_GPU - {"hc_post_pre"}:
+    composed = ops._COMPOSED_TWINS
+    for name in ops.UNVERIFIED_ON_GPU - composed:
         assert getattr(off, name) is getattr(torch_ops, name), name
-    if "hc_post_pre" in ops.UNVERIFIED_ON_GPU:
-        # The fused mHC op is dropped instead: the model then runs the checked hc_post / hc_pre
-        # kernels one by one rather than their torch twins.
-        assert not hasattr(off, "hc_post_pre") and hasattr(torch_ops, "hc_post_pre")
+    for name in ops.UNVERIFIED_ON_GPU & composed:
+        # A fused op (mHC post + pre, gate + routing, experts + shared) is dropped instead: the
+        # model then runs the checked kernels of its parts one by one rather than twins.
+        assert not hasattr(off, name) and hasattr(torch_ops, name), name
     for name in set(ops.OP_NAMES) - ops.UNVERIFIED_ON_GPU:   # verified: the same either way
         assert getattr(off, name, None) is getattr(on, name, None), name
     for name in ops.UNVERIFIED_ON_GPU:

@@ -122,16 +122,24 @@ def test_twins_reject_bad_input() -> None:
 
 def test_op_table_has_the_fused_ops() -> None:
     pytest.importorskip("triton")
-    from dsv4.ops import triton_route
+    from dsv4.ops import triton_moe, triton_route
 
     t, k = get_ops("torch"), get_ops("triton")
-    for name in ("moe_route", "swiglu_act", "moe_combine"):
+    for name in ("moe_route", "swiglu_act", "moe_combine", "moe_gate", "moe_experts_shared"):
         assert getattr(t, name) is getattr(torch_route, name)
+    for name in ("moe_route", "swiglu_act", "moe_combine"):
         assert getattr(k, name) is getattr(triton_route, name)
+    # Fused compositions: their kernels when enabled, absent otherwise (the model then calls
+    # the parts' kernels one by one).
+    assert getattr(k, "moe_gate", triton_route.moe_gate) is triton_route.moe_gate
+    assert (getattr(k, "moe_experts_shared", triton_moe.moe_experts_shared)
+            is triton_moe.moe_experts_shared)
 
 
-def test_moe_runs_the_ops_of_its_table() -> None:
-    """The MoE's gate, shared expert and combine call the table's ops (a recording table)."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_moe_runs_the_ops_of_its_table(fused: bool) -> None:
+    """The MoE's gate, shared expert and combine call the table's ops (a recording table):
+    the composed ops where the table has them, else their parts — with the same output."""
     from types import SimpleNamespace
 
     from dsv4.config import ModelConfig
@@ -146,10 +154,14 @@ def test_moe_runs_the_ops_of_its_table() -> None:
             return getattr(base, name)(*args, **kwargs)
         return fn
 
-    table = SimpleNamespace(**{**vars(base), **{n: rec(n) for n in
-                                                ("moe_route", "swiglu_act", "moe_combine")}})
+    names = ("moe_route", "swiglu_act", "moe_combine", "moe_gate", "moe_experts_shared")
+    ops = {**vars(base), **{n: rec(n) for n in names}}
+    if not fused:
+        del ops["moe_gate"], ops["moe_experts_shared"]  # a table without the fused kernels
+    table = SimpleNamespace(**ops)
     cfg = ModelConfig.from_dict(_tiny_cfg())
     for layer in (0, 1):                     # hash-routed, learned
+        torch.manual_seed(layer)
         moe = MoE(cfg, layer, "bf16", table, torch.float32)
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.2)
@@ -159,7 +171,35 @@ def test_moe_runs_the_ops_of_its_table() -> None:
         x = torch.randn(3, cfg.dim)
         out = moe(x, torch.tensor([1, 2, 3]))
         # The shared expert (swiglu_act) is issued first: on the GPU it forks onto a side stream.
-        assert calls == ["swiglu_act", "moe_route", "moe_combine"] and out.shape == x.shape
+        want = (["swiglu_act", "moe_gate", "moe_experts_shared"] if fused
+                else ["swiglu_act", "moe_route", "moe_combine"])
+        assert calls == want and out.shape == x.shape
+        moe.ops = moe.gate.ops = base
+        assert torch.equal(out, moe(x, torch.tensor([1, 2, 3])))
+
+
+def test_gate_and_shared_twins_are_the_compositions() -> None:
+    from dsv4.ops import torch_dense
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    w = (torch.randn(24, 64, generator=gen) * 0.2).bfloat16()
+    bias = torch.randn(24, generator=gen) * 0.05
+    logits = torch_dense.linear_fp32(x, w)
+    for got, want in zip(torch_route.moe_gate(x, w, bias, None, None, 3, 1.5),
+                         torch_route.moe_route(logits, bias, None, None, 3, 1.5)):
+        assert torch.equal(got, want)
+    ex = torch_dense.ExpertWeights(*(torch.randn(*shape, generator=gen).bfloat16() * 0.1
+                                     for shape in ((4, 16, 64), (4, 16, 64), (4, 64, 16))),
+                                   None, "dense")
+    ids = torch.randint(0, 4, (5, 2), generator=gen)
+    wts = torch.rand(5, 2, generator=gen)
+    shared = torch.randn(5, 64, generator=gen).bfloat16()
+    waits: list[int] = []
+    got = torch_route.moe_experts_shared(x, ids, wts, ex, 10.0, shared, lambda: waits.append(1))
+    want = torch_route.moe_combine(torch_dense.moe_experts(x, ids, wts, ex, 10.0), shared,
+                                   torch.bfloat16)
+    assert torch.equal(got, want) and waits == [1]
 
 
 def _tiny_cfg() -> dict:
@@ -261,6 +301,87 @@ def test_interp_combine_is_exact(out_dtype: torch.dtype) -> None:
                        torch_route.moe_combine(routed, shared, out_dtype))
 
 
+@interp_only
+@pytest.mark.parametrize("T,E", [(1, 256), (2, 256), (5, 24), (16, 256), (17, 24)])
+@pytest.mark.parametrize("hash_routed", [False, True])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_interp_gate_is_the_two_kernels(T: int, E: int, hash_routed: bool,
+                                        w_dtype: torch.dtype) -> None:
+    """moe_gate in one launch = linear_fp32's kernel then moe_route's, bit for bit, for the
+    default plan and split-K plans (the routing in the last tile's finisher), counters idle
+    after; T = 17 takes the two kernels."""
+    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_linear32 as l32
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(T * 100 + E)
+    K = 512
+    x = torch.randn(T, K, generator=gen).bfloat16()
+    w = (torch.randn(E, K, generator=gen) * K ** -0.5).to(w_dtype)
+    bias = torch.randn(E, generator=gen) * 0.05
+    tid2eid = torch.rand(50, E, generator=gen).topk(6, dim=-1).indices
+    tok = torch.randint(0, 50, (T,), generator=gen)
+    args = (None, tid2eid, tok) if hash_routed else (bias, None, None)
+    plans: list = [None]
+    if T <= tri.GATE_MAX_ROWS:
+        bm = 1 << max(0, (T - 1).bit_length())
+        plans += [l32.Linear32Config(BM=bm, BN=32, BK=128, split_k=3),
+                  l32.Linear32Config(BM=16, BN=16, BK=64, split_k=2)]
+    for cfg in plans:
+        # (linear_fp32 sends one fp32-weight row to cuBLAS; moe_gate keeps its kernel.)
+        one_fp32_row = T == 1 and w_dtype == torch.float32
+        logits = (l32.linear_fp32(x, w) if cfg is None and not one_fp32_row
+                  else l32.linear_fp32_with_config(x, w, cfg))
+        want = tri.moe_route(logits, *args, 6, 2.5)
+        for _ in range(2):                                  # counters reset for the next call
+            got = (tri.moe_gate(x, w, *args, 6, 2.5) if cfg is None
+                   else tri.moe_gate_with_config(x, w, *args, 6, 2.5, cfg))
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), cfg
+        buf = td._splitk_counter_cache.get(torch.device("cpu"))
+        assert buf is None or not bool(buf.any())
+    # Against the torch twin: the same picks, weights to rounding.
+    w0, e0 = torch_route.moe_gate(x, w, *args, 6, 2.5)
+    assert torch.equal(got[1], e0)
+    _assert_rel(got[0], w0, 1e-5)
+
+
+@interp_only
+@pytest.mark.parametrize("T", [0, 1, 3])
+@pytest.mark.parametrize("fmt", ["fp4", "dense"])
+def test_interp_experts_shared_is_the_combine(T: int, fmt: str) -> None:
+    """moe_experts_shared = moe_combine(moe_experts(...)) bit for bit; wait_shared once."""
+    from dsv4.ops import torch_dense
+    from dsv4.ops import triton_moe as tmoe
+
+    gen = torch.Generator().manual_seed(T + 11)
+    E, D, inter = 4, 256, 128
+    if fmt == "fp4":
+        def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
+            s = torch.randint(120, 126, (E, n, k // 32), generator=gen).to(torch.uint8)
+            return w.view(torch.int8), s.view(torch.float8_e8m0fnu)
+        (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
+        ex = torch_dense.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
+    else:
+        ex = torch_dense.ExpertWeights(*(torch.randn(*shape, generator=gen).bfloat16() * 0.06
+                                         for shape in ((E, inter, D), (E, inter, D),
+                                                       (E, D, inter))), None, "dense")
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)]) if T else \
+        torch.zeros(0, 2, dtype=torch.int64)
+    if T:
+        ids[0, 1] = -1                                     # a pick of another rank: skipped
+    wts = torch.rand(T, 2, generator=gen) + 0.1
+    shared = torch.randn(T, D, generator=gen).bfloat16()
+    waits: list[int] = []
+    got = tmoe.moe_experts_shared(x, ids, wts, ex, 10.0, shared, lambda: waits.append(1))
+    want = torch_route.moe_combine(tmoe.moe_experts(x, ids, wts, ex, 10.0), shared,
+                                   torch.bfloat16)
+    assert torch.equal(got, want) and waits == [1] and got.dtype == torch.bfloat16
+    if T:
+        _assert_bf16_close(got, torch_route.moe_experts_shared(x, ids, wts, ex, 10.0, shared))
+
+
 # ------------------------------------------------------------------------ GPU (V4-Flash shapes)
 @gpu_only
 @pytest.mark.parametrize("T", [1, 16, 8192])
@@ -283,3 +404,71 @@ def test_gpu_v4_flash_shapes(T: int) -> None:
     shared = torch.randn(T, 4096, generator=gen).to(dev, torch.bfloat16)
     assert torch.equal(tri.moe_combine(routed, shared, torch.bfloat16),
                        torch_route.moe_combine(routed, shared, torch.bfloat16))
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [1, 2, 16])
+def test_gpu_gate_is_the_two_kernels(T: int) -> None:
+    """V4-Flash gate (bf16 weight [256, 4096]): moe_gate = linear_fp32 + moe_route bit for bit,
+    eager and in a CUDA graph replayed on new inputs; the picks agree with the twin."""
+    from dsv4.ops import triton_linear32 as l32
+    from dsv4.ops import triton_route as tri
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(T + 3)
+    x = torch.randn(T, 4096, generator=gen).to(dev, torch.bfloat16)
+    w = (torch.randn(256, 4096, generator=gen) * 4096 ** -0.5).to(dev, torch.bfloat16)
+    bias = (torch.randn(256, generator=gen) * 0.05).to(dev)
+    tid2eid = torch.rand(1000, 256, generator=gen).topk(6, dim=-1).indices.to(dev)
+    tok = torch.randint(0, 1000, (T,), generator=gen).to(dev)
+    for args in ((bias, None, None), (None, tid2eid, tok)):
+        want = tri.moe_route(l32.linear_fp32(x, w), *args, 6, 2.5)
+        got = tri.moe_gate(x, w, *args, 6, 2.5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert not bool(torch.isnan(got[0]).any())
+        w0, e0 = torch_route.moe_gate(x, w, *args, 6, 2.5)
+        assert torch.equal(got[1], e0)
+        _assert_rel(got[0], w0, 1e-5)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out = tri.moe_gate(x, w, *args, 6, 2.5)
+        for seed in range(3):
+            x.copy_(torch.randn(T, 4096, generator=gen).to(dev, torch.bfloat16))
+            graph.replay()
+            want = tri.moe_route(l32.linear_fp32(x, w), *args, 6, 2.5)
+            assert torch.equal(g_out[0], want[0]) and torch.equal(g_out[1], want[1]), seed
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_experts_shared_is_the_combine(T: int) -> None:
+    """V4-Flash widths (16 MXFP4 experts, D 4096, I 2048, K-chunk-major as loaded on a GPU):
+    moe_experts_shared = moe_combine(moe_experts(...)) bit for bit, with the shared expert on
+    the side lane joined by wait_shared."""
+    from dsv4.ops import streams
+    from dsv4.ops import torch_dense
+    from dsv4.ops import triton_moe as tmoe
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(T)
+    E, D, inter = 16, 4096, 2048
+
+    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
+        s = torch.randint(118, 124, (E, n, k // 32), generator=gen).to(torch.uint8)
+        return w.view(torch.int8).to(dev), s.view(torch.float8_e8m0fnu).to(dev)
+    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
+    ex = torch_dense.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
+    ex = torch_dense.kchunk_experts(ex, 128)
+    x = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:6] for _ in range(T)]).to(dev)
+    wts = (torch.rand(T, 6, generator=gen) + 0.1).to(dev)
+    src = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
+    with streams.side_lane(dev, T):
+        shared = src * 2                                  # made on the side lane
+    got = tmoe.moe_experts_shared(x, ids, wts, ex, 10.0, shared,
+                                  lambda: streams.join_side_lane(dev))
+    streams.join_side_lane(dev)
+    want = torch_route.moe_combine(tmoe.moe_experts(x, ids, wts, ex, 10.0), src * 2,
+                                   torch.bfloat16)
+    assert torch.equal(got, want) and not bool(torch.isnan(got.float()).any())
