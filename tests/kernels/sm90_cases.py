@@ -566,14 +566,16 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             tm.moe_experts_with_config(_empty(1, m.dim, dtype=torch.bfloat16),
                                        torch.randint(0, E_ALLOC, (1, m.topk)),
                                        torch.rand(1, m.topk), ex, 10.0, cfg)
-            # K-chunk-major MXFP4 stacks (the GPU layout) at one and 16 tokens.
+            # K-chunk-major MXFP4 stacks (the GPU layout) at one and 16 tokens, the second
+            # with the shared expert's sum in the combine (moe_experts_shared).
             if fmt == "fp4":
                 chunked = replace(ex, kchunk=bk)
                 for T in (1, 16):
                     cfg = tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk)
-                    tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
-                                               torch.randint(0, E_ALLOC, (T, m.topk)),
-                                               torch.rand(T, m.topk), chunked, 10.0, cfg)
+                    x = _empty(T, m.dim, dtype=torch.bfloat16)
+                    tm.moe_experts_with_config(x, torch.randint(0, E_ALLOC, (T, m.topk)),
+                                               torch.rand(T, m.topk), chunked, 10.0, cfg,
+                                               shared=x if T == 16 else None)
         elif fmt == "fp4":
             # The prefill plans on K-chunk-major stacks.
             cfg = tm.pick_moe_config(8192 * m.topk, m.experts, m.dim, m.inter, bk)
@@ -867,6 +869,11 @@ def _moe_glue(m: ModelDims) -> None:
             tr.swiglu_act(_empty(T, inter, dtype=bf16), _empty(T, inter, dtype=bf16), 10.0, bf16)
         tr.swiglu_act(_empty(T, m.inter, dtype=f32), _empty(T, m.inter, dtype=f32), 0.0, f32)
         tr.moe_combine(_empty(T, m.dim, dtype=f32), _empty(T, m.dim, dtype=bf16), bf16)
+        # The gate GEMM with the routing in its last tile (bf16 gate weight, as on the GPU).
+        x, w = _empty(T, m.dim, dtype=bf16), _empty(m.experts, m.dim, dtype=bf16)
+        tr.moe_gate(x, w, _empty(m.experts, dtype=f32), None, None, m.topk, 1.5)
+        tr.moe_gate(x, w, None, torch.zeros(1000, m.topk, dtype=i64),
+                    torch.zeros(T, dtype=i64), m.topk, 1.5)
 
 
 for _m in MODELS:
