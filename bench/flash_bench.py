@@ -330,7 +330,23 @@ LAUNCH_VARIANTS = {
     "pdl at any size": {"DSV4_PDL": "1", "DSV4_PDL_MAX_TOKENS": str(1 << 30)},
     "pdl, window branch in order": {"DSV4_PDL": "1", "attention.KV_ON_SIDE_LANE": "0"},
     "pdl, index keys in order": {"DSV4_PDL": "1", "attention.INDEX_KEYS_ON_BRANCH": "0"},
+    # "ops-": fused ops taken out of the op tables (the model then calls their parts).
+    "pdl, gate and shared sum unfused": {"DSV4_PDL": "1",
+                                         "ops-": "moe_gate,moe_experts_shared"},
 }
+
+
+def _without_ops(names: str) -> contextlib.ExitStack:
+    """Remove the comma-separated ops from every built op table until the stack closes (the
+    model's modules hold those tables)."""
+    import dsv4.ops as ops_mod
+    stack = contextlib.ExitStack()
+    for table in list(ops_mod._cache.values()):
+        for name in names.split(","):
+            if hasattr(table, name):
+                stack.callback(setattr, table, name, getattr(table, name))
+                delattr(table, name)
+    return stack
 
 
 def launch_variants_ab(fn: Callable[[], torch.Tensor], rounds: int = 30) -> dict:
@@ -342,7 +358,9 @@ def launch_variants_ab(fn: Callable[[], torch.Tensor], rounds: int = 30) -> dict
     for name, env in LAUNCH_VARIANTS.items():
         with contextlib.ExitStack() as stack:
             for k, v in env.items():
-                if k.startswith("attention."):      # a module constant, not a variable
+                if k == "ops-":
+                    stack.enter_context(_without_ops(v))
+                elif k.startswith("attention."):    # a module constant, not a variable
                     attr = k.split(".", 1)[1]
                     stack.callback(setattr, attention, attr, getattr(attention, attr))
                     setattr(attention, attr, int(v))
