@@ -27,8 +27,8 @@ from dsv4.ops.triton_dense import (_dot_bf16x3, mma, sm_count, split_bf16x3, spl
                                    splitk_workspace, torch_twin_off_gpu)
 
 __all__ = ["linear_fp32", "linear_fp32_with_config", "Linear32Config", "pick_linear32_config",
-           "pick_prefill_config", "pick_bf16w_config", "MIN_KERNEL_ROWS", "MAX_KERNEL_ROWS", "PREFILL_BF16X3",
-           "PREFILL_MIN_ROWS"]
+           "pick_prefill_config", "pick_bf16w_config", "split_k_grid", "MIN_KERNEL_ROWS",
+           "MAX_KERNEL_ROWS", "PREFILL_BF16X3", "PREFILL_MIN_ROWS"]
 
 # Rows for which the kernel runs; others go to the twin (cuBLAS on the GPU).  Measured bounds:
 # see the module docstring.
@@ -226,6 +226,15 @@ def pick_prefill_config(M: int, N: int, K: int) -> Linear32Config:
                           num_stages=3, bf16x3=True)
 
 
+def split_k_grid(M: int, N: int, K: int, cfg: Linear32Config) -> tuple[int, int, int]:
+    """(K per split, splits, output tiles) of a launch of ``cfg``: ``split_k`` clipped so every
+    split gets >= 1 BK chunk (the last may be short).  Shared by ``moe_gate``, whose logits
+    must be this kernel's."""
+    chunks = triton.cdiv(K, cfg.BK)
+    k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.BK
+    return k_per_split, triton.cdiv(K, k_per_split), triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+
+
 def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
                             cfg: Linear32Config | None) -> torch.Tensor:
     """:func:`linear_fp32` through the kernel whatever M, with an explicit tile plan
@@ -246,10 +255,7 @@ def linear_fp32_with_config(x: torch.Tensor, w: torch.Tensor,
         return out.zero_()
     if cfg is None:
         cfg = pick_linear32_config(M, N, K, x.device)
-    chunks = triton.cdiv(K, cfg.BK)
-    k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.BK
-    split = triton.cdiv(K, k_per_split)  # every split gets >= 1 chunk (the last may be short)
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    k_per_split, split, tiles = split_k_grid(M, N, K, cfg)
     ws, counters = splitk_workspace(out, split, tiles, "linear_fp32")
     _linear32_kernel[(tiles, split)](
         x, w, out, ws, counters, M, N, K, x.stride(0), w.stride(0), M * N, k_per_split,

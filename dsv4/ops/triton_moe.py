@@ -966,9 +966,11 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     _check_experts(x, topk_ids, topk_weights, experts)
     T, D = x.shape
     E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
-    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if T == 0 or k == 0:
-        return _with_shared(out.zero_(), x, shared, wait_shared)
+        return _with_shared(torch.zeros(T, D, dtype=torch.float32, device=x.device), x, shared,
+                            wait_shared)
+    # fp32 routed rows, or (with shared) the MoE output in x's dtype.
+    out = torch.empty(T, D, dtype=torch.float32 if shared is None else x.dtype, device=x.device)
     bk = _block_k(experts, D, inter)
     P = T * k
     if cfg is None:
@@ -1050,7 +1052,6 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         if wait_shared is not None:
             wait_shared()
         _check_shared(x, shared)
-        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
         _moe_combine_kernel[(T, triton.cdiv(D, BD))](y, ids, out, shared.contiguous(), D, E,
                                                      TOPK=k, BD=BD, SHARED=True, num_warps=4,
                                                      **pdl_args(y))

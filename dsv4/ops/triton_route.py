@@ -343,10 +343,7 @@ def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if cfg is None:
         cfg = (l32.pick_bf16w_config(T, E, K, x.device) if w_bf16
                else l32.pick_linear32_config(T, E, K, x.device))
-    chunks = triton.cdiv(K, cfg.BK)
-    k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.BK
-    split = triton.cdiv(K, k_per_split)
-    tiles = triton.cdiv(T, cfg.BM) * triton.cdiv(E, cfg.BN)
+    k_per_split, split, tiles = l32.split_k_grid(T, E, K, cfg)
     ws = (torch.empty(split, T, E, dtype=torch.float32, device=x.device) if split > 1
           else logits)
     # Tile arrivals at [0, tiles), the routing's at [tiles].
