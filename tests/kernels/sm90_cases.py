@@ -631,6 +631,31 @@ def _l2_prefetch() -> None:
             tp.l2_prefetch(w, programs, evict_last=evict_last)
 
 
+@scenario("prefetch/l2_bulk")
+def _l2_bulk_prefetch() -> None:
+    """The bulk L2 prefetches (cp.async.bulk.prefetch.L2): a 32 MB weight and the picked
+    experts' stacks of V4-Flash (K-chunk-major MXFP4), both cache policies."""
+    import torch
+
+    from dsv4.ops import triton_prefetch as tp
+    from dsv4.ops.torch_dense import ExpertWeights
+    w = _empty(32768, 1024, dtype=torch.uint8)
+    for evict_last in (False, True):
+        tp.l2_bulk_prefetch(w, 8, evict_last=evict_last)
+    m = V4_FLASH
+    E, D, inter = E_ALLOC, m.dim, m.inter
+
+    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _empty(E, n, k // 2, dtype=torch.int8), _empty(E, n, k // 32, dtype=torch.uint8)
+
+    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
+    ex = ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128, 128)
+    ids = torch.zeros(1, 6, dtype=torch.int32)
+    for which in (("w1", "w3", "s1", "s3"), ("w2", "s2")):
+        tp.moe_l2_prefetch(ids, ex, which)
+    tp.moe_l2_prefetch(ids, ex, evict_last=True)
+
+
 @scenario("moe_experts/grouped_and_dequant")
 def _moe_grouped() -> None:
     import torch
