@@ -189,7 +189,8 @@ def l2_bulk_prefetch(t: torch.Tensor, programs: int = 0, chunk: int = 16384,
     # (The interpreter never dereferences the address: a CPU tensor's is passed as it is, a
     # 64-bit value like a GPU's, so the offline sm_90 compile sees the GPU's signature.)
     _l2_bulk_kernel[(programs,)](out, addr, nbytes, per, CHUNK=chunk,
-                                 LANES=lanes, EVICT_LAST=evict_last, num_warps=1)
+                                 LANES=lanes, EVICT_LAST=evict_last, num_warps=1,
+                                 **pdl_args(out))
     return out
 
 
