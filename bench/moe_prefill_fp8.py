@@ -53,8 +53,10 @@ SWEEP = [f8.PLAN_SMALL,                                                         
          f8.MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=8, warps_down=8, stages=3)]
 
 
-# Re-encoding tiles timed by --sweep: (rows, K steps) of one _fp8_predecode_kernel program.
-PREDECODE_TILES = [(64, 1), (32, 1), (128, 1), (64, 4), (32, 8)]
+# Re-encoding tiles timed by --sweep: (rows, K steps[, all loads first[, warps]]) of one
+# _fp8_predecode_kernel program.
+PREDECODE_TILES = [(64, 1), (32, 8), (32, 8, 1), (16, 16, 1), (64, 4, 1), (32, 16, 1),
+                   (64, 8, 1, 8), (32, 8, 1, 8), (16, 8, 1), (128, 2, 1, 8)]
 
 
 def time_us(fn: Callable[[], Any], device: str) -> float:
@@ -124,22 +126,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     chunk = f8.predecode_chunk(E, inter, D)
     q1, q3, f1, f3 = f8._predecode_buffers(chunk, inter, D, ks, torch.device(device))
     asm = f8.FP8MMA_DECODE == "asm"
+    kchunk = bool(ex.kchunk)   # the stacks' layout (the model's GPU default: K-chunk-major)
 
     (w1, s1, _), (w3, s3, _), (w2, s2, _) = (tri._weight_args(ex, n) for n in ("w1", "w3", "w2"))
 
     def predecode_all(tile: tuple[int, int] | None) -> None:
         for e0 in range(0, E, chunk):
             e1 = min(E, e0 + chunk)
-            f8._predecode(w1, s1, q1, f1, e0, e1, asm, ks, tile)
-            f8._predecode(w3, s3, q3, f3, e0, e1, asm, ks, tile)
+            f8._predecode(w1, s1, q1, f1, e0, e1, asm, ks, tile, kchunk)
+            f8._predecode(w3, s3, q3, f3, e0, e1, asm, ks, tile, kchunk)
             f8._predecode(w2, s2, q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D),
-                          e0, e1, asm, ks, tile)
+                          e0, e1, asm, ks, tile, kchunk)
 
     moved = 3 * E * inter * D * (0.5 + 1 / 32 + 1 + 4 / ks)
     result_pre = {}
     for tile in [None] + (PREDECODE_TILES if args.sweep else []):
         t_pre = time_us(lambda: predecode_all(tile), device)
-        name = "default" if tile is None else f"{tile[0]} rows x {tile[1]} steps"
+        name = "default" if tile is None else (f"{tile[0]} rows x {tile[1]} steps"
+                                               + (" hoisted" if tile[2:3] == (1,) else "")
+                                               + (f" {tile[3]} warps" if len(tile) > 3 else ""))
         result_pre[name] = t_pre
         print(f"predecode of the three stacks alone ({E} experts, {chunk} a chunk, tile "
               f"{name}): {t_pre:.0f} µs, {moved / t_pre / 1e3:.0f} GB/s", flush=True)

@@ -118,10 +118,11 @@ FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
 # experts are re-encoded a chunk at a time so the transient buffer stays bounded (V4-Flash:
 # 16 MiB of codes per expert, 64 experts a chunk at the default 1 GiB).
 PREDECODE_BYTES = int(os.environ.get("DSV4_FP8MMA_PREDECODE_MB", "1024")) << 20
-# Rows and K steps of one predecode program (DSV4_FP8MMA_PREDECODE_TILE="BN,SP"; the steps are
-# cut to a divisor of the stack's step count).  32 x 8: 3.74 ms for V4-Flash's three stacks
-# against 4.17 for 64 x 1 (2.69 vs 2.41 TB/s; H200, bench/moe_prefill_fp8.py --sweep, every
-# tile byte-equal: tests/kernels/test_moe_fp8mma_gpu.py).
+# One predecode program (DSV4_FP8MMA_PREDECODE_TILE="BN,SP[,HOIST[,WARPS]]"): rows, K steps
+# (cut to a divisor of the stack's step count), all loads issued first (1) or step by step
+# (0), warps.  32 x 8 step by step: 3.74 ms for V4-Flash's three stacks against 4.17 for
+# 64 x 1 (2.69 vs 2.41 TB/s; H200, bench/moe_prefill_fp8.py --sweep, every tile byte-equal:
+# tests/kernels/test_moe_fp8mma_gpu.py).
 _PREDECODE_TILE = tuple(int(v) for v in
                         os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "32,8").split(","))
 # DSV4_FP8MMA_OVERLAP=1: re-encode chunk c + 1 on a stream of its own while the GEMMs of chunk
@@ -215,6 +216,42 @@ def _pow2_exact(be):
 
 
 @triton.jit
+def _mxfp4_e4m3_pieces(w_ptr, s_ptr, w_off, s_off, mask, ASM_DECODE: tl.constexpr,
+                       R: tl.constexpr, KS: tl.constexpr):
+    """R pieces of an MXFP4 stack, each one row's KS-wide K step — its KS / 2 code bytes at
+    ``w_ptr + w_off[r]`` and KS / 32 scale bytes at ``s_ptr + s_off[r]`` (both contiguous) —
+    as (scale-folded e4m3 codes [R, KS] in the MMA K order of :func:`mma_k_position`, fp32
+    factors 2^(smax - 6 - 127) [R]).  Pieces off ``mask`` read as zeros."""
+    rg = tl.arange(0, KS // GROUP)
+    sb = tl.load(s_ptr + s_off[:, None] + rg[None, :], mask=mask[:, None],
+                 other=127).to(tl.int32)                                       # [R, G]
+    smax = tl.max(sb, axis=1)
+    # Exponent add of each group (8 · (11 - d)); clamped: a wider spread never gets here (the
+    # host check routes such stacks to the bf16 kernels).
+    v = tl.maximum(_FOLD - (smax[:, None] - sb), 0) * 8                        # [R, G]
+    rj = tl.arange(0, GROUP // 2)
+    byte = tl.load(w_ptr + w_off[:, None, None]
+                   + (rg[:, None] * (GROUP // 2) + rj[None, :])[None, :, :],
+                   mask=mask[:, None, None], other=0)                          # [R, G, 16]
+    if ASM_DECODE and not INTERPRET:
+        vb = tl.broadcast_to(v[:, :, None], (R, KS // GROUP, GROUP // 2)).to(tl.uint8)
+        # out_h[4q + r] holds natural k = 8q + 4h + r of the group: joined, 2(4q + r) + h.
+        first, second = tl.inline_asm_elementwise(
+            _E2M1_TO_E4M3_ASM, "=r,=r,r,r", [byte, vb], dtype=(tl.uint8, tl.uint8),
+            is_pure=True, pack=4)
+        codes = tl.reshape(tl.join(first, second), (R, KS))
+    else:
+        b = byte.to(tl.int32)
+        vv = v[:, :, None]
+        lo = _e2m1_to_e4m3_folded(b & 15, vv)          # k = 2j
+        hi = _e2m1_to_e4m3_folded((b >> 4) & 15, vv)   # k = 2j + 1
+        natural = tl.reshape(tl.join(lo, hi), (R, KS // 8, 2, 4))   # [n, q, h, r]
+        codes = tl.reshape(tl.permute(natural, (0, 1, 3, 2)), (R, KS)).to(tl.uint8)
+    w8 = codes.to(tl.float8e4nv, bitcast=True)
+    return w8, _pow2_exact(smax - _FOLD_UP_C)
+
+
+@triton.jit
 def _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stride_se,
                      stride_sn, ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                      KCHUNK: tl.constexpr = False, n_rows=0):
@@ -225,41 +262,14 @@ def _mxfp4_e4m3_step(w_ptr, s_ptr, e, rn, n_mask, k0, stride_we, stride_wn, stri
     (``ExpertWeights.kchunk``), ``n_rows`` rows per expert."""
     # 64-bit expert offsets: E × N × K/2 passes 2^31 bytes for V4-Pro stacks.
     e = e.to(tl.int64)
-    rg = tl.arange(0, KS // GROUP)
     if KCHUNK:
         s_row = (k0 // KS) * (n_rows * (KS // GROUP)) + rn * (KS // GROUP)
         w_row = (k0 // KS) * (n_rows * (KS // 2)) + rn * (KS // 2)
-        k_in = 0
     else:
         s_row = rn * stride_sn + k0 // GROUP
-        w_row = rn * stride_wn
-        k_in = k0 // 2
-    sb = tl.load(s_ptr + e * stride_se + s_row[:, None] + rg[None, :],
-                 mask=n_mask[:, None], other=127).to(tl.int32)                 # [BN, G]
-    smax = tl.max(sb, axis=1)
-    # Exponent add of each group (8 · (11 - d)); clamped: a wider spread never gets here (the
-    # host check routes such stacks to the bf16 kernels).
-    v = tl.maximum(_FOLD - (smax[:, None] - sb), 0) * 8                        # [BN, G]
-    rj = tl.arange(0, GROUP // 2)
-    byte = tl.load(w_ptr + e * stride_we + w_row[:, None, None]
-                   + (k_in + rg[:, None] * (GROUP // 2) + rj[None, :])[None, :, :],
-                   mask=n_mask[:, None, None], other=0)                        # [BN, G, 16]
-    if ASM_DECODE and not INTERPRET:
-        vb = tl.broadcast_to(v[:, :, None], (BN, KS // GROUP, GROUP // 2)).to(tl.uint8)
-        # out_h[4q + r] holds natural k = 8q + 4h + r of the group: joined, 2(4q + r) + h.
-        first, second = tl.inline_asm_elementwise(
-            _E2M1_TO_E4M3_ASM, "=r,=r,r,r", [byte, vb], dtype=(tl.uint8, tl.uint8),
-            is_pure=True, pack=4)
-        codes = tl.reshape(tl.join(first, second), (BN, KS))
-    else:
-        b = byte.to(tl.int32)
-        vv = v[:, :, None]
-        lo = _e2m1_to_e4m3_folded(b & 15, vv)          # k = 2j
-        hi = _e2m1_to_e4m3_folded((b >> 4) & 15, vv)   # k = 2j + 1
-        natural = tl.reshape(tl.join(lo, hi), (BN, KS // 8, 2, 4))   # [n, q, h, r]
-        codes = tl.reshape(tl.permute(natural, (0, 1, 3, 2)), (BN, KS)).to(tl.uint8)
-    w8 = codes.to(tl.float8e4nv, bitcast=True)
-    return w8, _pow2_exact(smax - _FOLD_UP_C)
+        w_row = rn * stride_wn + k0 // 2
+    return _mxfp4_e4m3_pieces(w_ptr + e * stride_we, s_ptr + e * stride_se, w_row, s_row,
+                              n_mask, ASM_DECODE, BN, KS)
 
 
 @triton.jit
@@ -303,23 +313,46 @@ def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_w
                           stride_sn, stride_qe, stride_qn, stride_fe, stride_fk,
                           ASM_DECODE: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                           SP: tl.constexpr = 1, KCHUNK: tl.constexpr = False,
-                          PDL: tl.constexpr = False):
+                          HOIST: tl.constexpr = False, PDL: tl.constexpr = False):
     """SP K steps (KS wide) of BN rows of expert e0 + program 0 of an MXFP4 stack re-encoded
     losslessly: q[e, n, k] = the scale-folded e4m3 byte (MMA K order within the step),
     f[e, step, n] = the step's fp32 column factor.  The GEMMs then stream plain FP8 tiles that
-    the software pipeliner can prefetch, instead of decoding between their MMAs."""
+    the software pipeliner can prefetch, instead of decoding between their MMAs.
+
+    HOIST: the SP · BN (row, step) pieces are one tile, so every load of the program is issued
+    before the first decode and store (the step loop waits for each step's loads in turn:
+    the compiler does not move a load above an earlier store to global memory)."""
     grid_dependency_sync(PDL)
     el = tl.program_id(0)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_mask = rn < N
+    e = (e0 + el).to(tl.int64)
     el64 = el.to(tl.int64)
-    for i in tl.static_range(SP):
-        k0 = (tl.program_id(2) * SP + i) * KS
-        w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we, stride_wn,
-                                  stride_se, stride_sn, ASM_DECODE, BN, KS, KCHUNK, N)
+    if HOIST:
+        r = tl.arange(0, SP * BN)
+        rn = tl.program_id(1) * BN + r % BN
+        step = tl.program_id(2) * SP + r // BN
+        n_mask = rn < N
+        if KCHUNK:
+            s_off = (step * N + rn).to(tl.int64) * (KS // GROUP)
+            w_off = (step * N + rn).to(tl.int64) * (KS // 2)
+        else:
+            s_off = rn.to(tl.int64) * stride_sn + step * (KS // GROUP)
+            w_off = rn.to(tl.int64) * stride_wn + step * (KS // 2)
+        w8, sw = _mxfp4_e4m3_pieces(w_ptr + e * stride_we, s_ptr + e * stride_se, w_off,
+                                    s_off, n_mask, ASM_DECODE, SP * BN, KS)
         tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
-                 + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
-        tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
+                 + (step * KS)[:, None] + tl.arange(0, KS)[None, :], w8, mask=n_mask[:, None])
+        tl.store(f_ptr + el64 * stride_fe + step * stride_fk + rn, sw, mask=n_mask)
+    else:
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        for i in tl.static_range(SP):
+            k0 = (tl.program_id(2) * SP + i) * KS
+            w8, sw = _mxfp4_e4m3_step(w_ptr, s_ptr, e0 + el, rn, n_mask, k0, stride_we,
+                                      stride_wn, stride_se, stride_sn, ASM_DECODE, BN, KS,
+                                      KCHUNK, N)
+            tl.store(q_ptr + el64 * stride_qe + rn.to(tl.int64)[:, None] * stride_qn
+                     + (k0 + tl.arange(0, KS))[None, :], w8, mask=n_mask[:, None])
+            tl.store(f_ptr + el64 * stride_fe + (k0 // KS) * stride_fk + rn, sw, mask=n_mask)
 
 
 @triton.jit
@@ -593,19 +626,25 @@ def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.
 
 
 def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tensor, e0: int,
-               e1: int, asm: bool, ks: int, tile: tuple[int, int] | None = None,
+               e1: int, asm: bool, ks: int, tile: tuple[int, ...] | None = None,
                kchunk: bool = False) -> None:
     """q[e - e0], f[e - e0] = the FP8 re-encoding of MXFP4 experts e0 <= e < e1 of (w, s);
-    ``tile``: (rows, K steps) of a program (None: :data:`_PREDECODE_TILE`); ``kchunk``: (w, s)
-    K-chunk-major with chunks of ``ks`` (q, f stay row-major)."""
+    ``tile``: (rows, K steps[, hoist[, warps]]) of a program (None: :data:`_PREDECODE_TILE`);
+    ``kchunk``: (w, s) K-chunk-major with chunks of ``ks`` (q, f stay row-major)."""
     n, k = q.shape[1], q.shape[2]
-    bn, sp = tile or _PREDECODE_TILE
+    given = tuple(tile or _PREDECODE_TILE)
+    if not 2 <= len(given) <= 4:
+        raise ValueError(f"predecode tile {given}: needs (rows, K steps[, hoist[, warps]])")
+    bn, sp, hoist, warps = given + (0, 4)[len(given) - 2:]   # defaults: step loop, 4 warps
     sp = math.gcd(k // ks, sp)
+    if min(bn, sp, warps) < 1 or bn & (bn - 1) or sp & (sp - 1) or warps & (warps - 1):
+        raise ValueError(f"predecode tile {tile or _PREDECODE_TILE}: rows, steps and warps "
+                         "must be powers of two")
     grid = (e1 - e0, triton.cdiv(n, bn), k // ks // sp)
     _fp8_predecode_kernel[grid](w, s, q, f, e0, n, w.stride(0), w.stride(1), s.stride(0),
                                 s.stride(1), q.stride(0), q.stride(1), f.stride(0), f.stride(1),
                                 ASM_DECODE=asm, BN=bn, KS=ks, SP=sp, KCHUNK=kchunk,
-                                num_warps=4, **pdl_args(w))
+                                HOIST=bool(hoist), num_warps=warps, **pdl_args(w))
 
 
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:

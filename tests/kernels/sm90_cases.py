@@ -720,8 +720,10 @@ def _moe_fp8mma() -> None:
         w2, s2, _ = tm._weight_args(ex, "w2")
         q = torch.empty(2, m.dim, m.inter, dtype=torch.float8_e4m3fn)
         f = torch.empty(2, m.inter // 128, m.dim)
-        for tile in [(32, 1), (128, 1), (64, 4), (32, 8)]:
-            tf8._predecode(w2, s2, q, f, 0, 2, True, 128, tile)
+        for tile in [(32, 1), (128, 1), (64, 4), (32, 8), (32, 8, 1), (16, 16, 1),
+                     (64, 8, 1, 8), (128, 2, 1, 8)]:
+            for kchunk in (False, True):
+                tf8._predecode(w2, s2, q, f, 0, 2, True, 128, tile, kchunk)
         m = V41_FLASH
         ex = _experts(m, "fp4", True)
         for predecode in (False, True):

@@ -142,24 +142,28 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
 @needs_gpu
 def test_fp8mma_predecode_tiles_same_bytes_gpu() -> None:
     """Every re-encoding tile of bench/moe_prefill_fp8.py's sweep writes the same codes and
-    factors as the default tile (w2-shaped stacks of 3 experts: N = D, K = I)."""
+    factors (w2-shaped stacks of 3 experts: N = D, K = I), the hoisted-load tiles included,
+    from row-major and K-chunk-major stacks."""
     import importlib.util
     from pathlib import Path
 
+    from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     from dsv4.ops import triton_moe_fp8 as f8
     bench_file = Path(__file__).resolve().parents[2] / "bench" / "moe_prefill_fp8.py"
     spec = importlib.util.spec_from_file_location("moe_prefill_fp8_bench", bench_file)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    ex = _stacks(torch.Generator(device=DEV).manual_seed(43))
-    w2, s2, _ = tri._weight_args(ex, "w2")
+    rows = _stacks(torch.Generator(device=DEV).manual_seed(43))
     outs = []
-    for tile in bench.PREDECODE_TILES:
-        q = torch.full((3, D, INTER), 0x7F, dtype=torch.uint8, device=DEV)
-        f = torch.full((3, INTER // 128, D), float("nan"), device=DEV)
-        f8._predecode(w2, s2, q.view(torch.float8_e4m3fn), f, 5, 8, True, 128, tile)
-        outs.append((q, f))
+    for ex in (rows, ref.kchunk_experts(rows, 128)):
+        w2, s2, _ = tri._weight_args(ex, "w2")
+        for tile in bench.PREDECODE_TILES:
+            q = torch.full((3, D, INTER), 0x7F, dtype=torch.uint8, device=DEV)
+            f = torch.full((3, INTER // 128, D), float("nan"), device=DEV)
+            f8._predecode(w2, s2, q.view(torch.float8_e4m3fn), f, 5, 8, True, 128, tile,
+                          bool(ex.kchunk))
+            outs.append((q, f))
     q0, f0 = outs[0]
     assert not bool((q0 == 0x7F).any()) and bool(torch.isfinite(f0).all())
     for q, f in outs[1:]:

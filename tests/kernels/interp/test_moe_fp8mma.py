@@ -279,18 +279,27 @@ def test_predecoded_equals_decoded_in_the_loop(chunk: int, act_block: int, T: in
     assert rel_err(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
 
 
-def test_predecode_kernel_bytes_and_factors() -> None:
+@pytest.mark.parametrize("tile,kchunk", [(None, False), ((32, 8, 1), False),
+                                         ((16, 2, 1, 2), True), ((64, 1, 0), True),
+                                         ((16, 4, 0, 8), True)])
+def test_predecode_kernel_bytes_and_factors(tile: tuple[int, ...] | None, kchunk: bool) -> None:
     """_fp8_predecode_kernel writes, per expert, row and K step, the bytes and the factor of
     _mxfp4_e4m3_step (the _tile_kernel above), at every row of a stack whose N is not a
-    multiple of its 64-row block (the masked rows are not written)."""
+    multiple of its row block (the masked rows are not written): step by step and with every
+    load hoisted (HOIST), from row-major and K-chunk-major stacks, with 2 to 8 warps."""
     gen = torch.Generator().manual_seed(5)
     n, k, ks, n_exp = 80, 256, 128, 2
     w = torch.randint(0, 256, (n_exp, n, k // 2), generator=gen, dtype=torch.uint8)
     s = _step_scales(gen, n_exp * n, k // 32, 11).view(n_exp, n, k // 32)
     q = torch.full((n_exp, n + 1, k), 0x7F, dtype=torch.uint8)[:, :n]     # poisoned, row n kept
     f = torch.full((n_exp, k // ks, n), float("nan"))
-    f8._predecode(w, s, q.view(torch.float8_e4m3fn), f, 0, n_exp, False, ks)
+    ws, ss = w, s
+    if kchunk:   # [E, K / ks, N, ks / 2] in memory, the [E, N, K / 2] shape kept (kchunk stacks)
+        ws = w.view(n_exp, n, k // ks, ks // 2).transpose(1, 2).contiguous().view(w.shape)
+        ss = s.view(n_exp, n, k // ks, ks // 32).transpose(1, 2).contiguous().view(s.shape)
+    f8._predecode(ws, ss, q.view(torch.float8_e4m3fn), f, 0, n_exp, False, ks, tile, kchunk)
     assert torch.isfinite(f).all() and not bool((q == 0x7F).any())
+    assert bool((q.as_strided((n_exp, k), (q.stride(0), 1), n * q.stride(1)) == 0x7F).all())
     for e in range(n_exp):
         for k0 in range(0, k, ks):
             out = torch.empty(n, ks, dtype=torch.uint8)
@@ -301,6 +310,19 @@ def test_predecode_kernel_bytes_and_factors() -> None:
                                    out[r0:r0 + 16], sw[r0:r0 + 16], K0=k0, BN=16, KS=ks, K=k)
             assert torch.equal(q[e, :, k0:k0 + ks], out), (e, k0)
             assert torch.equal(f[e, k0 // ks], sw), (e, k0)
+
+
+def test_predecode_tile_checked() -> None:
+    w = torch.zeros(1, 16, 128, dtype=torch.uint8)
+    s = torch.zeros(1, 16, 8, dtype=torch.uint8)
+    q = torch.empty(1, 16, 256, dtype=torch.float8_e4m3fn)
+    f = torch.empty(1, 2, 16)
+    with pytest.raises(ValueError, match="powers of two"):
+        f8._predecode(w, s, q, f, 0, 1, False, 128, (24, 2, 1))
+    with pytest.raises(ValueError, match="powers of two"):
+        f8._predecode(w, s, q, f, 0, 1, False, 128, (16, 2, 1, 6))
+    with pytest.raises(ValueError, match="needs"):
+        f8._predecode(w, s, q, f, 0, 1, False, 128, (16,))
 
 
 @pytest.mark.parametrize("act_block", [32, 64])
