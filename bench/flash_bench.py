@@ -64,13 +64,15 @@ TINY = {"vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4, "head_d
         "n_routed_experts": 16, "index_n_heads": 4, "index_topk": 8, "sliding_window": 16}
 
 
-def flash_config(layers: int, tiny: bool = False) -> ModelConfig:
+def flash_config(layers: int, tiny: bool = False, experts: int | None = None) -> ModelConfig:
     """V4-Flash's config.json with the first ``layers`` layers and no MTP stage."""
-    return ModelConfig.from_dict(flash_config_dict(layers, tiny))
+    return ModelConfig.from_dict(flash_config_dict(layers, tiny, experts))
 
 
-def flash_config_dict(layers: int, tiny: bool = False) -> dict:
-    """The official config.json keys of :func:`flash_config`."""
+def flash_config_dict(layers: int, tiny: bool = False, experts: int | None = None) -> dict:
+    """The official config.json keys of :func:`flash_config`; ``experts`` overrides the
+    routed-expert count (all 43 layers with 256 experts do not fit one H200; a batch-1 step
+    reads the same 6 experts a layer whatever the count)."""
     if not 1 <= layers <= 43:
         raise ValueError(f"--layers must be in 1..43; got {layers}")
     d = {
@@ -97,6 +99,11 @@ def flash_config_dict(layers: int, tiny: bool = False) -> dict:
     }
     if tiny:
         d.update(TINY)
+    if experts is not None:
+        if not d["num_experts_per_tok"] <= experts <= 256:
+            raise ValueError(f"--experts must be in {d['num_experts_per_tok']}..256; got "
+                             f"{experts}")
+        d["n_routed_experts"] = experts
     return d
 
 
@@ -158,9 +165,9 @@ def fill_random(model: Transformer, seed: int = 0) -> None:
             buf.copy_(picks)
 
 
-def build_model(layers: int, tiny: bool = False) -> Transformer:
+def build_model(layers: int, tiny: bool = False, experts: int | None = None) -> Transformer:
     """The benchmark model on DEV, quantized storage (also on CPU, through the torch twins)."""
-    cfg = flash_config(layers, tiny)
+    cfg = flash_config(layers, tiny, experts)
     with torch.device(DEV), quantized_storage():
         model = Transformer(cfg, numerics="official", backend="triton", dtype=torch.bfloat16)
     fill_random(model)
@@ -526,13 +533,13 @@ def bench_moe_only(model: Transformer, B: int) -> dict:
 
 @torch.no_grad()
 def bench_transformers(layers: int, tiny: bool, prefill: int, decode: list[tuple[int, int]],
-                       log) -> dict:
+                       log, experts: int | None = None) -> dict:
     """The same shapes through transformers' DeepseekV4ForCausalLM in bf16 (random weights made
     on the device): prefill of ``prefill`` tokens, and decode steps at (batch, context) pairs
     (time per step after a prefill of the context, with its KV cache)."""
     import transformers
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    d = flash_config_dict(layers, tiny)
+    d = flash_config_dict(layers, tiny, experts)
     d.pop("quantization_config", None)
     d.pop("expert_dtype", None)
     cfg = DeepseekV4Config.from_dict(d)
@@ -688,6 +695,9 @@ def profile_steps(model: Transformer, cache: HybridCache, ctx_len: int, path: st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts a layer (default V4-Flash's 256); fewer let all 43 "
+                         "layers fit one GPU for the batch-1 step, whose bytes do not change")
     ap.add_argument("--prefill", default="1024,4096,8192", help="prompt lengths")
     ap.add_argument("--decode-batches", default="1,16,64,256")
     ap.add_argument("--ctx", type=int, default=8192, help="context length of decode requests")
@@ -720,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     DEV = args.device
     t_start = time.time()
     name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
-    results: dict[str, Any] = {"layers": args.layers, "device": name, "tiny": args.tiny,
+    results: dict[str, Any] = {"layers": args.layers, "experts": args.experts,
+                               "device": name, "tiny": args.tiny,
                                "torch": torch.__version__, "prefill": [], "decode": [],
                                "moe_only": [], "errors": []}
 
@@ -732,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
-    model = build_model(args.layers, args.tiny)
+    model = build_model(args.layers, args.tiny, args.experts)
     results["gpu_mem_model_GB"] = torch.cuda.memory_allocated() / 1e9 if DEV == "cuda" else 0.0
     log(f"model built: {args.layers} layers, {results['gpu_mem_model_GB']:.1f} GB on the GPU")
     batches = [int(b) for b in args.decode_batches.split(",") if b]
@@ -829,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
             s_part, d_part = args.hf.split(";")
             pairs = [tuple(int(v) for v in p.split(":")) for p in d_part.split(",") if p]
             results["transformers"] = bench_transformers(args.layers, args.tiny, int(s_part),
-                                                         pairs, log)
+                                                         pairs, log, args.experts)
         except Exception:
             results["errors"].append(f"transformers: {traceback.format_exc()[-1500:]}")
             log("transformers run failed (see errors)")

@@ -139,9 +139,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           e0, e1, asm, ks, tile, kchunk)
 
     moved = 3 * E * inter * D * (0.5 + 1 / 32 + 1 + 4 / ks)
-    result_pre = {}
+    result_pre, by_tile = {}, []
     for tile in [None] + (PREDECODE_TILES if args.sweep else []):
         t_pre = time_us(lambda: predecode_all(tile), device)
+        by_tile.append([list(tile or f8._PREDECODE_TILE), t_pre])
         name = "default" if tile is None else (f"{tile[0]} rows x {tile[1]} steps"
                                                + (" hoisted" if tile[2:3] == (1,) else "")
                                                + (f" {tile[3]} warps" if len(tile) > 3 else ""))
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{name}): {t_pre:.0f} µs, {moved / t_pre / 1e3:.0f} GB/s", flush=True)
     t_pre = result_pre["default"]
     result = {"shape": shape, "device": device, "rows": rows, "predecode_us": t_pre,
-              "predecode_tiles_us": result_pre}
+              "predecode_tiles_us": result_pre,
+              "predecode_by_tile": by_tile}   # [[rows, steps, ...], µs]: for DSV4_FP8MMA_PREDECODE_TILE
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -720,8 +720,7 @@ def _moe_fp8mma() -> None:
         w2, s2, _ = tm._weight_args(ex, "w2")
         q = torch.empty(2, m.dim, m.inter, dtype=torch.float8_e4m3fn)
         f = torch.empty(2, m.inter // 128, m.dim)
-        for tile in [(32, 1), (128, 1), (64, 4), (32, 8), (32, 8, 1), (16, 16, 1),
-                     (64, 8, 1, 8), (128, 2, 1, 8)]:
+        for tile in _moe_prefill_bench().PREDECODE_TILES:
             for kchunk in (False, True):
                 tf8._predecode(w2, s2, q, f, 0, 2, True, 128, tile, kchunk)
         m = V41_FLASH
@@ -735,18 +734,23 @@ def _moe_fp8mma() -> None:
         tf8.fold_spread_ok = real_ok
 
 
-@scenario("moe_experts/v4_flash/fp4_fp8mma/sweep")
-def _moe_fp8mma_sweep() -> None:
-    """The other tile plans of bench/moe_prefill_fp8.py --sweep (they must compile and fit)."""
+def _moe_prefill_bench():
+    """bench/moe_prefill_fp8.py as a module (its tile plans and re-encoding tiles)."""
     import importlib.util
-
-    import torch
-
-    from dsv4.ops import triton_moe_fp8 as tf8
     spec = importlib.util.spec_from_file_location("moe_prefill_fp8_bench",
                                                   REPO / "bench" / "moe_prefill_fp8.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@scenario("moe_experts/v4_flash/fp4_fp8mma/sweep")
+def _moe_fp8mma_sweep() -> None:
+    """The other tile plans of bench/moe_prefill_fp8.py --sweep (they must compile and fit)."""
+    import torch
+
+    from dsv4.ops import triton_moe_fp8 as tf8
+    bench = _moe_prefill_bench()
     real_ok = tf8.fold_spread_ok
     tf8.fold_spread_ok = lambda experts, ks: True
     try:

@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "flash_bench.py"
 
 
@@ -35,6 +37,28 @@ def test_flash_bench_tiny_cpu(tmp_path) -> None:
     e1, e3 = (d["weight_bytes"]["experts"] for d in r["decode"])
     assert e3 > e1 > 0
     assert len(r["moe_only"]) == 2
+
+
+def test_flash_bench_expert_count(tmp_path) -> None:
+    """--experts N: N routed experts a layer (hash tables included), the batch-1 expert bytes
+    those of top-k experts whatever N, and out-of-range counts refused."""
+    fb = _load()
+    out = tmp_path / "r.json"
+    rc = fb.main(["--tiny", "--device", "cpu", "--layers", "4", "--experts", "8", "--prefill",
+                  "", "--decode-batches", "1", "--ctx", "40", "--steps", "1", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert not r["errors"], r["errors"]
+    assert r["experts"] == 8
+    cfg = fb.flash_config(4, tiny=True, experts=8)
+    assert cfg.n_routed_experts == 8
+    full = fb.flash_config(3, tiny=True)
+    # B=1: exactly top-k experts a layer, with 8 experts as with 16.
+    distinct = r["decode"][0]["weight_bytes"]["distinct_experts_per_layer"]
+    assert distinct == pytest.approx(full.n_activated_experts)
+    for bad in (full.n_activated_experts - 1, 257):
+        with pytest.raises(ValueError, match="--experts"):
+            fb.flash_config(3, experts=bad)
 
 
 def test_flash_floors_at_real_widths() -> None:
