@@ -32,7 +32,11 @@ from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_gemv as gv  # noqa: E402
 
 ROTATE = 8
-# (BN_up, BN_down, BK, split_up, split_down, warps) at one token, beside the default plan.
+# (BN_up, BN_down, BK, split_up, split_down, warps) at one token, beside the default plan:
+# K-chunk-major stacks (the model's GPU layout) take BK = their chunk, 128.
+SWEEP_KCHUNK = [(32, 32, 128, 4, 8, 4), (64, 64, 128, 4, 8, 4), (128, 64, 128, 4, 8, 4),
+                (128, 64, 128, 8, 8, 4), (128, 64, 128, 4, 8, 8), (128, 128, 128, 8, 8, 8),
+                (64, 32, 128, 8, 8, 4), (128, 32, 128, 2, 4, 4), (64, 64, 128, 8, 4, 8)]
 SWEEP = [(32, 32, 256, 1, 4, 4), (32, 32, 256, 4, 8, 4), (16, 32, 256, 4, 8, 4),
          (16, 16, 256, 4, 8, 4), (32, 64, 256, 2, 4, 4), (64, 64, 256, 2, 4, 8),
          (32, 32, 128, 4, 8, 4), (16, 32, 512, 2, 4, 4), (64, 64, 128, 4, 8, 4)]
@@ -67,12 +71,15 @@ def run(args: argparse.Namespace) -> dict:
     shape = TINY if args.tiny else FLASH
     E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
     gen = torch.Generator(device=dev).manual_seed(0)
-    ex = mxfp4_stacks(E, D, inter, gen, dev)
+    ex = mxfp4_stacks(E, D, inter, gen, dev, kchunk=not args.rows)
+    sweep = SWEEP if args.rows else SWEEP_KCHUNK
     rotate = 2 if args.tiny else ROTATE
     replays = 2 if args.tiny else args.replays
     results: dict[str, Any] = {"shape": shape, "rotate": rotate, "tokens": {}}
-    print(f"moe_gemv: E {E} D {D} I {inter} top-{k}, MXFP4, act_block 128, bf16; CUDA-graph "
-          f"replay of {rotate} routings; decode {gv.GEMV_DECODE}")
+    print(f"moe_gemv: E {E} D {D} I {inter} top-{k}, MXFP4 "
+          f"{'row-major' if args.rows else 'K-chunk-major'}, act_block 128, bf16; CUDA-graph "
+          f"replay of {rotate} routings; decode {gv.GEMV_DECODE}; inputs quantized "
+          f"{'once per call' if gv.GEMV_PREQUANT else 'in the K loop'}")
     for T in [int(t) for t in args.tokens.split(",")]:
         calls = []
         for _ in range(rotate):
@@ -90,10 +97,10 @@ def run(args: argparse.Namespace) -> dict:
             lambda x, i, w: tri.moe_experts_with_config(x, i, w, ex, 10.0, None),
             calls, twin, dev, replays)
         print(_row("mma default", rows["mma default"], floor_us, nbytes))
-        base = gv.pick_gemv_config(T, k, D, inter, 128, torch.device(dev))
+        base = gv.pick_gemv_config(T, k, D, inter, 128, torch.device(dev), ex.kchunk)
         plans = [("gemv default", base)]
         if T == 1 and not args.no_sweep:
-            for bu, bd, bk, su, sd, wp in SWEEP:
+            for bu, bd, bk, su, sd, wp in sweep:
                 if bk <= D and bk <= inter and bu <= inter and bd <= D:
                     cfg = gv.GemvConfig(bu, bd, bk, su, sd, wp, wp)
                     plans.append((f"gemv BN {bu}/{bd} BK {bk} s{su}/{sd} w{wp}", cfg))
@@ -113,6 +120,15 @@ def run(args: argparse.Namespace) -> dict:
                 print(_row(name, rows[name], floor_us, nbytes))
             finally:
                 gv.GEMV_DECODE = before
+            gv.GEMV_PREQUANT = not gv.GEMV_PREQUANT
+            try:
+                name = ("gemv default, inputs quantized "
+                        + ("once per call" if gv.GEMV_PREQUANT else "in the K loop"))
+                rows[name] = _time(lambda x, i, w: gv.moe_experts_gemv(x, i, w, ex, 10.0, base),
+                                   calls, twin, dev, replays)
+                print(_row(name, rows[name], floor_us, nbytes))
+            finally:
+                gv.GEMV_PREQUANT = not gv.GEMV_PREQUANT
         ok = {n: r["us"] for n, r in rows.items() if "us" in r and n.startswith("gemv")}
         best = min(ok, key=ok.get) if ok else None
         if best:
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,2,4")
     ap.add_argument("--no-sweep", action="store_true", help="default plans only")
+    ap.add_argument("--rows", action="store_true",
+                    help="row-major stacks (default: K-chunk-major, the model's GPU layout)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="tiny widths (interpreter smoke run)")
     ap.add_argument("--out", default=None, help="JSON of the results")

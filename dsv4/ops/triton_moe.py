@@ -1084,9 +1084,8 @@ def _other_expert_path(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     """The routed experts through a path other than the grouped split-K kernels, where one
     applies (GEMV, FP8-MMA prefill, dequantize + grouped GEMM); None otherwise."""
     from dsv4.ops import triton_moe_gemv as gemv
-    # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV;
-    # row-major stacks only).
-    if gemv.MOE_GEMV and not experts.kchunk and gemv.gemv_qualifies(x, topk_ids, experts):
+    # A few tokens of MXFP4 experts: matrix-vector kernels (off until timed: gemv.MOE_GEMV).
+    if gemv.MOE_GEMV and gemv.gemv_qualifies(x, topk_ids, experts):
         return gemv.moe_experts_gemv(x, topk_ids, topk_weights, experts, swiglu_limit)
     # Large prefill calls of MXFP4 experts under official numerics: FP8 tensor cores on the
     # experts re-encoded to e4m3 chunk by chunk (triton_moe_fp8.fp8mma_applies says when).

@@ -88,6 +88,11 @@ GEMV_DECODE = os.environ.get("DSV4_GEMV_DECODE", "asm")
 if GEMV_DECODE not in ("asm", "alu"):
     raise ValueError(f"DSV4_GEMV_DECODE={GEMV_DECODE!r}: expected 'asm' or 'alu'")
 
+# The expert inputs' FP8 fake quantization once per call (a small launch for x, the up
+# kernel's finish for act) instead of in every program's K loop; DSV4_GEMV_PREQUANT=0: the
+# in-loop form (benchmarks).  Same values either way.
+GEMV_PREQUANT = os.environ.get("DSV4_GEMV_PREQUANT", "1") == "1"
+
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
@@ -107,6 +112,14 @@ def _act_slice(row_ptr, k0, QB: tl.constexpr, BK: tl.constexpr):
     G: tl.constexpr = BK // 32
     k0 = tl.multiple_of(k0, 32)
     rg = tl.arange(0, G)
+    if QB == 0 and row_ptr.dtype.element_ty == tl.bfloat16:
+        # A quantized-before bf16 row: each (even, odd) column pair as one 32-bit word (16-byte
+        # vector loads instead of 2-byte gathers); bf16 -> fp32 is a 16-bit shift.
+        pair = (row_ptr.to(tl.pointer_type(tl.int32)) + k0 // 2 + rg[:, None] * 16
+                + tl.arange(0, 16)[None, :])
+        word = tl.load(pair)
+        return ((word << 16).to(tl.float32, bitcast=True),
+                (word & -65536).to(tl.float32, bitcast=True))
     offs = k0 + rg[:, None] * 32 + tl.arange(0, 16)[None, :] * 2
     ev = tl.load(row_ptr + offs).to(tl.float32)
     od = tl.load(row_ptr + offs + 1).to(tl.float32)
@@ -164,23 +177,32 @@ cvt.f32.f16 $4, a4; cvt.f32.f16 $5, a5; cvt.f32.f16 $6, a6; cvt.f32.f16 $7, a7;
 
 @triton.jit
 def _gemv_step(w_ptr, s_ptr, e, rn, n_mask, k0, xe, xo, stride_we, stride_wn, stride_se,
-               stride_sn, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+               stride_sn, N, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+               KCHUNK: tl.constexpr):
     """Σ_k W[e, rn, k]·x[k] over one K step [k0, k0 + BK) for the rows rn, fp32 [BN]: the
     packed bytes [BN, BK/32, 16] (one scale group per (row, g)) streamed evict-first, decoded
     exactly, multiplied by the (even, odd) activation columns xe / xo [BK/32, 16], summed per
     group, each group sum times its e8m0 scale 2^(s-127) (exact for s <= 240, as the ALU decode
-    of the MMA kernels), then over the groups."""
+    of the MMA kernels), then over the groups.  KCHUNK: the stacks are K-chunk-major with
+    chunks of BK codes (``ExpertWeights.kchunk == BK``): the step's [N, BK/2] bytes of all N
+    rows, then its [N, BK/32] scales, are each one contiguous run."""
     G: tl.constexpr = BK // 32
     e = e.to(tl.int64)
     rg = tl.arange(0, G)
-    # k0 is a multiple of BK (>= 32): 16-byte aligned rows of bytes, one vector load each.
-    kb = tl.multiple_of(k0 // 2, 16)
-    row = w_ptr + e * stride_we + rn.to(tl.int64)[:, None] * stride_wn + kb
+    rn64 = rn.to(tl.int64)
+    if KCHUNK:
+        chunk = (k0 // BK) * N               # < 2^31 (chunks x rows); int64 from rn64 on
+        row = w_ptr + e * stride_we + (chunk + rn64)[:, None] * (BK // 2)
+        srow = s_ptr + e * stride_se + (chunk + rn64)[:, None] * G
+    else:
+        # k0 is a multiple of BK (>= 32): 16-byte aligned rows of bytes, one vector load each.
+        row = w_ptr + e * stride_we + rn64[:, None] * stride_wn + tl.multiple_of(k0 // 2, 16)
+        srow = s_ptr + e * stride_se + rn64[:, None] * stride_sn + k0 // 32
     byte = tl.load(row + tl.arange(0, BK // 2)[None, :], mask=n_mask[:, None], other=0,
                    eviction_policy="evict_first")
     byte = tl.reshape(byte, (BN, G, 16))
-    sc = tl.load(s_ptr + e * stride_se + rn.to(tl.int64)[:, None] * stride_sn + k0 // 32
-                 + rg[None, :], mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    sc = tl.load(srow + rg[None, :], mask=n_mask[:, None], other=0,
+                 eviction_policy="evict_first")
     if ASM and not INTERPRET:
         lo, hi = tl.inline_asm_elementwise(_FP4_TO_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
                                            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
@@ -205,9 +227,27 @@ def _sum_splits(ptrs, mask, stride_s):
 
 
 @triton.jit
+def _fake_quant_tile(a, BN: tl.constexpr, QA: tl.constexpr):
+    """fp32 [BN] ``a`` fake-quantized per QA consecutive values (spec §2.5: amax floor 1e-4,
+    ue8m0 scale, e4m3 RNE): e4m3 values times their block's power of two, exact in bf16.  Blocks
+    of one tile share a masked max ([BN / QA, BN]: no reshape between layouts)."""
+    NB: tl.constexpr = BN // QA
+    if NB == 1:
+        ex = ue8m0_exponent(tl.maximum(tl.max(tl.abs(a), axis=0), 1e-4))
+        return round_to_e4m3(tl.clamp(a * pow2_from_exp(-ex), -448.0, 448.0)) * pow2_from_exp(ex)
+    same = (tl.arange(0, NB)[:, None] == tl.arange(0, BN)[None, :] // QA)           # [NB, BN]
+    ex = ue8m0_exponent(tl.maximum(tl.max(tl.where(same, tl.abs(a)[None, :], 0.0), axis=1),
+                                   1e-4))                                            # [NB]
+    ex = tl.sum(tl.where(same, ex[:, None], 0), axis=0)                              # [BN]
+    return round_to_e4m3(tl.clamp(a * pow2_from_exp(-ex), -448.0, 448.0)) * pow2_from_exp(ex)
+
+
+@triton.jit
 def _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit,
-               HAS_LIMIT: tl.constexpr):
-    """act[p, rn] = (w · swiglu(g, u)).to(act dtype), g / u rounded to it first (the twin)."""
+               HAS_LIMIT: tl.constexpr, BN: tl.constexpr, QA: tl.constexpr):
+    """act[p, rn] = (w · swiglu(g, u)).to(act dtype), g / u rounded to it first (the twin);
+    QA > 0: then fake-quantized per QA columns, the down GEMV's input quantization done once
+    here (BN a multiple of QA: every block inside the tile)."""
     g = round_as(acc1, act_ptr)
     u = round_as(acc3, act_ptr)
     if HAS_LIMIT:
@@ -215,7 +255,21 @@ def _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit,
         g = tl.minimum(g, limit)
     wt = tl.load(wt_ptr + p)
     a = g * tl.sigmoid(g) * u * wt
+    if QA > 0:
+        a = _fake_quant_tile(round_as(a, act_ptr), BN, QA)
     store_rne(act_ptr + p.to(tl.int64) * stride_act + rn, a, n_mask)
+
+
+@triton.jit
+def _fake_quant_rows_kernel(x_ptr, y_ptr, stride_x, stride_y, QB: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """y[t, block b] = x[t, block b] fake-quantized (:func:`_fake_quant_tile`), grid (T, K /
+    QB): the up GEMV's input quantization once per call instead of once per program."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * QB + tl.arange(0, QB)
+    a = tl.load(x_ptr + t * stride_x + cols).to(tl.float32)
+    store_rne(y_ptr + t * stride_y + cols, _fake_quant_tile(a, QB, QB), cols >= 0)
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -225,10 +279,12 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
                     stride_se, stride_sn, stride_part_w, stride_part_s, limit,
                     QB: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr,
+                    KCHUNK: tl.constexpr = False, QA: tl.constexpr = 0,
                     PDL: tl.constexpr = False):
     """act[p, tile] = w · swiglu(w1 x, w3 x) of pair p (token p // TOPK) for one N tile.
     SPLIT: partials into ``part`` [2, S, P, N] (gate, up); the last split finishes the tile.
-    Skipped picks (id outside 0..E-1) touch nothing, in every split."""
+    Skipped picks (id outside 0..E-1) touch nothing, in every split.  QB: x's fake
+    quantization per step (0: x comes quantized); QA: act's, in the finish (0: none)."""
     grid_dependency_sync(PDL)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -244,9 +300,9 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
         for k0 in range(k_lo, k_hi, BK):
             xe, xo = _act_slice(x_row, k0, QB, BK)
             acc1 += _gemv_step(w1_ptr, s1_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
-                               stride_wn, stride_se, stride_sn, BN, BK, ASM)
+                               stride_wn, stride_se, stride_sn, N, BN, BK, ASM, KCHUNK)
             acc3 += _gemv_step(w3_ptr, s3_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
-                               stride_wn, stride_se, stride_sn, BN, BK, ASM)
+                               stride_wn, stride_se, stride_sn, N, BN, BK, ASM, KCHUNK)
         if SPLIT:
             ptrs = (part_ptr + tl.program_id(2).to(tl.int64) * stride_part_s
                     + p.to(tl.int64) * N + rn)
@@ -259,11 +315,12 @@ def _gemv_up_kernel(x_ptr, ids_ptr, wt_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_
                 acc1 = _sum_splits(base, n_mask, stride_part_s)
                 acc3 = _sum_splits(base + stride_part_w, n_mask, stride_part_s)
                 _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit,
-                           HAS_LIMIT)
+                           HAS_LIMIT, BN, QA)
                 # Clean for the next launch and CUDA-graph replays: no per-call zeroing.
                 tl.store(count_ptr + tile, 0)
         else:
-            _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit, HAS_LIMIT)
+            _up_finish(acc1, acc3, act_ptr, wt_ptr, p, rn, n_mask, stride_act, limit,
+                       HAS_LIMIT, BN, QA)
 
 
 @triton.jit
@@ -271,7 +328,8 @@ def _gemv_down_kernel(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, count
                       N, K, E, stride_act, stride_out, stride_we, stride_wn, stride_se,
                       stride_sn, stride_part_s, TOPK: tl.constexpr, QB: tl.constexpr,
                       SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      ASM: tl.constexpr, PDL: tl.constexpr = False):
+                      ASM: tl.constexpr, KCHUNK: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """out[t, tile] = Σ_j (w2[e_j] · act[t·k + j]) rounded to the act dtype, summed in fp32 in
     pick order over the picks j of token t whose id is in 0..E-1.  SPLIT: each split stores its
     per-pick partials into ``part`` [S, P, N]; the last split rounds and sums them."""
@@ -292,7 +350,7 @@ def _gemv_down_kernel(act_ptr, ids_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, count
             for k0 in range(k_lo, k_hi, BK):
                 xe, xo = _act_slice(a_row, k0, QB, BK)
                 acc += _gemv_step(w2_ptr, s2_ptr, e, rn, n_mask, k0, xe, xo, stride_we,
-                                  stride_wn, stride_se, stride_sn, BN, BK, ASM)
+                                  stride_wn, stride_se, stride_sn, N, BN, BK, ASM, KCHUNK)
         if SPLIT:
             tl.store(part_ptr + tl.program_id(2).to(tl.int64) * stride_part_s
                      + p.to(tl.int64) * N + rn, acc, mask=n_mask)
@@ -342,6 +400,9 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig: {name} must be an int >= 1; found {v!r}")
 
 
+# DSV4_GEMV_PLAN="BN_up,BN_down,BK,split_up,split_down,warps_up,warps_down": every call's plan
+# (benchmarks: a swept plan in the model).
+_PLAN_ENV = os.environ.get("DSV4_GEMV_PLAN", "")
 # Split-K targets: ~4 programs per SM, at most 8 splits (a first rule, not measured:
 # bench/moe_gemv.py sweeps the plans).
 _PROGRAMS_PER_SM = 4
@@ -369,10 +430,13 @@ def _split(programs: int, steps: int, sms: int) -> int:
 
 
 def pick_gemv_config(T: int, k: int, D: int, inter: int, act_block: int | None,
-                     device: torch.device | None = None) -> GemvConfig:
-    """Default plan: 32-row N tiles, K step 256 (or the largest that fits), 4 warps, K splits
-    until ~4 programs per SM (V4-Flash, one token: up 6 × 64 tiles × 2, down 128 tiles × 8)."""
-    bk = gemv_block_k(D, inter, act_block)
+                     device: torch.device | None = None, kchunk: int = 0) -> GemvConfig:
+    """Default plan: 32-row N tiles, K step 256 (or the largest that fits; K-chunk-major
+    stacks: their chunk), 4 warps, K splits until ~4 programs per SM (V4-Flash, one token: up
+    6 × 64 tiles × 2, down 128 tiles × 8)."""
+    if _PLAN_ENV:
+        return GemvConfig(*(int(v) for v in _PLAN_ENV.split(",")))
+    bk = kchunk or gemv_block_k(D, inter, act_block)
     if bk is None:
         raise ValueError(f"moe_experts_gemv: no K step fits D={D}, I={inter}, "
                          f"act_block={act_block}")
@@ -394,10 +458,12 @@ def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor | None:
 def gemv_qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
     """Whether :func:`moe_experts_gemv` serves this call: at most MOE_GEMV_MAX_TOKENS tokens,
     MXFP4 stacks with e8m0 scales, bf16 x (official or bf16 numerics), a K step that fits."""
+    ab, kc = experts.act_block, experts.kchunk
     return (x.dim() == 2 and 0 < x.shape[0] <= MOE_GEMV_MAX_TOKENS
             and experts.fmt == "fp4" and x.dtype == torch.bfloat16
             and all(_e8m0_bytes(getattr(experts, n)) is not None for n in ("s1", "s3", "s2"))
-            and gemv_block_k(x.shape[1], experts.inter_dim, experts.act_block) is not None)
+            and (gemv_block_k(x.shape[1], experts.inter_dim, ab) is not None if not kc
+                 else (kc & (kc - 1)) == 0 and (not ab or (kc % ab == 0 and ab % 32 == 0))))
 
 
 def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -409,9 +475,6 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     _check_experts(x, topk_ids, topk_weights, experts)
     if experts.fmt != "fp4":
         raise ValueError(f"moe_experts_gemv: MXFP4 experts only; found {experts.fmt!r}")
-    if experts.kchunk:
-        raise ValueError("moe_experts_gemv: row-major stacks only; found K-chunk-major ones "
-                         f"(kchunk={experts.kchunk})")
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"moe_experts_gemv: x must be bf16 or fp32; found {x.dtype}")
     scales = [_e8m0_bytes(getattr(experts, n)) for n in ("s1", "s3", "s2")]
@@ -424,12 +487,24 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         return out.zero_()
     qb = experts.act_block or 0
     if cfg is None:
-        cfg = pick_gemv_config(T, k, D, inter, experts.act_block, x.device)
+        cfg = pick_gemv_config(T, k, D, inter, experts.act_block, x.device, experts.kchunk)
     bk = cfg.BK
+    if experts.kchunk and experts.kchunk != bk:
+        raise ValueError(f"moe_experts_gemv: K-chunk-major stacks need the K step to be their "
+                         f"chunk; found BK={bk}, kchunk={experts.kchunk}")
     if D % bk or inter % bk or (qb and (bk % qb or qb % 32)):
         raise ValueError(f"moe_experts_gemv: K step {bk} must divide D={D} and I={inter} and "
                          f"be a multiple of the act block {qb}")
     x = x if x.stride(1) == 1 else x.contiguous()
+    # The input quantizations once per call (x here, act in the up finish when its tiles hold
+    # whole act blocks) rather than in every program's K loop.
+    pre = GEMV_PREQUANT and qb > 0
+    qa = qb if pre and cfg.BN_up % qb == 0 else 0
+    if pre:
+        xq = torch.empty_like(x)
+        _fake_quant_rows_kernel[(T, D // qb)](x, xq, x.stride(0), xq.stride(0), QB=qb,
+                                              num_warps=1, **pdl_args(x))
+        x = xq
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
     w1, w3, w2 = (getattr(experts, n).view(torch.uint8) for n in ("w1", "w3", "w2"))
@@ -452,14 +527,16 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         inter, D, E, k, x.stride(0), act.stride(0), w1.stride(0), w1.stride(1),
         s1.stride(0), s1.stride(1), 0 if part_up is None else part_up.stride(0),
         0 if part_up is None else part_up.stride(1), float(swiglu_limit),
-        QB=qb, HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BN=cfg.BN_up, BK=bk,
-        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_up, num_stages=1, **pdl_args(x))
+        QB=0 if pre else qb, HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BN=cfg.BN_up,
+        BK=bk, ASM=GEMV_DECODE == "asm", KCHUNK=bool(experts.kchunk), QA=qa,
+        num_warps=cfg.warps_up, num_stages=1, **pdl_args(x))
     part_down = (torch.empty(split_down, P, D, dtype=torch.float32, device=x.device)
                  if split_down > 1 else None)
     _gemv_down_kernel[(T, tiles_down, split_down)](
         act, ids, w2, s2, out, out if part_down is None else part_down, counters,
         D, inter, E, act.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), 0 if part_down is None else part_down.stride(0),
-        TOPK=k, QB=qb, SPLIT=split_down > 1, BN=cfg.BN_down, BK=bk,
-        ASM=GEMV_DECODE == "asm", num_warps=cfg.warps_down, num_stages=1, **pdl_args(act))
+        TOPK=k, QB=0 if qa else qb, SPLIT=split_down > 1, BN=cfg.BN_down, BK=bk,
+        ASM=GEMV_DECODE == "asm", KCHUNK=bool(experts.kchunk), num_warps=cfg.warps_down,
+        num_stages=1, **pdl_args(act))
     return out

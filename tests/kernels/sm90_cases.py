@@ -796,6 +796,27 @@ def _moe_gemv() -> None:
     with RECORDER.override(gv._gemv_up_kernel, ASM=False), \
             RECORDER.override(gv._gemv_down_kernel, ASM=False):
         gv.moe_experts_gemv(x, ids, torch.rand(1, m.topk), ex, 10.0)
+    # K-chunk-major stacks (the GPU layout): bench/moe_gemv.py's plans, inputs quantized once
+    # per call (the default) and in the K loop.
+    import importlib.util
+    from dataclasses import replace
+    spec = importlib.util.spec_from_file_location("moe_gemv_bench", REPO / "bench" / "moe_gemv.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    exk = replace(ex, kchunk=128)
+    before = gv.GEMV_PREQUANT
+    try:
+        for pre in (True, False):
+            gv.GEMV_PREQUANT = pre
+            for T in (1, 2, 4):
+                gv.moe_experts_gemv(_empty(T, m.dim, dtype=torch.bfloat16),
+                                    torch.randint(0, E_ALLOC, (T, m.topk)),
+                                    torch.rand(T, m.topk), exk, 10.0)
+            for bu, bd, bk, su, sd, wp in bench.SWEEP_KCHUNK:
+                gv.moe_experts_gemv(x, ids, torch.rand(1, m.topk), exk, 10.0,
+                                    gv.GemvConfig(bu, bd, bk, su, sd, wp, wp))
+    finally:
+        gv.GEMV_PREQUANT = before
 
 
 def _norm_rope(m: ModelDims) -> None:

@@ -34,6 +34,17 @@ BF16_BOUND = 1e-2
 FP32_BOUND = 1e-5
 
 
+def _load_bench(name: str):
+    """bench/<name>.py as a module (its plan lists)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -102,8 +113,15 @@ try:
         o = tl.arange(0, BK // 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
         tl.store(ev_ptr + o, ev)
         tl.store(od_ptr + o, od)
+
+    from dsv4.ops.triton_moe_gemv import _fake_quant_tile
+
+    @triton.jit
+    def _fake_quant_probe(x_ptr, y_ptr, BN: tl.constexpr, QA: tl.constexpr):
+        o = tl.arange(0, BN)
+        tl.store(y_ptr + o, _fake_quant_tile(tl.load(x_ptr + o), BN, QA))
 except ImportError:                 # no triton: the plain CPU tests still run
-    _act_slice_probe = None
+    _act_slice_probe = _fake_quant_probe = None
 
 E, D, INTER = 8, 256, 128
 
@@ -217,6 +235,56 @@ def test_interp_extreme_scales_and_skipped_tokens() -> None:
 
 
 @interp_only
+@pytest.mark.parametrize("act_block,bn_up,split_up,split_down", [
+    (128, 128, 1, 1), (128, 64, 2, 2), (32, 64, 1, 2), (None, 32, 2, 1)])
+def test_interp_kchunk_stacks_and_prequant(monkeypatch: pytest.MonkeyPatch, act_block,
+                                           bn_up: int, split_up: int, split_down: int) -> None:
+    """K-chunk-major stacks (the GPU layout, chunk = the K step) give the row-major stacks'
+    bits; the inputs' fake quantization once per call (x by its own launch; act in the up
+    finish when BN_up holds whole act blocks: 128 / 128, 64 / 32) gives the in-loop form's
+    bits; both the twin to the bf16 bound; a K step other than the chunk is refused."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe_gemv as gv
+    gen = torch.Generator().manual_seed(bn_up + (act_block or 0))
+    ex = _fp4_experts(gen, E, D, INTER, act_block, scale_lo=112, scale_hi=132)
+    bk = 128
+    exk = ref.kchunk_experts(ex, bk)
+    x = (torch.randn(3, D, generator=gen) * 3).to(torch.bfloat16)
+    x[0, :32] *= 512.0                                   # one loud act block
+    ids, w = _routing(3, 4, gen)
+    cfg = gv.GemvConfig(BN_up=bn_up, BN_down=64, BK=bk, split_up=split_up,
+                        split_down=split_down)
+    monkeypatch.setattr(gv, "GEMV_PREQUANT", True)
+    y = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
+    assert torch.equal(gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg), y)
+    assert _rel(gv.moe_experts_gemv(x, ids, w, exk, 10.0), y) < BF16_BOUND   # default plan
+    monkeypatch.setattr(gv, "GEMV_PREQUANT", False)
+    assert torch.equal(gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg), y)
+    assert bool(torch.isfinite(y).all())
+    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
+    with pytest.raises(ValueError, match="chunk"):
+        gv.moe_experts_gemv(x, ids, w, exk, 10.0, gv.GemvConfig(BK=256))
+
+
+@interp_only
+@pytest.mark.parametrize("bn,qa", [(128, 128), (128, 32), (64, 32), (32, 32)])
+def test_interp_fake_quant_tile(bn: int, qa: int) -> None:
+    """``_fake_quant_tile`` (the act quantization in the up finish, x's pre-pass): the bits of
+    the torch reference per qa-wide block, blocks 2^12 apart in magnitude."""
+    gen = torch.Generator().manual_seed(bn + qa)
+    x = torch.randn(bn, generator=gen) * 3
+    x.view(-1, qa)[::2] *= 4096.0
+    y = torch.empty(1, bn)
+    _fake_quant_probe[(1,)](x, y, BN=bn, QA=qa)
+    blk = x.view(-1, qa)
+    t = blk.abs().amax(-1).clamp_min(1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
+    m, e = torch.frexp(t)
+    sc = torch.ldexp(torch.ones_like(t), e - (m == 0.5).int())[:, None]
+    want = ((blk / sc).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sc).view(-1)
+    assert torch.equal(y[0], want)
+
+
+@interp_only
 def test_interp_dispatch_takes_gemv_when_flag_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """moe_experts with MOE_GEMV on: the GEMV result for <= 4 bf16 tokens, the MMA kernels for
     5 tokens (bits of moe_experts_with_config)."""
@@ -293,6 +361,83 @@ def test_gpu_gemv_v4_flash(T: int) -> None:
         assert bool(torch.isfinite(y).all()) and torch.equal(y, y2), f"{cfg}: run-to-run"
         assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND, \
             f"{cfg}: rel {_rel(y, want):.2e} (twin), {_rel(y, mma):.2e} (MMA)"
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_gpu_gemv_kchunk_v4_flash(T: int) -> None:
+    """K-chunk-major stacks (the model's GPU layout) at V4-Flash widths, every plan of
+    bench/moe_gemv.py's K-chunk sweep and the default: finite, the twin and the MMA kernels to
+    the bf16 bound, run-to-run bits, the row-major stacks' bits, and the inputs quantized once
+    per call giving the in-loop form's bits."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_gemv as gv
+    from tests.kernels.test_gpu_kernels import _poison
+    sweep = _load_bench("moe_gemv").SWEEP_KCHUNK
+    gen = torch.Generator(device="cuda").manual_seed(60 + T)
+    ex = _fp4_experts(gen, G_E, G_D, G_I, 128, device="cuda")
+    exk = ref.kchunk_experts(ex, 128)
+    x = (torch.randn(T, G_D, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    ids, w = _gpu_routing(T, gen)
+    if T >= 2:
+        ids[1, 3] = -1
+        ids[T - 1, 0] = ids[0, 0]
+    want = ref.moe_experts(x, ids, w, ex, 10.0)
+    mma = tri.moe_experts_with_config(x, ids, w, exk, 10.0, None)
+    before = gv.GEMV_PREQUANT
+    try:
+        for cfg in (None, *(gv.GemvConfig(bu, bd, bk, su, sd, wp, wp)
+                            for bu, bd, bk, su, sd, wp in sweep)):
+            gv.GEMV_PREQUANT = True
+            _poison()
+            y = gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg)
+            _poison()
+            y2 = gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg)
+            assert bool(torch.isfinite(y).all()) and torch.equal(y, y2), f"{cfg}: run-to-run"
+            assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND, \
+                f"{cfg}: rel {_rel(y, want):.2e} (twin), {_rel(y, mma):.2e} (MMA)"
+            if cfg is not None:
+                assert torch.equal(gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg), y), \
+                    f"{cfg}: row-major bits"
+            gv.GEMV_PREQUANT = False
+            assert torch.equal(gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg), y), \
+                f"{cfg}: in-loop quantization bits"
+    finally:
+        gv.GEMV_PREQUANT = before
+
+
+@needs_gpu
+def test_gpu_gemv_kchunk_graph_replay() -> None:
+    """The dispatch (flag on) on K-chunk-major stacks, captured at T = 1 with the inputs'
+    quantization launch inside the graph, replayed on new inputs: the eager bits."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_gemv as gv
+    gen = torch.Generator(device="cuda").manual_seed(78)
+    exk = ref.kchunk_experts(_fp4_experts(gen, G_E, G_D, G_I, 128, device="cuda"), 128)
+    before = gv.MOE_GEMV
+    gv.MOE_GEMV = True
+    try:
+        sx = torch.randn(1, G_D, generator=gen, device="cuda").to(torch.bfloat16)
+        sids, sw = _gpu_routing(1, gen)
+        tri.moe_experts(sx, sids, sw, exk, 10.0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tri.moe_experts(sx, sids, sw, exk, 10.0)
+        for seed in (4, 5):
+            g2 = torch.Generator(device="cuda").manual_seed(seed)
+            nx = torch.randn(1, G_D, generator=g2, device="cuda").to(torch.bfloat16)
+            nids, nw = _gpu_routing(1, g2)
+            sx.copy_(nx)
+            sids.copy_(nids)
+            sw.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, gv.moe_experts_gemv(nx, nids, nw, exk, 10.0))
+    finally:
+        gv.MOE_GEMV = before
 
 
 @needs_gpu
