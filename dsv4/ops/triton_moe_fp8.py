@@ -120,11 +120,12 @@ FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
 PREDECODE_BYTES = int(os.environ.get("DSV4_FP8MMA_PREDECODE_MB", "1024")) << 20
 # One predecode program (DSV4_FP8MMA_PREDECODE_TILE="BN,SP[,HOIST[,WARPS]]"): rows, K steps
 # (cut to a divisor of the stack's step count), all loads issued first (1) or step by step
-# (0), warps.  32 x 8 step by step: 3.74 ms for V4-Flash's three stacks against 4.17 for
-# 64 x 1 (2.69 vs 2.41 TB/s; H200, bench/moe_prefill_fp8.py --sweep, every tile byte-equal:
+# (0), warps.  32 x 8 hoisted, 8 warps: 2.71 ms for V4-Flash's three K-chunk-major stacks
+# against 2.95 for 32 x 8 step by step and 3.01 for 64 x 1 (3.71 / 3.41 / 3.35 TB/s; H200,
+# bench/moe_prefill_fp8.py --sweep, run A of the seventeenth session; every tile byte-equal:
 # tests/kernels/test_moe_fp8mma_gpu.py).
 _PREDECODE_TILE = tuple(int(v) for v in
-                        os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "32,8").split(","))
+                        os.environ.get("DSV4_FP8MMA_PREDECODE_TILE", "32,8,1,8").split(","))
 # DSV4_FP8MMA_OVERLAP=1: re-encode chunk c + 1 on a stream of its own while the GEMMs of chunk
 # c run (memory-bound next to tensor-core-bound), in two scratch slots of half the budget each.
 # Same bits, measured no faster (H200, V4-Flash, run E of bench/sessions/gpu_session_s10e.sh:
