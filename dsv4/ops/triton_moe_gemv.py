@@ -42,11 +42,16 @@ Picks whose id is outside 0..E-1 are skipped (expert parallel shards), as the tw
 tokens that pick the same expert each stream it (at most 4× the bytes of that expert, fine for
 T <= 4: the grouped MMA kernels take over from 5 tokens).
 
-Timing (H200, bench/moe_gemv.py, CUDA-graph replay, docs/PERFORMANCE.md fifth session): slower
-than the grouped MMA kernels — T = 1 104 µs against 67.5, T = 2 188 vs 110, T = 4 339 vs 192 —
-so :data:`MOE_GEMV` stays off (``DSV4_MOE_GEMV=1`` turns it on).  The weight bytes compile to
-one-byte loads per thread (32 per step), not the intended 16-byte vectors: the first thing to
-fix before it can stream the weights at bandwidth.
+The expert inputs' fake quantization runs once per call (:data:`GEMV_PREQUANT`): x in its
+own small launch, act in the up kernel's finish when its N tile holds whole act blocks; the K
+loops then read 32-bit (even, odd) bf16 pairs instead of quantizing in every program (sm_90
+SASS of the up K step: 9.9 -> 4.5 instructions per weight, 127 -> 80-96 registers).
+
+Timing (H200, bench/moe_gemv.py, CUDA-graph replay, docs/PERFORMANCE.md seventeenth session,
+K-chunk-major stacks): T = 1 54.3 µs with the best plan against the MMA kernels' 54.8 (127.1
+with the in-loop quantization); T = 2 / 4 154 / 286 µs against 85 / 147 with the default plan.
+In the 4-layer B=1 step 0.88 ms against 0.89: no gain worth a second path, so :data:`MOE_GEMV`
+stays off (``DSV4_MOE_GEMV=1`` turns it on).
 """
 
 from __future__ import annotations
@@ -436,7 +441,12 @@ def pick_gemv_config(T: int, k: int, D: int, inter: int, act_block: int | None,
     6 × 64 tiles × 2, down 128 tiles × 8)."""
     if _PLAN_ENV:
         return GemvConfig(*(int(v) for v in _PLAN_ENV.split(",")))
-    bk = kchunk or gemv_block_k(D, inter, act_block)
+    if kchunk:
+        # The best one-token plan of bench/moe_gemv.py on the H200 (seventeenth session, run
+        # B: 54.3 µs against 88.2 for 32-row tiles; the splits are clamped to the K steps).
+        return GemvConfig(BN_up=128, BN_down=64, BK=kchunk, split_up=4, split_down=8,
+                          warps_up=8, warps_down=8)
+    bk = gemv_block_k(D, inter, act_block)
     if bk is None:
         raise ValueError(f"moe_experts_gemv: no K step fits D={D}, I={inter}, "
                          f"act_block={act_block}")
