@@ -333,6 +333,33 @@ def _gpu_routing(T: int, gen: torch.Generator):
     return ids, w / w.sum(-1, keepdim=True) * 1.5
 
 
+def _gpu_case(T: int, seed: int):
+    """V4-Flash MXFP4 stacks (row-major), bf16 x, routing with a skipped id and a shared
+    expert at T >= 2, on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ex = _fp4_experts(gen, G_E, G_D, G_I, 128, device="cuda")
+    x = (torch.randn(T, G_D, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    ids, w = _gpu_routing(T, gen)
+    if T >= 2:
+        ids[1, 3] = -1
+        ids[T - 1, 0] = ids[0, 0]
+    return ex, x, ids, w
+
+
+def _check_gpu_plan(call, want: torch.Tensor, mma: torch.Tensor, cfg) -> torch.Tensor:
+    """``call()`` twice on a NaN-poisoned allocator: finite, the same bits, the twin and the
+    MMA kernels to the bf16 bound; returns the result."""
+    from tests.kernels.test_gpu_kernels import _poison
+    _poison()
+    y = call()
+    _poison()
+    y2 = call()
+    assert bool(torch.isfinite(y).all()) and torch.equal(y, y2), f"{cfg}: run-to-run"
+    assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND, \
+        f"{cfg}: rel {_rel(y, want):.2e} (twin), {_rel(y, mma):.2e} (MMA)"
+    return y
+
+
 @needs_gpu
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_gpu_gemv_v4_flash(T: int) -> None:
@@ -341,26 +368,13 @@ def test_gpu_gemv_v4_flash(T: int) -> None:
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     from dsv4.ops import triton_moe_gemv as gv
-    from tests.kernels.test_gpu_kernels import _poison
-    gen = torch.Generator(device="cuda").manual_seed(40 + T)
-    ex = _fp4_experts(gen, G_E, G_D, G_I, 128, device="cuda")
-    x = (torch.randn(T, G_D, generator=gen, device="cuda") * 2).to(torch.bfloat16)
-    ids, w = _gpu_routing(T, gen)
-    if T >= 2:
-        ids[1, 3] = -1
-        ids[T - 1, 0] = ids[0, 0]
+    ex, x, ids, w = _gpu_case(T, 40 + T)
     want = ref.moe_experts(x, ids, w, ex, 10.0)
     mma = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
     for cfg in (None, gv.GemvConfig(BN_up=16, BN_down=64, BK=128, split_up=8, split_down=8),
                 *(gv.GemvConfig(bu, bd, bk, su, sd, wp, wp)
                   for bu, bd, bk, su, sd, wp in GPU_PLANS)):
-        _poison()
-        y = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
-        _poison()
-        y2 = gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg)
-        assert bool(torch.isfinite(y).all()) and torch.equal(y, y2), f"{cfg}: run-to-run"
-        assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND, \
-            f"{cfg}: rel {_rel(y, want):.2e} (twin), {_rel(y, mma):.2e} (MMA)"
+        _check_gpu_plan(lambda: gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg), want, mma, cfg)
 
 
 @needs_gpu
@@ -373,16 +387,9 @@ def test_gpu_gemv_kchunk_v4_flash(T: int) -> None:
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
     from dsv4.ops import triton_moe_gemv as gv
-    from tests.kernels.test_gpu_kernels import _poison
     sweep = _load_bench("moe_gemv").SWEEP_KCHUNK
-    gen = torch.Generator(device="cuda").manual_seed(60 + T)
-    ex = _fp4_experts(gen, G_E, G_D, G_I, 128, device="cuda")
+    ex, x, ids, w = _gpu_case(T, 60 + T)
     exk = ref.kchunk_experts(ex, 128)
-    x = (torch.randn(T, G_D, generator=gen, device="cuda") * 2).to(torch.bfloat16)
-    ids, w = _gpu_routing(T, gen)
-    if T >= 2:
-        ids[1, 3] = -1
-        ids[T - 1, 0] = ids[0, 0]
     want = ref.moe_experts(x, ids, w, ex, 10.0)
     mma = tri.moe_experts_with_config(x, ids, w, exk, 10.0, None)
     before = gv.GEMV_PREQUANT
@@ -390,13 +397,8 @@ def test_gpu_gemv_kchunk_v4_flash(T: int) -> None:
         for cfg in (None, *(gv.GemvConfig(bu, bd, bk, su, sd, wp, wp)
                             for bu, bd, bk, su, sd, wp in sweep)):
             gv.GEMV_PREQUANT = True
-            _poison()
-            y = gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg)
-            _poison()
-            y2 = gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg)
-            assert bool(torch.isfinite(y).all()) and torch.equal(y, y2), f"{cfg}: run-to-run"
-            assert _rel(y, want) < BF16_BOUND and _rel(y, mma) < BF16_BOUND, \
-                f"{cfg}: rel {_rel(y, want):.2e} (twin), {_rel(y, mma):.2e} (MMA)"
+            y = _check_gpu_plan(lambda: gv.moe_experts_gemv(x, ids, w, exk, 10.0, cfg), want,
+                                mma, cfg)
             if cfg is not None:
                 assert torch.equal(gv.moe_experts_gemv(x, ids, w, ex, 10.0, cfg), y), \
                     f"{cfg}: row-major bits"
