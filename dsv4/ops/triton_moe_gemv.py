@@ -505,7 +505,8 @@ def moe_experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if D % bk or inter % bk or (qb and (bk % qb or qb % 32)):
         raise ValueError(f"moe_experts_gemv: K step {bk} must divide D={D} and I={inter} and "
                          f"be a multiple of the act block {qb}")
-    x = x if x.stride(1) == 1 else x.contiguous()
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+        x = x.contiguous()      # the K loops read bf16 column pairs as aligned 32-bit words
     # The input quantizations once per call (x here, act in the up finish when its tiles hold
     # whole act blocks) rather than in every program's K loop.
     pre = GEMV_PREQUANT and qb > 0
