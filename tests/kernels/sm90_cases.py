@@ -720,7 +720,7 @@ def _moe_fp8mma() -> None:
         w2, s2, _ = tm._weight_args(ex, "w2")
         q = torch.empty(2, m.dim, m.inter, dtype=torch.float8_e4m3fn)
         f = torch.empty(2, m.inter // 128, m.dim)
-        for tile in _moe_prefill_bench().PREDECODE_TILES:
+        for tile in _bench_module("moe_prefill_fp8").PREDECODE_TILES:
             for kchunk in (False, True):
                 tf8._predecode(w2, s2, q, f, 0, 2, True, 128, tile, kchunk)
         m = V41_FLASH
@@ -734,11 +734,10 @@ def _moe_fp8mma() -> None:
         tf8.fold_spread_ok = real_ok
 
 
-def _moe_prefill_bench():
-    """bench/moe_prefill_fp8.py as a module (its tile plans and re-encoding tiles)."""
+def _bench_module(name: str):
+    """bench/<name>.py as a module (the plan and tile lists its sweeps time)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("moe_prefill_fp8_bench",
-                                                  REPO / "bench" / "moe_prefill_fp8.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", REPO / "bench" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -750,7 +749,7 @@ def _moe_fp8mma_sweep() -> None:
     import torch
 
     from dsv4.ops import triton_moe_fp8 as tf8
-    bench = _moe_prefill_bench()
+    bench = _bench_module("moe_prefill_fp8")
     real_ok = tf8.fold_spread_ok
     tf8.fold_spread_ok = lambda experts, ks: True
     try:
@@ -798,11 +797,8 @@ def _moe_gemv() -> None:
         gv.moe_experts_gemv(x, ids, torch.rand(1, m.topk), ex, 10.0)
     # K-chunk-major stacks (the GPU layout): bench/moe_gemv.py's plans, inputs quantized once
     # per call (the default) and in the K loop.
-    import importlib.util
     from dataclasses import replace
-    spec = importlib.util.spec_from_file_location("moe_gemv_bench", REPO / "bench" / "moe_gemv.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module("moe_gemv")
     exk = replace(ex, kchunk=128)
     before = gv.GEMV_PREQUANT
     try:
