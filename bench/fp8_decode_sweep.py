@@ -15,7 +15,6 @@ GEMV mode (the CUDA-core kernel for 1-4 rows, ``Fp8GemmConfig(gemv=True)``, off 
     PYTHONPATH=. python bench/fp8_decode_sweep.py --quick            # < ~60 s of GPU time
     PYTHONPATH=. python bench/fp8_decode_sweep.py --gemv [--sweep] [--rows 1,2,4]
     PYTHONPATH=. python bench/fp8_decode_sweep.py --sass             # offline, no GPU
-    PYTHONPATH=. python bench/fp8_decode_sweep.py --swap [--sweep] [--rows 1,2,4,8,16]
 
 ``--quick`` / ``--gemv`` time, at M = 1, 2, 4 on the five V4-Flash GEMMs of the task (wq_a+wkv,
 wq_b, wo_b, shared w1+w3, w2), the default MMA plan against the default GEMV plan
@@ -148,87 +147,6 @@ def run_gemv(rows: list[int], want: set[str], sweep: bool, out_path: str | None)
     return 0
 
 
-def swap_candidates(M: int, N: int, K: int) -> list[td.Fp8GemmConfig]:
-    """Swapped-operand plans (``triton_fp8_swap``): 64 / 128 weight rows per tile, K splits
-    1-16 (each split >= 1 K block), 3 / 4 / 6 stages, 4 warps."""
-    n_kb = K // 128
-    return [td.Fp8GemmConfig(BM=16, BN=bn, split_k=sp, num_warps=4, num_stages=st, swap=True)
-            for bn in (64, 128) for sp in (1, 2, 4, 8, 16) if sp <= n_kb for st in (3, 4, 6)]
-
-
-def run_swap(rows: list[int], want: set[str], sweep: bool, out_path: str | None) -> int:
-    """The swapped-operand tensor-core kernel against the CUDA-core GEMV (1-4 rows) and the
-    16-row MMA kernel, on the five GEMMs and the grouped ``wo_a`` (bf16 products)."""
-    from dsv4.ops import triton_fp8_swap as swap
-    results = []
-    print(f"{'shape':<14} {'M':>2} {'floor':>6} {'gemv':>6} {'mma':>6} {'swap':>6} {'ratio':>5}"
-          f"  swap plan{'  | best swept swap' if sweep else ''}")
-    shapes = GEMV_SHAPES + [("wo_a (grouped)", 8 * 1024, 4096)]
-    for M in rows:
-        for name, N, K in shapes:
-            if want and name not in want:
-                continue
-            grouped = name.startswith("wo_a")
-            kx = K * 8 if grouped else K        # wo_a: x [M, 8 groups · 4096]
-            wbytes = N * K + (N // 128) * (K // 128)
-            sets = _fp8_inputs(M, N, kx if not grouped else K, copies_for(wbytes + M * kx * 2))
-            if grouped:
-                sets = [(torch.randn(M, kx, device=w8.device).bfloat16(), w8, ws)
-                        for _, w8, ws in sets]
-            dev = sets[0][0].device
-            floor = (wbytes + M * kx * 2 + M * N * 2) / BW * 1e6
-
-            def call(s: tuple, cfg: td.Fp8GemmConfig) -> object:
-                if grouped:
-                    sw = s[2].view(torch.uint8)
-                    if cfg.swap:
-                        return swap.fp8_swap_linear(s[0], s[1], sw, True, 128, torch.bfloat16,
-                                                    cfg, groups=8, quant_x=False)
-                    return td._fp8_gemv(s[0], s[1], sw, True, 128, torch.bfloat16, cfg,
-                                        groups=8, quant_x=False)
-                return td.fp8_linear_with_config(s[0], s[1], s[2], 128, torch.bfloat16, cfg)
-
-            def timed(cfg: td.Fp8GemmConfig, target_ms: float = 3.0) -> float:
-                return time_graph([lambda s=s: call(s, cfg) for s in sets], target_ms)
-
-            cfg_swap = swap.pick_swap_config(M, N, K, 128, dev)
-            t_gemv = timed(td.pick_fp8_gemv_config(M, N, K, 128, dev)) if M <= 4 else float("nan")
-            t_mma = float("nan")
-            if not grouped:
-                saved, td.GEMV_MAX_M, swap.SWAP_MAX_M = (td.GEMV_MAX_M, swap.SWAP_MAX_M), 0, 0
-                t_mma = timed(td.pick_fp8_config(M, N, K, 128, dev))
-                td.GEMV_MAX_M, swap.SWAP_MAX_M = saved
-            t_swap = timed(cfg_swap)
-            line = (f"{name:<14} {M:>2} {floor:6.2f} {t_gemv:6.1f} {t_mma:6.1f} {t_swap:6.1f} "
-                    f"{t_swap / floor:5.2f}  {_plan_s(cfg_swap)}")
-            rec = dict(shape=name, M=M, N=N, K=K, floor_us=floor, gemv_us=t_gemv, mma_us=t_mma,
-                       swap_us=t_swap, swap=asdict(cfg_swap))
-            if sweep:
-                tried = []
-                for cfg in swap_candidates(M, N, K):
-                    try:
-                        tried.append((timed(cfg, 1.5), _plan_s(cfg)))
-                    except Exception as e:  # noqa: BLE001 - a plan that fails: report, go on
-                        tried.append((float("inf"), f"{_plan_s(cfg)}: {type(e).__name__}: {e}"))
-                tried.sort(key=lambda t: t[0])
-                line += f"  | {tried[0][0]:.1f} ({tried[0][0] / floor:.2f}) {tried[0][1]}"
-                rec["tried"] = tried[:10]
-            print(line, flush=True)
-            results.append(rec)
-            sets.clear()
-            torch.cuda.empty_cache()
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-    return 0
-
-
-def _plan_s(cfg: td.Fp8GemmConfig) -> str:
-    if cfg.swap:
-        return f"swap BN{cfg.BN} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
-    return _plan(cfg)
-
-
 def _loop_counts(cubin: bytes) -> tuple[int, collections.Counter, str]:
     """(instructions, opcode counts) of the longest backward-branch loop of a cubin's SASS, and
     the kernel's registers per thread."""
@@ -299,8 +217,6 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="--gemv, default plans only")
     ap.add_argument("--sweep", action="store_true", help="with --gemv: time the GEMV candidates")
     ap.add_argument("--sass", action="store_true", help="offline SASS counts of the GEMV plans")
-    ap.add_argument("--swap", action="store_true", help="the swapped-operand tensor-core kernel "
-                    "against the GEMV and MMA plans (rows default 1,2,4,8,16; --sweep: its plans)")
     args = ap.parse_args()
     if args.sass:
         return run_sass()
@@ -308,9 +224,6 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     want = set(filter(None, args.shapes.split(",")))
-    if args.swap:
-        rows = [int(v) for v in (args.rows or "1,2,4,8,16").split(",")]
-        return run_swap(rows, want, args.sweep, args.out)
     if args.gemv or args.quick:
         rows = [int(v) for v in (args.rows or "1,2,4").split(",")]
         return run_gemv(rows, want, args.sweep and not args.quick, args.out)

@@ -463,9 +463,6 @@ class Fp8GemmConfig:
     # of the block); BM, group_m and fuse_quant do not apply (A is always quantized in it).
     gemv: bool = False
     BK: int = 512
-    # The swapped-operand tensor-core kernel (``triton_fp8_swap``, 1-16 rows): weight rows on
-    # the MMA's M side (BN per tile), the tokens on its N side (BM = 16); BK does not apply.
-    swap: bool = False
 
 
 # Up to this many rows the activation is quantized inside the GEMM (each N tile re-quantizes
@@ -526,9 +523,6 @@ def pick_fp8_config(M: int, N: int, K: int, block: int, device: torch.device) ->
     * Prefill (M > 512): 64×128 tiles, one warpgroup, 4 stages, A quantized in its own pass.
     * 0 < M <= GEMV_MAX_M (2): the CUDA-core GEMV plan of :func:`pick_fp8_gemv_config`.
     """
-    from dsv4.ops import triton_fp8_swap as swap
-    if 0 < M <= min(swap.SWAP_MAX_M, swap.TOKENS):
-        return swap.pick_swap_config(M, N, K, block, device)
     if 0 < M <= min(GEMV_MAX_M, GEMV_LIMIT):
         return pick_fp8_gemv_config(M, N, K, block, device)
     n_kb = triton.cdiv(K, block)
@@ -702,9 +696,6 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
     if cfg is None:
         cfg = pick_fp8_config(M, N, K, block, x.device)
     sw, sw_e8m0 = _scale_operand(w_scale)
-    if cfg.swap:
-        from dsv4.ops.triton_fp8_swap import fp8_swap_linear
-        return fp8_swap_linear(x2, w8, sw, sw_e8m0, block, out_dtype, cfg).view(*lead, N)
     if cfg.gemv:
         return _fp8_gemv(x2, w8, sw, sw_e8m0, block, out_dtype, cfg).view(*lead, N)
     if cfg.fuse_quant:
@@ -778,19 +769,13 @@ def fp8_grouped_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     x2 = x.reshape(T, G * K)
     if x2.stride(1) != 1 or x2.stride(0) != G * K:
         x2 = x2.contiguous()
-    w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
-    from dsv4.ops import triton_fp8_swap as swap
-    if T <= swap.SWAP_MAX_M and swap.SWAP_GROUPED:
-        cfg = swap.pick_swap_config(T, G * R, K, block, x.device)
-        if R % cfg.BN == 0:
-            return swap.fp8_swap_linear(x2, w8, sw, sw_e8m0, block, out_dtype, cfg, groups=G,
-                                        quant_x=False).view(T, G, R)
     cfg = pick_fp8_gemv_config(T, G * R, K, block, x.device)
     bn = cfg.BN
     while R % bn:                            # an N tile inside one group
         bn //= 2
     if bn != cfg.BN:
         cfg = replace(cfg, BN=bn, num_warps=max(1, min(cfg.num_warps, bn // 8)))
+    w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
     return _fp8_gemv(x2, w8, sw, sw_e8m0, block, out_dtype, cfg, groups=G,
                      quant_x=False).view(T, G, R)
 

@@ -1139,43 +1139,7 @@ def _wo_a_gemv(m: ModelDims) -> None:
                 td.fp8_grouped_linear(_empty(T, G, K, dtype=torch.bfloat16), w, s, m.block, out)
 
 
-def _fp8_swap(m: ModelDims, Ms: tuple[int, ...], sweep: bool = False) -> None:
-    """The swapped-operand tensor-core plans of fp8_linear (1-16 rows, triton_fp8_swap, off by
-    default: SWAP_MAX_M): the default plan of every FP8 Linear at ``Ms`` rows, wo_a's grouped
-    bf16 form; with ``sweep`` the bench's other tiles and stages (wo_b)."""
-    import torch
-
-    from dsv4.ops import triton_dense as td
-    from dsv4.ops import triton_fp8_swap as swap
-    for N, K in m.fp8_shapes():
-        w = _empty(N, K, dtype=torch.float8_e4m3fn)
-        s = _empty(-(-N // m.block), K // m.block, dtype=torch.float8_e8m0fnu)
-        for M in Ms:
-            td.fp8_linear_with_config(_empty(M, K, dtype=torch.bfloat16), w, s, m.block,
-                                      torch.bfloat16, swap.pick_swap_config(M, N, K, m.block,
-                                                                            w.device))
-    K = m.heads * m.head_dim // m.o_groups
-    w = _empty(m.o_groups * m.o_lora, K, dtype=torch.float8_e4m3fn)
-    s = _empty(m.o_groups * m.o_lora // m.block, K // m.block, dtype=torch.uint8)
-    swap.fp8_swap_linear(_empty(1, m.o_groups * K, dtype=torch.bfloat16), w, s, True, m.block,
-                         torch.bfloat16, swap.pick_swap_config(1, w.shape[0], K, m.block,
-                                                               w.device),
-                         groups=m.o_groups, quant_x=False)
-    if sweep:
-        N, K = m.dim, m.o_groups * m.o_lora                               # wo_b
-        w = _empty(N, K, dtype=torch.float8_e4m3fn)
-        s = _empty(N // m.block, K // m.block, dtype=torch.float32)
-        for bn in (64, 128):
-            for st in (3, 6):
-                cfg = td.Fp8GemmConfig(BM=16, BN=bn, split_k=8, num_warps=4, num_stages=st,
-                                       swap=True)
-                td.fp8_linear_with_config(_empty(16, K, dtype=torch.float32), w, s, m.block,
-                                          torch.float32, cfg)
-
-
 scenario("fp8_linear/v4_flash/gemv")(lambda: _fp8_gemv(V4_FLASH, (1, 2, 3, 4), True))
-scenario("fp8_linear/v4_flash/swap")(lambda: _fp8_swap(V4_FLASH, (1, 16), True))
-scenario("fp8_linear/v41_flash/swap")(lambda: _fp8_swap(V41_FLASH, (2,)))
 scenario("fp8_linear/v4_flash/wo_a_gemv")(lambda: _wo_a_gemv(V4_FLASH))
 scenario("fp8_linear/v41_flash/wo_a_gemv")(lambda: _wo_a_gemv(V41_FLASH))
 scenario("fp8_linear/v4_pro/gemv")(lambda: _fp8_gemv(V4_PRO, (1,)))
