@@ -13,7 +13,7 @@ GEMV mode (the CUDA-core kernel for 1-4 rows, ``Fp8GemmConfig(gemv=True)``, off 
 ``pick_fp8_config`` until ``GEMV_MAX_M`` is set):
 
     PYTHONPATH=. python bench/fp8_decode_sweep.py --quick            # < ~60 s of GPU time
-    PYTHONPATH=. python bench/fp8_decode_sweep.py --gemv [--sweep] [--rows 1,2,4]
+    PYTHONPATH=. python bench/fp8_decode_sweep.py --gemv [--sweep [--wide]] [--rows 1,2,4]
     PYTHONPATH=. python bench/fp8_decode_sweep.py --sass             # offline, no GPU
 
 ``--quick`` / ``--gemv`` time, at M = 1, 2, 4 on the five V4-Flash GEMMs of the task (wq_a+wkv,
@@ -92,25 +92,53 @@ def gemv_candidates(M: int, N: int, K: int, device: torch.device) -> list[td.Fp8
     return out
 
 
+def wide_gemv_candidates(M: int, N: int, K: int) -> list[td.Fp8GemmConfig]:
+    """``--wide``: plans with more K per step and per program than :func:`gemv_candidates` —
+    16 / 32-row tiles on 2-16 warps, K steps up to 4,096 columns, 1-4 splits — so that a
+    program quantizes its activation step once per more weight bytes and fewer splits pay the
+    split-K tail; and 8-row tiles for the small wq_a+wkv."""
+    out = []
+    tiles = ((16, 2), (16, 4), (16, 8), (32, 4), (32, 8), (32, 16))
+    for bn, warps in ((8, 1), (8, 2)) + tiles if N <= 2048 else tiles:
+        for bk in (512, 1024, 2048, 4096):
+            if bk > K or bk // 16 * bn < 32 * warps:     # at least one 16-byte vector a lane
+                continue
+            for sp in (1, 2, 4):
+                if sp <= K // bk:
+                    out.append(td.Fp8GemmConfig(BM=triton.next_power_of_2(M), BN=bn,
+                                                split_k=sp, num_warps=warps, num_stages=1,
+                                                gemv=True, BK=bk))
+    return out
+
+
 def _plan(cfg: td.Fp8GemmConfig) -> str:
     if cfg.gemv:
         return f"gemv BN{cfg.BN} BK{cfg.BK} split{cfg.split_k} w{cfg.num_warps}"
     return f"mma BM{cfg.BM} BN{cfg.BN} split{cfg.split_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
-def run_gemv(rows: list[int], want: set[str], sweep: bool, out_path: str | None) -> int:
-    """Default MMA plan against the default (and with ``sweep`` the best) GEMV plan."""
+def run_gemv(rows: list[int], want: set[str], sweep: bool, out_path: str | None,
+             wide: bool = False) -> int:
+    """Default MMA plan against the default (and with ``sweep`` the best) GEMV plan; ``wide``:
+    the sweep over :func:`wide_gemv_candidates`, and the grouped ``wo_a`` (8 groups of 1,024
+    rows over 4,096 columns, bf16 x unquantized) too (its MMA column: nan)."""
     results = []
     print(f"{'shape':<14} {'M':>2} {'floor':>6} {'mma':>6} {'ratio':>5} {'gemv':>6} {'ratio':>5} "
           f"{'speedup':>7}  gemv plan{'  | best swept gemv' if sweep else ''}")
+    shapes = GEMV_SHAPES + ([("wo_a (grouped)", 8 * 1024, 4096)] if wide else [])
     for M in rows:
-        for name, N, K in GEMV_SHAPES:
+        for name, N, K in shapes:
             if want and name not in want:
                 continue
+            grouped = name.startswith("wo_a")
+            kx = 8 * K if grouped else K              # wo_a: x [M, 8 groups · K]
             wbytes = N * K + (N // 128) * (K // 128)
-            sets = _fp8_inputs(M, N, K, copies_for(wbytes + M * K * 2))
+            sets = _fp8_inputs(M, N, K, copies_for(wbytes + M * kx * 2))
+            if grouped:
+                sets = [(torch.randn(M, kx, device=w8.device).bfloat16(), w8, ws)
+                        for _, w8, ws in sets]
             dev = sets[0][0].device
-            floor = (wbytes + M * K * 2 + M * N * 2) / BW * 1e6
+            floor = (wbytes + M * kx * 2 + M * N * 2) / BW * 1e6
             mma = td.pick_fp8_config(M, N, K, 128, dev)
             if mma.gemv:    # GEMV_MAX_M set in the environment: time the MMA rule of M anyway
                 saved, td.GEMV_MAX_M = td.GEMV_MAX_M, 0
@@ -118,18 +146,25 @@ def run_gemv(rows: list[int], want: set[str], sweep: bool, out_path: str | None)
                 td.GEMV_MAX_M = saved
             gemv = td.pick_fp8_gemv_config(M, N, K, 128, dev)
 
-            def timed(cfg: td.Fp8GemmConfig, target_ms: float = 3.0) -> float:
-                return time_graph([lambda s=s: td.fp8_linear_with_config(
-                    s[0], s[1], s[2], 128, torch.bfloat16, cfg) for s in sets], target_ms)
+            def call(s: tuple, cfg: td.Fp8GemmConfig) -> object:
+                if grouped:
+                    return td._fp8_gemv(s[0], s[1], s[2].view(torch.uint8), True, 128,
+                                        torch.bfloat16, cfg, groups=8, quant_x=False)
+                return td.fp8_linear_with_config(s[0], s[1], s[2], 128, torch.bfloat16, cfg)
 
-            t_mma, t_gemv = timed(mma), timed(gemv)
+            def timed(cfg: td.Fp8GemmConfig, target_ms: float = 3.0) -> float:
+                return time_graph([lambda s=s: call(s, cfg) for s in sets], target_ms)
+
+            t_mma = float("nan") if grouped else timed(mma)
+            t_gemv = timed(gemv)
             line = (f"{name:<14} {M:>2} {floor:6.2f} {t_mma:6.1f} {t_mma / floor:5.2f} "
                     f"{t_gemv:6.1f} {t_gemv / floor:5.2f} {t_mma / t_gemv:7.2f}  {_plan(gemv)}")
             rec = dict(shape=name, M=M, N=N, K=K, floor_us=floor, mma_us=t_mma,
                        mma=asdict(mma), gemv_us=t_gemv, gemv=asdict(gemv))
             if sweep:
                 tried = []
-                for cfg in gemv_candidates(M, N, K, dev):
+                for cfg in (wide_gemv_candidates(M, N, K) if wide
+                            else gemv_candidates(M, N, K, dev)):
                     try:
                         tried.append((timed(cfg, 1.5), _plan(cfg)))
                     except Exception as e:  # noqa: BLE001 - a plan that fails: report, go on
@@ -217,6 +252,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="--gemv, default plans only")
     ap.add_argument("--sweep", action="store_true", help="with --gemv: time the GEMV candidates")
     ap.add_argument("--sass", action="store_true", help="offline SASS counts of the GEMV plans")
+    ap.add_argument("--wide", action="store_true", help="with --gemv --sweep: the wide plan "
+                    "set (more K per step and program) and the grouped wo_a")
     args = ap.parse_args()
     if args.sass:
         return run_sass()
@@ -226,7 +263,7 @@ def main() -> int:
     want = set(filter(None, args.shapes.split(",")))
     if args.gemv or args.quick:
         rows = [int(v) for v in (args.rows or "1,2,4").split(",")]
-        return run_gemv(rows, want, args.sweep and not args.quick, args.out)
+        return run_gemv(rows, want, args.sweep and not args.quick, args.out, args.wide)
     args.rows = args.rows or "1,16,64,256"
     results = []
     print(f"{'shape':<14} {'M':>4} {'floor':>7} {'default':>8} {'ratio':>6} {'best':>8} "
