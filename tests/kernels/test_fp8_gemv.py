@@ -59,12 +59,22 @@ def _fp8_weight(n: int, k: int, block: int, scale_dtype: torch.dtype, gen: torch
 
 # ------------------------------------------------------------------------------ plain CPU
 def test_gemv_plans_for_v4_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The swept plan rule at the five V4-Flash shapes on 132 SMs, one row: BN divides the
-    block, K steps of 512 columns, ~8 programs per SM, splits within the K steps; two rows:
-    64-row tiles, K steps of 256."""
+    """The swept plan rules at the V4-Flash shapes on 132 SMs.  One row: no K split, 16-row
+    tiles (32 above 8192 rows) with 2-8 warps along K, 8 weight vectors a thread per step (the
+    eighteenth session's wide sweep; wo_a's grouped shape too); the former rule with
+    GEMV_WIDE_ONE_ROW off: K steps of 512, ~8 programs per SM.  Two rows: 64-row tiles, K
+    steps of 256."""
     from dsv4.ops import triton_dense as td
     monkeypatch.setattr(td, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
+    wide = {"wq_a+wkv": (16, 2048, 8), "wq_b": (32, 512, 4), "wo_b": (16, 2048, 8),
+            "shared_w1+w3": (16, 2048, 8), "shared_w2": (16, 2048, 8), "wo_a": (16, 1024, 4)}
+    for name, N, K in V4_FLASH_SHAPES + [("wo_a", 8192, 4096)]:
+        cfg = td.pick_fp8_gemv_config(1, N, K, 128, cpu)
+        assert cfg.gemv and cfg.split_k == 1 and 128 % cfg.BN == 0, cfg
+        assert (cfg.BN, cfg.BK, cfg.num_warps) == wide[name], (name, cfg)
+        assert cfg.BN * cfg.BK // 16 == 8 * 32 * cfg.num_warps
+    monkeypatch.setattr(td, "GEMV_WIDE_ONE_ROW", False)
     want = {"wq_a+wkv": (16, 8, 2), "wq_b": (32, 1, 4), "wo_b": (16, 4, 2),
             "shared_w1+w3": (16, 4, 2), "shared_w2": (16, 4, 2)}
     for name, N, K in V4_FLASH_SHAPES:
@@ -83,6 +93,9 @@ def test_gemv_plan_small_k_and_block_32() -> None:
     cpu = torch.device("cpu")
     one = td.pick_fp8_gemv_config(1, 64, 128, 128, cpu)           # one K block
     assert one.BK == 128 and one.split_k == 1 and one.BN <= 64
+    assert one.BN * one.BK // 16 >= 32 * one.num_warps            # a vector for every lane
+    v41_one = td.pick_fp8_gemv_config(1, 1024, 5120, 32, cpu)     # 32-blocks, one row
+    assert v41_one.BN == 16 and v41_one.BK % 32 == 0 and v41_one.split_k == 1
     v41 = td.pick_fp8_gemv_config(4, 1024, 5120, 32, cpu)         # V4.1: 32-blocks
     assert v41.BN == 32 and v41.BK == 256 and v41.split_k <= 16
 
