@@ -340,7 +340,17 @@ LAUNCH_VARIANTS = {
     # "ops-": fused ops taken out of the op tables (the model then calls their parts).
     "pdl, gate and shared sum unfused": {"DSV4_PDL": "1",
                                          "ops-": "moe_gate,moe_experts_shared"},
+    # "module.NAME": a module constant of _AB_MODULES set for the capture.
+    "pdl, former one-row GEMV plans": {"DSV4_PDL": "1", "triton_dense.GEMV_WIDE_ONE_ROW": "0"},
 }
+# ``--ab-variants``: the LAUNCH_VARIANTS entries to capture ("plain", the bits' reference, always).
+AB_ONLY: list[str] = []
+
+
+def _ab_module(name: str) -> Any:
+    import importlib
+    return importlib.import_module({"attention": "dsv4.model.attention",
+                                    "triton_dense": "dsv4.ops.triton_dense"}[name])
 
 
 def _without_ops(names: str) -> contextlib.ExitStack:
@@ -360,17 +370,19 @@ def launch_variants_ab(fn: Callable[[], torch.Tensor], rounds: int = 30) -> dict
     """Capture ``fn`` once per :data:`LAUNCH_VARIANTS` entry and time the graphs' replays
     interleaved (one of each per round, so drift hits all alike): median µs per variant and
     whether its output equals the plain one's bit for bit."""
-    from dsv4.model import attention
     graphs, outs = {}, {}
     for name, env in LAUNCH_VARIANTS.items():
+        if AB_ONLY and name != "plain" and name not in AB_ONLY:
+            continue
         with contextlib.ExitStack() as stack:
             for k, v in env.items():
                 if k == "ops-":
                     stack.enter_context(_without_ops(v))
-                elif k.startswith("attention."):    # a module constant, not a variable
-                    attr = k.split(".", 1)[1]
-                    stack.callback(setattr, attention, attr, getattr(attention, attr))
-                    setattr(attention, attr, int(v))
+                elif "." in k:                      # a module constant, not a variable
+                    mod, attr = k.split(".", 1)
+                    module = _ab_module(mod)
+                    stack.callback(setattr, module, attr, getattr(module, attr))
+                    setattr(module, attr, int(v))
                 else:
                     stack.enter_context(_env(k, v))
             fn()                                              # compiles this variant's kernels
@@ -707,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch-ab", action="store_true",
                     help="also time each decode graph captured under every LAUNCH_VARIANTS "
                          "entry (interleaved replays) and compare their logits")
+    ap.add_argument("--ab-variants", default="",
+                    help="with --launch-ab: only these LAUNCH_VARIANTS names, ';'-separated "
+                         "(plain always)")
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16"],
                     help="cache storage: the official records (the GPU default) or bf16 rows")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later parts skipped")
@@ -728,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     global DEV
     DEV = args.device
+    AB_ONLY[:] = [v.strip() for v in args.ab_variants.split(";") if v.strip()]
+    unknown = [v for v in AB_ONLY if v not in LAUNCH_VARIANTS]
+    if unknown:
+        ap.error(f"--ab-variants: unknown {unknown}; known: {list(LAUNCH_VARIANTS)}")
     t_start = time.time()
     name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
     results: dict[str, Any] = {"layers": args.layers, "experts": args.experts,

@@ -275,7 +275,8 @@ LINEAR_BF16W_SHAPES = [("cmp_r4_kv_gate", 2048, 4096), ("cmp_r128_kv_gate", 1024
                        ("cmp_indexer_kv_gate", 512, 4096), ("moe_gate", 256, 4096)]
 
 
-def bench_linear_bf16w(T: int, name: str, N: int, K: int, sweep: bool) -> tuple[dict, list]:
+def bench_linear_bf16w(T: int, name: str, N: int, K: int, sweep: bool,
+                       wide: bool = False) -> tuple[dict, list]:
     """``linear_fp32`` on a bf16 weight (the kernel at every T) against the former fp32-weight
     path of the same math (``linear_fp32(x, w.float())``: x.float() + cuBLAS at 1 and 64 rows,
     the kernel at 2..16, bf16x3 at prefill rows)."""
@@ -294,7 +295,26 @@ def bench_linear_bf16w(T: int, name: str, N: int, K: int, sweep: bool) -> tuple[
             N * K * 2 + T * K * 2 + T * N * 4, 2 * T * N * K, "bf16",
             f"rel err vs fp64 {err:.1e}; torch = the fp32-weight path (linear_fp32 on w.float())")
     tried = []
-    if sweep and T <= tl32.MAX_KERNEL_ROWS:
+    if sweep and T <= 2 and wide:
+        # --wide: 1-2 rows, more warps and longer K chunks (each thread's broadcast products
+        # 8..64 fp32 per chunk), splits 2-16.
+        for bn in (16, 32, 64):
+            for bk in (256, 512, 1024):
+                for warps in (4, 8):
+                    if not 8 <= bn * bk // (32 * warps) <= 64:
+                        continue
+                    for sp in (2, 4, 8, 16):
+                        if sp * bk > K:
+                            continue
+                        cfg = tl32.Linear32Config(BM=T, BN=bn, BK=bk, split_k=sp,
+                                                  num_warps=warps, num_stages=2)
+                        try:
+                            tried.append((time_graph([lambda c=cfg, w=w: tl32.linear_fp32_with_config(
+                                x, w, c) for w in ws], 1.5), asdict(cfg)))
+                        except Exception as e:
+                            tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: "
+                                          f"{e}"[:200]))
+    elif sweep and T <= tl32.MAX_KERNEL_ROWS:
         bm = 1 << max(0, (T - 1).bit_length())
         bm = bm if bm <= 4 else max(16, bm)
         for bn in (32, 64, 128):
@@ -400,6 +420,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time tile-plan candidates")
     ap.add_argument("--out", default=None, help="write all rows (and sweeps) as JSON here")
     ap.add_argument("--only", default="", help="comma list of ops to run (default: all)")
+    ap.add_argument("--wide", action="store_true", help="linear_bf16w: one row only, swept "
+                    "over more warps and longer K chunks (with --sweep)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -451,9 +473,9 @@ def main() -> int:
         for name, N, K in LINEAR32_PREFILL:
             add(*bench_linear32_prefill(8192, name, N, K, True))
     if want("linear_bf16w"):
-        for T in (1, 4, 16, 64, 8192):
+        for T in ((1,) if args.wide else (1, 4, 16, 64, 8192)):
             for name, N, K in LINEAR_BF16W_SHAPES:
-                add(*bench_linear_bf16w(T, name, N, K, args.sweep and T in (1, 16)))
+                add(*bench_linear_bf16w(T, name, N, K, args.sweep and T in (1, 16), args.wide))
     print("\n" + hdr)
     for r in rows:
         print(fmt(r))
