@@ -340,6 +340,7 @@ LAUNCH_VARIANTS = {
     # "ops-": fused ops taken out of the op tables (the model then calls their parts).
     "pdl, gate and shared sum unfused": {"DSV4_PDL": "1",
                                          "ops-": "moe_gate,moe_experts_shared"},
+    "pdl, experts' plan in its own launch": {"DSV4_PDL": "1", "ops-": "moe_gate_plan"},
     # "module.NAME": a module constant of _AB_MODULES set for the capture.
     "pdl, former one-row GEMV plans": {"DSV4_PDL": "1", "triton_dense.GEMV_WIDE_ONE_ROW": "0"},
 }

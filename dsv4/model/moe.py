@@ -107,6 +107,19 @@ class Gate(nn.Module):
         logits = self.ops.linear_fp32(x, self.weight)
         return self.ops.moe_route(logits, bias, tid2eid, ids, self.top_k, self.route_scale)
 
+    def route_with_plan(self, x: torch.Tensor, input_ids: torch.Tensor, experts: ExpertWeights
+                        ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """:meth:`forward` (V4, no image mask), and the routed experts' decode plan of the ids
+        (``ops.moe_gate_plan``: built in the routing launch at decode, so the experts skip
+        their plan launch; None where the op is missing or does not apply).  ``experts``: the
+        stacks the ids index, x their input."""
+        op = getattr(self.ops, "moe_gate_plan", None)
+        if op is None or self.is_v41:
+            return (*self(x, input_ids), None)
+        bias, tid2eid, ids = ((None, self.tid2eid, input_ids) if self.is_hash
+                              else (self.bias, None, None))
+        return op(x, self.weight, bias, tid2eid, ids, self.top_k, self.route_scale, experts)
+
 
 class Experts(nn.Module):
     """The routed experts of one layer, stacked: ``w1``/``w3`` logical [E, I, D], ``w2`` [E, D, I].
@@ -333,19 +346,26 @@ class MoE(nn.Module):
             # and the routed experts (dsv4.ops.streams; joined below before any use).
             with side_lane(x.device, x.shape[0]):
                 shared = self.shared_experts(x)
-        weights, ids = self.gate(x, input_ids, image_mask)
+        experts = self.experts.weights()
+        plan = None
+        if self.parallel.enabled or self.experts.expert_offset or image_mask is not None:
+            weights, ids = self.gate(x, input_ids, image_mask)
+        else:
+            # One rank: at decode the gate's launch also makes the experts' plan.
+            weights, ids, plan = self.gate.route_with_plan(x, input_ids, experts)
         if self.experts.expert_offset:
             ids = ids - self.experts.expert_offset  # local ids; other ranks' experts are skipped
+        with_plan = {} if plan is None else {"plan": plan}
         fused = getattr(self.ops, "moe_experts_shared", None)
         if shared is not None and not self.parallel.enabled and fused is not None:
             # One rank: routed + shared summed in the experts' last launch, which joins the
             # shared expert's lane only after the routed GEMMs were issued.
             device = x.device
-            out = fused(x, ids, weights, self.experts.weights(), self.swiglu_limit, shared,
-                        lambda: join_side_lane(device))
+            out = fused(x, ids, weights, experts, self.swiglu_limit, shared,
+                        lambda: join_side_lane(device), **with_plan)
             join_side_lane(device)  # a no-op once the op has joined
             return out
-        routed = self.ops.moe_experts(x, ids, weights, self.experts.weights(), self.swiglu_limit)
+        routed = self.ops.moe_experts(x, ids, weights, experts, self.swiglu_limit, **with_plan)
         join_side_lane(x.device)
         if shared is not None and not self.parallel.enabled:
             # One rank: the fp32 sum and the rounding to x's dtype in one op.

@@ -33,7 +33,7 @@ OP_NAMES = (
     "head_norm_rope", "norm_rope", "compress_entries", "compress_update_state",
     "indexer_queries", "encode_records", "write_records",
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre", "linear_fp32",
-    "fp8_grouped_linear", "picked_rows", "moe_gate", "moe_experts_shared",
+    "fp8_grouped_linear", "picked_rows", "moe_gate", "moe_experts_shared", "moe_gate_plan",
 )
 
 # Written in the second session, when no GPU time was left (docs/PERFORMANCE.md).
@@ -45,11 +45,13 @@ OP_NAMES = (
 # picked_rows (2026-12-02, bench/sessions/gpu_session_s13a.sh).  A new kernel goes here until
 # its GPU checks run.  moe_gate and moe_experts_shared (fifteenth session, 2026-12-03) passed
 # theirs in bench/sessions/gpu_session_s15b.sh (bit-equal to their parts, in graphs too).
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
+# moe_gate_plan (eighteenth session, 2026-12-04) waits for bench/sessions/gpu_session_s18f.sh.
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"moe_gate_plan"})
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...)), moe_route(linear_fp32(...)),
-# moe_combine(moe_experts(...))): without their fused kernel the model calls the parts.
-_COMPOSED_TWINS = frozenset({"hc_post_pre", "moe_gate", "moe_experts_shared"})
+# moe_combine(moe_experts(...)), moe_gate + the experts' plan): without their fused kernel the
+# model calls the parts.
+_COMPOSED_TWINS = frozenset({"hc_post_pre", "moe_gate", "moe_experts_shared", "moe_gate_plan"})
 
 _cache: dict[tuple[str, bool], SimpleNamespace] = {}
 

@@ -9,6 +9,7 @@ docs/ARCHITECTURE.md: tokens are flattened, ``x`` of the mHC ops is ``[T, n_hc, 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -369,14 +370,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
+                experts: ExpertWeights, swiglu_limit: float, plan: Any = None) -> torch.Tensor:
     """Weighted sum of the routed experts picked per token (spec §3.9).
 
     x [T, D]; topk_ids [T, k] int (ids outside 0..E-1 are skipped: expert parallel shards);
     topk_weights [T, k] fp32; ``experts`` dense or quantized stacks (:class:`ExpertWeights`;
     quantized matrices are dequantized into x.dtype per expert). Each pick computes
     ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))``; the picks are summed in fp32. Returns fp32 [T, D] so the caller adds the shared expert
-    before the final cast, as the reference does.
+    before the final cast, as the reference does.  ``plan`` (the Triton kernel's precomputed
+    decode plan, ``moe_gate_plan``) changes nothing here.
     """
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: expected x [T, D], topk_ids/topk_weights [T, k]; found "

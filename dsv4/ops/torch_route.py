@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from dsv4.ops.torch_dense import ExpertWeights, linear_fp32, moe_experts, swiglu
 
-__all__ = ["check_route_args", "moe_combine", "moe_experts_shared", "moe_gate", "moe_route",
-           "swiglu_act"]
+__all__ = ["check_route_args", "moe_combine", "moe_experts_shared", "moe_gate", "moe_gate_plan",
+           "moe_route", "swiglu_act"]
 
 
 def check_route_args(logits: torch.Tensor, bias: torch.Tensor | None,
@@ -104,11 +104,22 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return moe_route(linear_fp32(x, weight), bias, tid2eid, input_ids, top_k, route_scale)
 
 
+def moe_gate_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
+                  route_scale: float, experts: ExpertWeights
+                  ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """:func:`moe_gate` plus the experts' decode plan of its ids for ``experts`` (the Triton
+    kernel builds it in the routing launch; the twins need none): (weights, ids, None)."""
+    return (*moe_gate(x, weight, bias, tid2eid, input_ids, top_k, route_scale), None)
+
+
 def moe_experts_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: ExpertWeights, swiglu_limit: float, shared: torch.Tensor,
-                       wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+                       wait_shared: Callable[[], None] | None = None,
+                       plan: object = None) -> torch.Tensor:
     """One rank's MoE output in x's dtype: the routed experts (fp32) plus ``shared``, rounded
-    once; ``wait_shared()`` runs before ``shared`` is read."""
+    once; ``wait_shared()`` runs before ``shared`` is read; ``plan`` (``moe_gate_plan``'s)
+    changes nothing here."""
     routed = moe_experts(x, topk_ids, topk_weights, experts, swiglu_limit)
     if wait_shared is not None:
         wait_shared()

@@ -471,10 +471,12 @@ class Fp8GemmConfig:
 _FUSE_QUANT_MAX_M = 16
 # Beyond this many rows the prefill plan (no K split).
 _DECODE_MAX_M = 512
-# One-row GEMV plans without split-K, warps along K (pick_fp8_gemv_config; H200, 2026-12-04,
-# bench/fp8_decode_sweep.py --gemv --sweep --wide, docs/PERFORMANCE.md eighteenth session: the
-# six V4-Flash projections 52.5 -> 47.6 µs).  DSV4_FP8_GEMV_WIDE=0: the seventh session's rule.
-GEMV_WIDE_ONE_ROW = os.environ.get("DSV4_FP8_GEMV_WIDE", "1") == "1"
+# One-row GEMV plans without split-K, warps along K (pick_fp8_gemv_config).  H200, 2026-12-04
+# (docs/PERFORMANCE.md eighteenth session): alone faster (bench/fp8_decode_sweep.py --gemv
+# --sweep --wide: V4-Flash's six projections 52.5 -> 47.1 µs), in the 4-layer B=1 step not
+# (interleaved graph replays: 890.4 against 887.0 µs with the seventh session's rule): off;
+# DSV4_FP8_GEMV_WIDE=1 turns it on.
+GEMV_WIDE_ONE_ROW = os.environ.get("DSV4_FP8_GEMV_WIDE", "0") == "1"
 # Up to this many rows (at most GEMV_LIMIT) pick_fp8_config plans the CUDA-core GEMV kernel.
 # H200 (bench/fp8_decode_sweep.py --quick, docs/PERFORMANCE.md seventh session), the five
 # V4-Flash projections of a layer: 1 row 55.0 -> 46.2 µs (wq_a+wkv 8.0 -> 5.3), 2 rows 55.1 ->
@@ -565,13 +567,15 @@ def pick_fp8_gemv_config(M: int, N: int, K: int, block: int, device: torch.devic
     """GEMV plan for 1-4 rows, from the H200 sweeps (``bench/fp8_decode_sweep.py --gemv --sweep
     [--wide]``, docs/PERFORMANCE.md seventh and eighteenth sessions; V4-Flash's projections):
 
-    * 1 row (:data:`GEMV_WIDE_ONE_ROW`): no K split — one program per 16-row N tile (32 rows on
-      4 warps above 8192 rows: wq_b) streams the whole K, its warps along K, as many as keep
-      ~2048 warps in the launch (2-8: wo_a 512 tiles × 4, wo_b / w1+w3 / w2 256 × 8), K steps
-      of 4096·warps / BN columns (8 16-byte vectors a thread): wq_a+wkv 4.9 -> 4.6, wo_a 12.1
-      -> 10.3, wo_b 12.5 -> 11.3, w1+w3 7.6 -> 6.7, w2 5.3 -> 4.5 µs, wq_b 10.1 unchanged;
-    * 1 row, the former rule: K steps of 512 columns, 16-row N tiles on 2 warps (32 rows on 4
-      warps above 8192 rows), the most power-of-two K splits that keep ~8 programs per SM;
+    * 1 row (the default): K steps of 512 columns, 16-row N tiles on 2 warps (32 rows on 4
+      warps above 8192 rows: wq_b), the most power-of-two K splits that keep ~8 programs per
+      SM (wq_a+wkv 96 tiles × 8, wq_b 1024 × 1, wo_b and w1+w3 256 × 4);
+    * 1 row with :data:`GEMV_WIDE_ONE_ROW`: no K split — one program per 16-row N tile (32 on
+      4 warps above 8192 rows) streams the whole K, its warps along K, as many as keep ~2048
+      warps in the launch (2-8: wo_a 512 tiles × 4, wo_b / w1+w3 / w2 256 × 8), K steps of
+      4096·warps / BN columns (8 16-byte vectors a thread): alone wq_a+wkv 4.9 -> 4.6, wo_a
+      12.1 -> 10.2, wo_b 12.5 -> 11.0, w1+w3 7.6 -> 6.7, w2 5.3 -> 4.4 µs, wq_b 10.1 the
+      same, but no faster in the decode step;
     * 2-4 rows: K steps of 256 columns, 64-row tiles on 4 warps, ~4 programs per SM (wq_a+wkv
       24 × 16, wq_b 512 × 1, wo_b / w1+w3 / w2 64 × 8): 2 rows 51.1 -> 44.5 µs.
 

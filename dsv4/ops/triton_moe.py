@@ -74,8 +74,10 @@ from dsv4.ops.triton_moe_plan import (SMALL_PLAN_MAX_PAIRS, flat_ids, moe_plan,
 
 __all__ = [
     "DEQUANT_GEMM_MIN_ROWS",
+    "DecodePlan",
     "FP4_DECODE",
     "MoeConfig",
+    "decode_plan_params",
     "dequant_experts",
     "moe_experts",
     "moe_experts_grouped",
@@ -510,11 +512,15 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
                    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   KCHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
+                   KCHUNK: tl.constexpr = False, TOKEN_ROWS: tl.constexpr = False,
+                   TOPK: tl.constexpr = 1,
+                   PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
-    ``xs`` comes from ``_moe_prep_kernel``.  SPLIT (grid axis 2 = S splits of K): each split
+    ``xs`` comes from ``_moe_prep_kernel``.  TOKEN_ROWS: ``xs`` holds one GEMM-ready row per
+    token instead (the gate's decode plan, ``triton_route.moe_gate_plan``): a pair's row is
+    its token's, pair // TOPK.  SPLIT (grid axis 2 = S splits of K): each split
     stores its fp32 gate and up partials into ``part1`` / ``part3`` [S, rows, N]; the last split
     to arrive at the tile's counter in ``arrivals`` sums them in split order, runs the epilogue
     and resets the counter to 0.  Unused blocks (id >= E) touch nothing, in every split."""
@@ -530,8 +536,12 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
         acc1 = tl.zeros((BM, BN), dtype=tl.float32)
         acc3 = tl.zeros((BM, BN), dtype=tl.float32)
         k_lo, k_hi = _split_k_range(K, BK, SPLIT)
+        if TOKEN_ROWS:
+            xrow = tl.where(m_mask, pair // TOPK, 0)
+        else:
+            xrow = rm
         for k0 in range(k_lo, k_hi, BK):
-            x_ev, x_od = _load_prepped_tile(xs_ptr, rm, m_mask, k0, stride_xm, FMT, BK)
+            x_ev, x_od = _load_prepped_tile(xs_ptr, xrow, m_mask, k0, stride_xm, FMT, BK)
             g_ev, g_od = _load_weight_tile(w1_ptr, s1_ptr, e, rn, n_mask, k0, stride_we,
                                            stride_wn, stride_se, stride_sn, FMT, SB, BN, BK,
                                            OUT, SW_E8M0, FAST_FP4, SCALE_LE_128,
@@ -957,12 +967,46 @@ def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return out
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """The routing plan of a decode call built ahead by the gate (``triton_route.moe_gate_plan``,
+    in the launch that routes): ``pairs`` / ``block_expert`` as :func:`moe_plan` makes them for
+    ``P`` (token, pick) pairs and ``BM``-row blocks, and ``xs`` [T, D] the GEMM-ready
+    activation of each token (``_moe_prep_kernel``'s rows for K steps of ``BK``, one per token
+    instead of one per pair).  The expert ops use it when their own plan would be the same (P,
+    BM and BK agree), so the plan + prep launch leaves the decode chain."""
+
+    pairs: torch.Tensor
+    block_expert: torch.Tensor
+    xs: torch.Tensor
+    P: int
+    BM: int
+    BK: int
+
+
+def decode_plan_params(T: int, top_k: int, D: int, experts: ExpertWeights
+                       ) -> tuple[int, int, int, bool, int] | None:
+    """(BM, BK, format code, quant, row blocks) of the plan :func:`moe_experts_with_config`
+    makes for T tokens of top_k picks, when a gate may build it (:class:`DecodePlan`: at most
+    ``SMALL_PLAN_MAX_PAIRS`` pairs); else None."""
+    P = T * top_k
+    if not 0 < P <= SMALL_PLAN_MAX_PAIRS or experts.fmt not in _FMT_CODE:
+        return None
+    E, inter = experts.num_experts, experts.inter_dim
+    bk = _block_k(experts, D, inter)
+    cfg = pick_moe_config(P, E, D, inter, bk)
+    nb = triton.cdiv(P, cfg.BM) + min(E, P)
+    return cfg.BM, bk, _FMT_CODE[experts.fmt], bool(experts.act_block), nb
+
+
 def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             experts: ExpertWeights, swiglu_limit: float,
                             cfg: MoeConfig | None = None, shared: torch.Tensor | None = None,
-                            wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+                            wait_shared: Callable[[], None] | None = None,
+                            plan: DecodePlan | None = None) -> torch.Tensor:
     """:func:`moe_experts` with an explicit tile plan (``None``: :func:`pick_moe_config`);
-    with ``shared``, :func:`moe_experts_shared` (``wait_shared`` runs before its first read)."""
+    with ``shared``, :func:`moe_experts_shared` (``wait_shared`` runs before its first read);
+    ``plan``: the gate's :class:`DecodePlan` of these ids, used when it matches."""
     _check_experts(x, topk_ids, topk_weights, experts)
     T, D = x.shape
     E, inter, k = experts.num_experts, experts.inter_dim, topk_ids.shape[1]
@@ -985,9 +1029,13 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     wts = topk_weights.reshape(-1).float().contiguous()
     fmt = _FMT_CODE[experts.fmt]
     quant = bool(experts.act_block)
-    # Decode: the plan and the activation prep in one launch; else two.
+    # Decode: the gate's plan, or the plan and the activation prep in one launch; else two.
     fused_prep = P <= SMALL_PLAN_MAX_PAIRS and (x.is_cuda or _INTERPRET_HOST)
-    if fused_prep:
+    token_rows = (fused_prep and plan is not None and plan.P == P and plan.BM == cfg.BM
+                  and plan.BK == cfg.BK and plan.xs.shape == x.shape)
+    if token_rows:
+        pairs, block_expert, xs = plan.pairs, plan.block_expert, plan.xs
+    elif fused_prep:
         pairs, block_expert, xs = moe_plan_prep(x, ids, E, cfg.BM, fmt, quant, cfg.BK)
     else:
         pairs, block_expert = moe_plan(ids, E, cfg.BM)
@@ -1027,6 +1075,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
+        TOKEN_ROWS=token_rows, TOPK=k if token_rows else 1,
         num_warps=cfg.warps_up, num_stages=stages_up, **consts, **pdl_args(xs))
     del xs, part_up
     if quant or fmt == _FMT_CODE["fp4"]:
@@ -1102,31 +1151,36 @@ def _other_expert_path(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
+                experts: ExpertWeights, swiglu_limit: float,
+                plan: DecodePlan | None = None) -> torch.Tensor:
     """Weighted sum of the routed experts picked per token (spec §3.9), fp32 [T, D].
 
     x [T, D] (bf16 / fp32); topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights
     [T, k] fp32; ``experts`` dense, MXFP4 or FP8-block stacks (:class:`ExpertWeights`).  Each
     pick computes ``w2((w · swiglu(w1 x, w3 x)).to(x.dtype))`` with the clamp of ``swiglu_limit``;
-    the picks are summed in fp32.
+    the picks are summed in fp32.  ``plan``: the gate's :class:`DecodePlan` of these ids
+    (``moe_gate_plan``; the same result, one launch less).
     """
     routed = _other_expert_path(x, topk_ids, topk_weights, experts, swiglu_limit)
     if routed is not None:
         return routed
-    return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None)
+    return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None,
+                                   plan=plan)
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_route")
 def moe_experts_shared(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: ExpertWeights, swiglu_limit: float, shared: torch.Tensor,
-                       wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+                       wait_shared: Callable[[], None] | None = None,
+                       plan: DecodePlan | None = None) -> torch.Tensor:
     """The MoE output of one rank: :func:`moe_experts` plus the shared expert's ``shared``
     [T, D], summed in fp32 and rounded to x's dtype — ``moe_combine(moe_experts(...), shared,
     x.dtype)`` bit for bit, with the sum done in the experts' last launch on the grouped
     kernels' path.  ``wait_shared`` (e.g. joining the stream lane that computes ``shared``)
-    is called once, after the routed GEMMs are issued and before ``shared`` is first read."""
+    is called once, after the routed GEMMs are issued and before ``shared`` is first read;
+    ``plan`` as :func:`moe_experts`."""
     routed = _other_expert_path(x, topk_ids, topk_weights, experts, swiglu_limit)
     if routed is not None:
         return _with_shared(routed, x, shared, wait_shared)
     return moe_experts_with_config(x, topk_ids, topk_weights, experts, swiglu_limit, None,
-                                   shared, wait_shared)
+                                   shared, wait_shared, plan)

@@ -32,12 +32,16 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.torch_route import check_route_args
 from dsv4.ops.triton_dense import (INTERPRET, splitk_counters, splitk_reduce, store_rne,
                                    torch_twin_off_gpu)
 from dsv4.ops.triton_linear32 import Linear32Config, linear32_tile
+from dsv4.ops.triton_moe import DecodePlan, decode_plan_params, store_prepped
+from dsv4.ops.triton_moe_plan import small_plan_rows, small_plan_store
 
-__all__ = ["GATE_MAX_ROWS", "moe_combine", "moe_gate", "moe_route", "swiglu_act"]
+__all__ = ["GATE_MAX_ROWS", "moe_combine", "moe_gate", "moe_gate_plan", "moe_route",
+           "swiglu_act"]
 
 _TILE = 2048          # elements per program tile (token rows × padded experts / channels)
 _MAX_EXPERTS = 4096   # one program row holds every score of a token: wider gates run the twin
@@ -139,7 +143,11 @@ def _gate_route_kernel(x_ptr, w_ptr, logits_ptr, ws_ptr, count_ptr, bias_ptr, ti
                        SPLITS: tl.constexpr, DOT: tl.constexpr, W_BF16: tl.constexpr,
                        TOP_K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       pairs_ptr=None, bexp_ptr=None, xs_ptr=None, NB=0, stride_xs=0,
+                       PLAN: tl.constexpr = False, PLAN_BM: tl.constexpr = 16,
+                       PP: tl.constexpr = 16, NBP: tl.constexpr = 16,
+                       PREP_FMT: tl.constexpr = 0, PREP_QUANT: tl.constexpr = False,
+                       PREP_BK: tl.constexpr = 128, PDL: tl.constexpr = False):
     """``moe_gate``: the gate GEMM of ``triton_linear32._linear32_kernel`` (same grid, tiles,
     split-K reduction: the same logits), then the routing of every row by the program that
     finishes the last output tile.
@@ -147,7 +155,13 @@ def _gate_route_kernel(x_ptr, w_ptr, logits_ptr, ws_ptr, count_ptr, bias_ptr, ti
     Each tile's finisher stores its logits and counts itself in at the counter after the
     tiles' (``count_ptr + tiles``; acq_rel, gpu scope, like the split-K arrivals); the one that
     arrives last reads all the logits from L2 and runs :func:`route_rows` over the row blocks,
-    then resets that counter for the next launch and for graph replays."""
+    then resets that counter for the next launch and for graph replays.
+
+    PLAN (``moe_gate_plan``): the experts' decode plan too.  The programs of the first N tile
+    store their rows' K range of x GEMM-ready, one row per token (``xs``, as
+    ``triton_moe.store_prepped`` prepares it for K steps of PREP_BK), and the routing program
+    then makes the plan of the ids it stored (``small_plan_rows`` / ``small_plan_store``:
+    ``pairs`` and ``block_expert`` for PLAN_BM-row blocks)."""
     grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -155,6 +169,15 @@ def _gate_route_kernel(x_ptr, w_ptr, logits_ptr, ws_ptr, count_ptr, bias_ptr, ti
     acc, rm, rn, m_mask, n_mask = linear32_tile(
         x_ptr, w_ptr, pid, split, M, N, K, stride_xm, stride_wn, k_per_split, BM, BN, BK,
         DOT, False, W_BF16)
+    if PLAN:
+        if pid % tl.cdiv(N, BN) == 0:
+            k0 = split * k_per_split
+            r64 = rm.to(tl.int64)
+            for k in range(k0, tl.minimum(k0 + k_per_split, K), PREP_BK):
+                t = tl.load(x_ptr + r64[:, None] * stride_xm + k
+                            + tl.arange(0, PREP_BK)[None, :], mask=m_mask[:, None], other=0.0)
+                store_prepped(xs_ptr + r64[:, None] * stride_xs + k, t, m_mask, PREP_FMT,
+                              PREP_QUANT, PREP_BK)
     mask = m_mask[:, None] & n_mask[None, :]
     out = logits_ptr + rm[:, None] * N + rn[None, :]
     if SPLITS > 1:
@@ -164,19 +187,22 @@ def _gate_route_kernel(x_ptr, w_ptr, logits_ptr, ws_ptr, count_ptr, bias_ptr, ti
             tl.store(out, total, mask=mask)
             _route_after_tiles(count_ptr + tiles, tiles, logits_ptr, bias_ptr, tid2eid_ptr,
                                input_ids_ptr, wout_ptr, ids_ptr, M, N, route_scale, TOP_K, KP,
-                               HASH, BLOCK_T, BLOCK_E, ROW_BLOCKS)
+                               HASH, BLOCK_T, BLOCK_E, ROW_BLOCKS, pairs_ptr, bexp_ptr, NB,
+                               PLAN, PLAN_BM, PP, NBP)
     else:
         tl.store(out, acc, mask=mask)
         _route_after_tiles(count_ptr + tiles, tiles, logits_ptr, bias_ptr, tid2eid_ptr,
                            input_ids_ptr, wout_ptr, ids_ptr, M, N, route_scale, TOP_K, KP, HASH,
-                           BLOCK_T, BLOCK_E, ROW_BLOCKS)
+                           BLOCK_T, BLOCK_E, ROW_BLOCKS, pairs_ptr, bexp_ptr, NB, PLAN, PLAN_BM,
+                           PP, NBP)
 
 
 @triton.jit
 def _route_after_tiles(count, tiles, logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, wout_ptr,
                        ids_ptr, T, E, route_scale, TOP_K: tl.constexpr, KP: tl.constexpr,
                        HASH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                       ROW_BLOCKS: tl.constexpr):
+                       ROW_BLOCKS: tl.constexpr, pairs_ptr, bexp_ptr, NB, PLAN: tl.constexpr,
+                       PLAN_BM: tl.constexpr, PP: tl.constexpr, NBP: tl.constexpr):
     # Every thread's logits stores are issued before one thread publishes the arrival.
     tl.debug_barrier()
     arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
@@ -186,6 +212,13 @@ def _route_after_tiles(count, tiles, logits_ptr, bias_ptr, tid2eid_ptr, input_id
             route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, wout_ptr, ids_ptr,
                        rb * BLOCK_T, T, E, E, route_scale, TOP_K, KP, HASH, BLOCK_T, BLOCK_E,
                        True)
+        if PLAN:
+            # The ids this program just stored, read back after a block-wide barrier.
+            tl.debug_barrier()
+            rp, key, valid, dest, first, nblk, first_blk = small_plan_rows(
+                ids_ptr, T * TOP_K, E, PLAN_BM, PP)
+            small_plan_store(pairs_ptr, bexp_ptr, T * TOP_K, E, NB, rp, key, valid, dest,
+                             first, nblk, first_blk, PLAN_BM, NBP, 256)
         tl.store(count, 0)
 
 
@@ -318,11 +351,35 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return moe_gate_with_config(x, weight, bias, tid2eid, input_ids, top_k, route_scale, None)
 
 
+@torch_twin_off_gpu("dsv4.ops.torch_route")
+def moe_gate_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
+                  route_scale: float, experts: ExpertWeights
+                  ) -> tuple[torch.Tensor, torch.Tensor, DecodePlan | None]:
+    """:func:`moe_gate`, and for a decode call (at most ``SMALL_PLAN_MAX_PAIRS`` pairs) the
+    experts' plan of its ids (:class:`~dsv4.ops.triton_moe.DecodePlan`, for ``moe_experts`` /
+    ``moe_experts_shared`` on ``experts``, x the experts' input) built in the same launch:
+    the first N tile's programs prepare x per token, the routing program makes the plan.  The
+    same weights and ids as :func:`moe_gate`; the plan None where it does not apply."""
+    weights, ids, plan = _gate(x, weight, bias, tid2eid, input_ids, top_k, route_scale, None,
+                               experts)
+    return weights, ids, plan
+
+
 def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None,
                          top_k: int, route_scale: float, cfg: Linear32Config | None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`moe_gate` with an explicit GEMM plan (``None``: ``linear_fp32``'s)."""
+    weights, ids, _ = _gate(x, weight, bias, tid2eid, input_ids, top_k, route_scale, cfg, None)
+    return weights, ids
+
+
+def _gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          tid2eid: torch.Tensor | None, input_ids: torch.Tensor | None, top_k: int,
+          route_scale: float, cfg: Linear32Config | None, plan_for: ExpertWeights | None
+          ) -> tuple[torch.Tensor, torch.Tensor, DecodePlan | None]:
+    """The gate launch (GEMM + routing, and with ``plan_for`` the experts' decode plan)."""
     from dsv4.ops import torch_dense
     from dsv4.ops import triton_linear32 as l32
     T = x.shape[0] if x.dim() == 2 else 0
@@ -331,8 +388,8 @@ def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if (not 1 <= T <= GATE_MAX_ROWS or block_e > _TILE
             or x.dtype not in _FLOAT_DTYPES
             or weight.dtype not in (torch.float32, torch.bfloat16)):
-        return moe_route(l32.linear_fp32(x, weight), bias, tid2eid, input_ids, top_k,
-                         route_scale)
+        return (*moe_route(l32.linear_fp32(x, weight), bias, tid2eid, input_ids, top_k,
+                           route_scale), None)
     torch_dense.check_linear_fp32_args(x, weight)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     check_route_args(logits, bias, tid2eid, input_ids, top_k)
@@ -352,6 +409,21 @@ def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     is_hash = tid2eid is not None
     block_t = max(1, min(_TILE // block_e, triton.next_power_of_2(T)))
+    plan, extra = None, {}
+    params = None
+    if plan_for is not None and plan_for.num_experts == E:
+        params = decode_plan_params(T, int(top_k), K, plan_for)
+    if params is not None and k_per_split % params[1] == 0 and K % params[1] == 0:
+        bm, bk, fmt, quant, nb = params
+        P = T * int(top_k)
+        plan = DecodePlan(torch.empty(nb * bm, dtype=torch.int32, device=x.device),
+                          torch.empty(nb, dtype=torch.int32, device=x.device),
+                          torch.empty(T, K, dtype=x.dtype, device=x.device), P, bm, bk)
+        extra = dict(pairs_ptr=plan.pairs, bexp_ptr=plan.block_expert, xs_ptr=plan.xs, NB=nb,
+                     stride_xs=plan.xs.stride(0), PLAN=True, PLAN_BM=bm,
+                     PP=max(16, triton.next_power_of_2(P)),
+                     NBP=max(16, triton.next_power_of_2(nb)), PREP_FMT=fmt, PREP_QUANT=quant,
+                     PREP_BK=bk)
     _gate_route_kernel[(tiles, split)](
         x, weight, logits, ws, counters, logits if is_hash else bias.float().contiguous(),
         tid2eid.contiguous() if is_hash else logits,
@@ -359,6 +431,6 @@ def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         T, E, K, x.stride(0), weight.stride(0), T * E, k_per_split, float(route_scale),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, SPLITS=split, DOT=cfg.BM >= 16, W_BF16=w_bf16,
         TOP_K=int(top_k), KP=triton.next_power_of_2(top_k), HASH=is_hash, BLOCK_T=block_t,
-        BLOCK_E=block_e, ROW_BLOCKS=triton.cdiv(T, block_t), num_warps=cfg.num_warps,
+        BLOCK_E=block_e, ROW_BLOCKS=triton.cdiv(T, block_t), **extra, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_args(x))
-    return weights, ids
+    return weights, ids, plan

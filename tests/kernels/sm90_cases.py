@@ -515,12 +515,14 @@ for _m in (V4_FLASH, V41_FLASH):
         scenario(f"indexer_scores/{_m.name}/{_k}")(lambda m=_m, k=_k: _indexer(m, k))
 
 
-def _experts(m: ModelDims, fmt: str, official: bool, scale_fp32: bool = False) -> Any:
-    """ExpertWeights of E_ALLOC experts at the real widths of ``m``, as the model stores them."""
+def _experts(m: ModelDims, fmt: str, official: bool, scale_fp32: bool = False,
+             E: int = E_ALLOC) -> Any:
+    """ExpertWeights of E (E_ALLOC) experts at the real widths of ``m``, as the model stores
+    them."""
     import torch
 
     from dsv4.ops.torch_dense import ExpertWeights
-    E, D, inter, b = E_ALLOC, m.dim, m.inter, m.block
+    D, inter, b = m.dim, m.inter, m.block
     act = b if official else None
     if fmt == "dense":
         return ExpertWeights(*(_empty(E, a, c, dtype=torch.bfloat16)
@@ -924,8 +926,38 @@ def _moe_glue(m: ModelDims) -> None:
                     torch.zeros(T, dtype=i64), m.topk, 1.5)
 
 
+def _gate_plan(m: ModelDims) -> None:
+    """moe_gate_plan (the gate launch that also makes the experts' decode plan: learned and
+    hash layers) and the up kernel reading its per-token rows, at the decode token counts
+    whose pairs it serves; MXFP4 K-chunk-major (the GPU layout) and FP8 stacks."""
+    from dataclasses import replace
+
+    import torch
+    tr = importlib.import_module("dsv4.ops.triton_route")
+    tm = importlib.import_module("dsv4.ops.triton_moe")
+    f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
+    w = _empty(m.experts, m.dim, dtype=bf16)
+    for fmt in ("fp4", "fp8"):
+        # The gate's expert count (uninitialized CPU stacks: never touched offline).
+        ex = _experts(m, fmt, True, E=m.experts)
+        if fmt == "fp4":
+            ex = replace(ex, kchunk=tm._block_k(ex, m.dim, m.inter))
+        made = 0
+        for T in (t for t in DECODE_T if t * m.topk <= 64):
+            x = _empty(T, m.dim, dtype=bf16)
+            for args in ((_empty(m.experts, dtype=f32), None, None),
+                         (None, torch.zeros(1000, m.topk, dtype=i64), torch.zeros(T, dtype=i64))):
+                wts, ids, plan = tr.moe_gate_plan(x, w, *args, m.topk, 1.5, ex)
+            # (None where the gate's K splits cut the experts' K steps: V4-Pro from 3 rows.)
+            if plan is not None:
+                made += 1
+                tm.moe_experts_with_config(x, ids, wts, ex, 10.0, None, plan=plan)
+        assert made, (m.name, fmt)
+
+
 for _m in MODELS:
     scenario(f"moe_glue/{_m.name}")(lambda m=_m: _moe_glue(m))
+    scenario(f"moe_gate_plan/{_m.name}")(lambda m=_m: _gate_plan(m))
 
 
 def _indexer_queries(m: ModelDims) -> None:

@@ -59,13 +59,14 @@ def _fp8_weight(n: int, k: int, block: int, scale_dtype: torch.dtype, gen: torch
 
 # ------------------------------------------------------------------------------ plain CPU
 def test_gemv_plans_for_v4_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The swept plan rules at the V4-Flash shapes on 132 SMs.  One row: no K split, 16-row
-    tiles (32 above 8192 rows) with 2-8 warps along K, 8 weight vectors a thread per step (the
-    eighteenth session's wide sweep; wo_a's grouped shape too); the former rule with
-    GEMV_WIDE_ONE_ROW off: K steps of 512, ~8 programs per SM.  Two rows: 64-row tiles, K
-    steps of 256."""
+    """The swept plan rules at the V4-Flash shapes on 132 SMs.  One row with GEMV_WIDE_ONE_ROW
+    on: no K split, 16-row tiles (32 above 8192 rows) with 2-8 warps along K, 8 weight vectors
+    a thread per step (the eighteenth session's wide sweep; wo_a's grouped shape too); the
+    default rule: K steps of 512, ~8 programs per SM.  Two rows: 64-row tiles, K steps of
+    256."""
     from dsv4.ops import triton_dense as td
     monkeypatch.setattr(td, "sm_count", lambda device: 132)
+    monkeypatch.setattr(td, "GEMV_WIDE_ONE_ROW", True)
     cpu = torch.device("cpu")
     wide = {"wq_a+wkv": (16, 2048, 8), "wq_b": (32, 512, 4), "wo_b": (16, 2048, 8),
             "shared_w1+w3": (16, 2048, 8), "shared_w2": (16, 2048, 8), "wo_a": (16, 1024, 4)}

@@ -15,6 +15,8 @@ boundary); the combine is exact.  Ties in the top-k: the kernel takes the lowest
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -132,6 +134,8 @@ def test_op_table_has_the_fused_ops() -> None:
     # The fused compositions (checked on the H200): their kernels.
     assert k.moe_gate is triton_route.moe_gate
     assert k.moe_experts_shared is triton_moe.moe_experts_shared
+    assert t.moe_gate_plan is torch_route.moe_gate_plan
+    assert k.moe_gate_plan is triton_route.moe_gate_plan     # the suite runs unverified ops
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -152,10 +156,12 @@ def test_moe_runs_the_ops_of_its_table(fused: bool) -> None:
             return getattr(base, name)(*args, **kwargs)
         return fn
 
-    names = ("moe_route", "swiglu_act", "moe_combine", "moe_gate", "moe_experts_shared")
+    names = ("moe_route", "swiglu_act", "moe_combine", "moe_gate", "moe_experts_shared",
+             "moe_gate_plan")
     ops = {**vars(base), **{n: rec(n) for n in names}}
     if not fused:
-        del ops["moe_gate"], ops["moe_experts_shared"]  # a table without the fused kernels
+        # A table without the fused kernels.
+        del ops["moe_gate"], ops["moe_experts_shared"], ops["moe_gate_plan"]
     table = SimpleNamespace(**ops)
     cfg = ModelConfig.from_dict(_tiny_cfg())
     for layer in (0, 1):                     # hash-routed, learned
@@ -169,7 +175,7 @@ def test_moe_runs_the_ops_of_its_table(fused: bool) -> None:
         x = torch.randn(3, cfg.dim)
         out = moe(x, torch.tensor([1, 2, 3]))
         # The shared expert (swiglu_act) is issued first: on the GPU it forks onto a side stream.
-        want = (["swiglu_act", "moe_gate", "moe_experts_shared"] if fused
+        want = (["swiglu_act", "moe_gate_plan", "moe_experts_shared"] if fused
                 else ["swiglu_act", "moe_route", "moe_combine"])
         assert calls == want and out.shape == x.shape
         moe.ops = moe.gate.ops = base
@@ -198,6 +204,11 @@ def test_gate_and_shared_twins_are_the_compositions() -> None:
     want = torch_route.moe_combine(torch_dense.moe_experts(x, ids, wts, ex, 10.0), shared,
                                    torch.bfloat16)
     assert torch.equal(got, want) and waits == [1]
+    # moe_gate_plan's twin: moe_gate's picks and no plan (the twins need none).
+    got3 = torch_route.moe_gate_plan(x, w, bias, None, None, 3, 1.5, ex)
+    assert got3[2] is None and all(torch.equal(a, b) for a, b in
+                                   zip(got3[:2], torch_route.moe_gate(x, w, bias, None, None,
+                                                                      3, 1.5)))
 
 
 def _tiny_cfg() -> dict:
@@ -378,6 +389,114 @@ def test_interp_experts_shared_is_the_combine(T: int, fmt: str) -> None:
     assert torch.equal(got, want) and waits == [1] and got.dtype == torch.bfloat16
     if T:
         _assert_bf16_close(got, torch_route.moe_experts_shared(x, ids, wts, ex, 10.0, shared))
+
+
+def _plan_experts(fmt: str, E: int, D: int, inter: int, gen: torch.Generator,
+                  device: str = "cpu"):
+    """Random expert stacks of one format: fp4 (row-major or K-chunk-major), fp8, dense."""
+    from dsv4.ops import torch_dense
+
+    def fp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
+        sc = torch.randint(118, 124, (E, n, k // 32), generator=gen).to(torch.uint8)
+        return w.view(torch.int8).to(device), sc.view(torch.float8_e8m0fnu).to(device)
+
+    def fp8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = (torch.randn(E, n, k, generator=gen) * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sc = torch.randint(118, 124, (E, n // 128, k // 128), generator=gen).to(torch.uint8)
+        return w.to(device), sc.view(torch.float8_e8m0fnu).to(device)
+    if fmt in ("fp4", "fp4_kchunk"):
+        (w1, s1), (w3, s3), (w2, s2) = fp4(inter, D), fp4(inter, D), fp4(D, inter)
+        ex = torch_dense.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
+        return torch_dense.kchunk_experts(ex, 128) if fmt == "fp4_kchunk" else ex
+    if fmt == "fp8":
+        (w1, s1), (w3, s3), (w2, s2) = fp8(inter, D), fp8(inter, D), fp8(D, inter)
+        return torch_dense.ExpertWeights(w1, w3, w2, 128, "fp8", s1, s3, s2, 128)
+    return torch_dense.ExpertWeights(*((torch.randn(*shape, generator=gen) * 0.06).to(
+        device, torch.bfloat16) for shape in ((E, inter, D), (E, inter, D), (E, D, inter))),
+        None, "dense")
+
+
+@interp_only
+@pytest.mark.parametrize("T,k", [(1, 6), (3, 3), (10, 6), (11, 6), (17, 2)])
+@pytest.mark.parametrize("fmt", ["fp4", "fp4_kchunk", "fp8", "dense"])
+@pytest.mark.parametrize("hash_routed", [False, True])
+def test_interp_gate_plan_is_the_gate_and_the_experts_plan(
+        T: int, k: int, fmt: str, hash_routed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_gate_plan: moe_gate's weights and ids bit for bit, and a decode plan with which
+    moe_experts / moe_experts_shared give their own results bit for bit (the plan's pairs and
+    blocks those of moe_plan); no plan beyond SMALL_PLAN_MAX_PAIRS pairs (11 × 6) or
+    GATE_MAX_ROWS rows (17), nor for a gate plan whose K splits cut the experts' K steps;
+    split-K gate plans; counters idle after."""
+    from dsv4.ops import triton_dense as td
+    from dsv4.ops import triton_linear32 as l32
+    from dsv4.ops import triton_moe as tmoe
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(T * 10 + k + len(fmt))
+    E, D, inter = 8, 256, 128
+    ex = _plan_experts(fmt, E, D, inter, gen)
+    preps: list[int] = []                  # the experts' own plan + prep launches
+    own_prep = tmoe.moe_plan_prep
+    monkeypatch.setattr(tmoe, "moe_plan_prep",
+                        lambda *a, **kw: (preps.append(1), own_prep(*a, **kw))[1])
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w = (torch.randn(E, D, generator=gen) * D ** -0.5).bfloat16()
+    bias = torch.randn(E, generator=gen) * 0.05
+    tid2eid = torch.rand(50, E, generator=gen).topk(k, dim=-1).indices
+    tok = torch.randint(0, 50, (T,), generator=gen)
+    args = (None, tid2eid, tok) if hash_routed else (bias, None, None)
+    shared = torch.randn(T, D, generator=gen).bfloat16()
+    bm = 1 << max(0, (T - 1).bit_length())
+    cfgs = [None, l32.Linear32Config(BM=min(bm, 16), BN=32, BK=128, split_k=2),
+            l32.Linear32Config(BM=16, BN=16, BK=64, split_k=4)]   # K splits of 64: no plan
+    for cfg in cfgs:
+        wts, ids, plan = tri._gate(x, w, *args, k, 2.5, cfg, ex)
+        want = tri.moe_gate_with_config(x, w, *args, k, 2.5, cfg)
+        assert torch.equal(wts, want[0]) and torch.equal(ids, want[1]), cfg
+        kps = l32.split_k_grid(T, E, D, cfg or l32.pick_bf16w_config(T, E, D, x.device))[0]
+        expect_plan = T * k <= 64 and T <= tri.GATE_MAX_ROWS and kps % 128 == 0
+        assert (plan is not None) == expect_plan, (cfg, kps, plan)
+        buf = td._splitk_counter_cache.get(torch.device("cpu"))
+        assert buf is None or not bool(buf.any())
+        if plan is None:
+            continue
+        pairs, blocks = tmoe.moe_plan(ids, E, plan.BM)
+        assert torch.equal(plan.pairs, pairs) and torch.equal(plan.block_expert, blocks)
+        routed = tmoe.moe_experts(x, ids, wts, ex, 10.0)
+        n = len(preps)
+        assert torch.equal(tmoe.moe_experts(x, ids, wts, ex, 10.0, plan=plan), routed), cfg
+        assert n >= 1 and len(preps) == n           # the plan was used: no launch of its own
+        assert torch.equal(tmoe.moe_experts_shared(x, ids, wts, ex, 10.0, shared, plan=plan),
+                           tmoe.moe_experts_shared(x, ids, wts, ex, 10.0, shared))
+    # The public op: moe_gate's picks (its default GEMM plan).
+    got = tri.moe_gate_plan(x, w, *args, k, 2.5, ex)
+    want = tri.moe_gate(x, w, *args, k, 2.5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@interp_only
+def test_interp_experts_ignore_a_plan_of_other_ids() -> None:
+    """A plan made for another call (other pair count or row block) is not used."""
+    from dsv4.ops import triton_moe as tmoe
+    from dsv4.ops import triton_route as tri
+
+    gen = torch.Generator().manual_seed(3)
+    E, D, inter = 8, 256, 128
+    ex = _plan_experts("fp4", E, D, inter, gen)
+    x = torch.randn(2, D, generator=gen).bfloat16()
+    w = (torch.randn(E, D, generator=gen) * D ** -0.5).bfloat16()
+    bias = torch.randn(E, generator=gen) * 0.05
+    _, _, plan = tri.moe_gate_plan(x, w, bias, None, None, 3, 2.5, ex)
+    wts, ids, _ = tri.moe_gate_plan(x[:1], w, bias, None, None, 3, 2.5, ex)
+    assert plan is not None and plan.P == 6
+    assert torch.equal(tmoe.moe_experts(x[:1], ids, wts, ex, 10.0, plan=plan),
+                       tmoe.moe_experts(x[:1], ids, wts, ex, 10.0))
+    other_rows = dataclasses.replace(plan, BM=plan.BM * 2)
+    assert torch.equal(tmoe.moe_experts(x, *tri.moe_gate(x, w, bias, None, None, 3, 2.5)[::-1],
+                                        ex, 10.0, plan=other_rows),
+                       tmoe.moe_experts(x, *tri.moe_gate(x, w, bias, None, None, 3, 2.5)[::-1],
+                                        ex, 10.0))
 
 
 # ------------------------------------------------------------------------ GPU (V4-Flash shapes)
