@@ -45,8 +45,10 @@ OP_NAMES = (
 # picked_rows (2026-12-02, bench/sessions/gpu_session_s13a.sh).  A new kernel goes here until
 # its GPU checks run.  moe_gate and moe_experts_shared (fifteenth session, 2026-12-03) passed
 # theirs in bench/sessions/gpu_session_s15b.sh (bit-equal to their parts, in graphs too).
-# moe_gate_plan (eighteenth session, 2026-12-04) waits for bench/sessions/gpu_session_s18f.sh.
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"moe_gate_plan"})
+# moe_gate_plan (eighteenth session, 2026-12-04) passed in bench/sessions/gpu_session_s18f.sh
+# (V4-Flash gate + 256 experts, eager and graph replays, bit-equal to moe_gate + the experts'
+# own plan; the model's logits bit-equal across lanes).
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...)), moe_route(linear_fp32(...)),
 # moe_combine(moe_experts(...)), moe_gate + the experts' plan): without their fused kernel the

@@ -135,7 +135,7 @@ def test_op_table_has_the_fused_ops() -> None:
     assert k.moe_gate is triton_route.moe_gate
     assert k.moe_experts_shared is triton_moe.moe_experts_shared
     assert t.moe_gate_plan is torch_route.moe_gate_plan
-    assert k.moe_gate_plan is triton_route.moe_gate_plan     # the suite runs unverified ops
+    assert k.moe_gate_plan is triton_route.moe_gate_plan      # checked on the H200 (s18f)
 
 
 @pytest.mark.parametrize("fused", [True, False])
