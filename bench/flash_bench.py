@@ -343,6 +343,9 @@ LAUNCH_VARIANTS = {
     "pdl, experts' plan in its own launch": {"DSV4_PDL": "1", "ops-": "moe_gate_plan"},
     # "module.NAME": a module constant of _AB_MODULES set for the capture.
     "pdl, former one-row GEMV plans": {"DSV4_PDL": "1", "triton_dense.GEMV_WIDE_ONE_ROW": "0"},
+    "pdl, wide one-row GEMV plans": {"DSV4_PDL": "1", "triton_dense.GEMV_WIDE_ONE_ROW": "1"},
+    "pdl, wide one-row bf16w plans": {"DSV4_PDL": "1",
+                                      "triton_linear32.BF16W_WIDE_ONE_ROW": "1"},
 }
 # ``--ab-variants``: the LAUNCH_VARIANTS entries to capture ("plain", the bits' reference, always).
 AB_ONLY: list[str] = []
@@ -351,7 +354,8 @@ AB_ONLY: list[str] = []
 def _ab_module(name: str) -> Any:
     import importlib
     return importlib.import_module({"attention": "dsv4.model.attention",
-                                    "triton_dense": "dsv4.ops.triton_dense"}[name])
+                                    "triton_dense": "dsv4.ops.triton_dense",
+                                    "triton_linear32": "dsv4.ops.triton_linear32"}[name])
 
 
 def _without_ops(names: str) -> contextlib.ExitStack:

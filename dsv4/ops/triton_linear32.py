@@ -15,6 +15,7 @@ the H200 (docs/PERFORMANCE.md, fifth session: 16 rows 14–25 µs against 18–4
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,12 @@ PREFILL_BF16X3 = True
 PREFILL_MIN_ROWS = 1024
 # Most K splits of one tile: the last split re-reads every partial, unrolled.
 MAX_SPLITS = 32
+# One-row plans for a bf16 weight from the wider sweep (H200, 2026-12-04, bench/kernels.py
+# --only linear_bf16w --sweep --wide, docs/PERFORMANCE.md eighteenth session: the MoE gate 4.1
+# -> 3.6 µs, the compressors' wkv + wgate 10.3 / 7.2 / 5.7 -> 9.8 / 6.5 / 4.9 alone): 16-row
+# tiles, 512-wide K chunks, splits to ~256 programs.  Off until an in-step A/B
+# (bench/flash_bench.py --launch-ab, "pdl, wide one-row bf16w plans"); DSV4_LINEAR32_WIDE=1.
+BF16W_WIDE_ONE_ROW = os.environ.get("DSV4_LINEAR32_WIDE", "0") == "1"
 
 
 @triton.jit
@@ -278,6 +285,10 @@ def pick_bf16w_config(M: int, N: int, K: int, device: torch.device) -> Linear32C
     * more rows: 64×64 tiles, split until ~2 programs per SM (64 rows: 12.5-16.2 µs against
       15.8-43.1)."""
     sms = sm_count(device)
+    if M == 1 and BF16W_WIDE_ONE_ROW and N >= 16 and K >= 512:
+        tiles = triton.cdiv(N, 16)
+        split = max(1, min(8, K // 512, 1 << max(0, (256 // tiles).bit_length() - 1)))
+        return Linear32Config(BM=1, BN=16, BK=512, split_k=split, num_warps=4, num_stages=2)
     bn = 32 if N >= 32 else max(16, triton.next_power_of_2(N))
     if M <= 2:
         tiles = triton.cdiv(N, bn)

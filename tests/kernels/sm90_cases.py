@@ -1069,6 +1069,10 @@ def _linear32() -> None:
         for T in (1, 2, 4, 16, 64, 8192):
             tl32.linear_fp32(_empty(T, 4096, dtype=torch.bfloat16), wb)
         tl32.linear_fp32(_empty(16, 4096, dtype=torch.float32), wb)
+        # The wide one-row plans (BF16W_WIDE_ONE_ROW, off by default).
+        wide = tl32.Linear32Config(BM=1, BN=16, BK=512, split_k=max(1, 4096 // N // 2),
+                                   num_warps=4, num_stages=2)
+        tl32.linear_fp32_with_config(_empty(1, 4096, dtype=torch.bfloat16), wb, wide)
 
 
 scenario("linear_fp32/v4_flash")(_linear32)

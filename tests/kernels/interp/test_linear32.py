@@ -227,3 +227,25 @@ def test_linear32_bf16_weight_never_runs_the_twin(monkeypatch: pytest.MonkeyPatc
         y = tl32.linear_fp32(x, w)
         assert y.shape == (T, 32)
         assert rel_err(y, x.float() @ w.float().T) < 2e-6
+
+
+def test_linear32_wide_one_row_bf16_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BF16W_WIDE_ONE_ROW (off by default): one row on 16-row tiles, 512-wide K chunks, splits
+    to ~256 programs (V4-Flash on 132 SMs: the gate 8, the compressors 2 / 4 / 8), other rows
+    the default rule; the kernel on it matches the twin within the fp32 summation bound."""
+    monkeypatch.setattr(tl32, "BF16W_WIDE_ONE_ROW", True)
+    monkeypatch.setattr(tl32, "sm_count", lambda device: 132)
+    splits = {N: tl32.pick_bf16w_config(1, N, 4096, CPU).split_k for N in (2048, 1024, 512, 256)}
+    assert splits == {2048: 2, 1024: 4, 512: 8, 256: 8}
+    assert all((c.BM, c.BN, c.BK) == (1, 16, 512) for c in
+               (tl32.pick_bf16w_config(1, N, 4096, CPU) for N in (2048, 256)))
+    assert tl32.pick_bf16w_config(2, 256, 4096, CPU).BK == 256        # two rows: as before
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(48, 1024, generator=gen) * 0.05).to(torch.bfloat16)
+    cfg = tl32.pick_bf16w_config(1, 48, 1024, CPU)
+    assert (cfg.BN, cfg.BK, cfg.split_k) == (16, 512, 2)
+    exact, magnitude = _fp64_ref(x, w.float())
+    y = tl32.linear_fp32(x, w)
+    assert ((y.double() - exact).abs() <= 2 * 1024 * 2.0 ** -24 * magnitude).all()
+    assert rel_err(y, ref.linear_fp32(x, w)) < 2e-6 and _counters_idle()
