@@ -86,39 +86,37 @@ class Gate(nn.Module):
                                  f"; found the range {lo}..{hi}")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
-                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                image_mask: torch.Tensor | None = None, experts: ExpertWeights | None = None
+                ) -> tuple[torch.Tensor, ...]:
         """x [T, D], input_ids [T] -> (weights [T, k] fp32, expert ids [T, k] int64).
 
         ``image_mask`` [T] bool (V4.1): tokens of image spans select with ``bias_vl``.
+        ``experts`` (V4, one rank: the stacks the ids index, x their input): a third value, the
+        routed experts' decode plan of the ids (``ops.moe_gate_plan``: built in the routing
+        launch at decode, so the experts skip their plan launch; None where the op is missing
+        or does not apply).
         """
         if self.is_v41:
             from dsv4.model.v41 import route_v41
             ids, weights = route_v41(x, self.weight, self.bias, self.bias_vl, image_mask,
                                      self.top_k, self.route_scale, self.gate_temp,
                                      self.norm_topk_prob, ops=self.ops)
-            return weights, ids
+            return (weights, ids) if experts is None else (weights, ids, None)
         bias, tid2eid, ids = ((None, self.tid2eid, input_ids) if self.is_hash
                               else (self.bias, None, None))
+        with_plan = getattr(self.ops, "moe_gate_plan", None)
+        if experts is not None and with_plan is not None:
+            return with_plan(x, self.weight, bias, tid2eid, ids, self.top_k, self.route_scale,
+                             experts)
         gate = getattr(self.ops, "moe_gate", None)
         if gate is not None:
             # The gate GEMM and the routing as one op (at decode one kernel).
-            return gate(x, self.weight, bias, tid2eid, ids, self.top_k, self.route_scale)
-        # The gate GEMM (fp32, the skinny-GEMM op); everything after it is one op (one kernel).
-        logits = self.ops.linear_fp32(x, self.weight)
-        return self.ops.moe_route(logits, bias, tid2eid, ids, self.top_k, self.route_scale)
-
-    def route_with_plan(self, x: torch.Tensor, input_ids: torch.Tensor, experts: ExpertWeights
-                        ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """:meth:`forward` (V4, no image mask), and the routed experts' decode plan of the ids
-        (``ops.moe_gate_plan``: built in the routing launch at decode, so the experts skip
-        their plan launch; None where the op is missing or does not apply).  ``experts``: the
-        stacks the ids index, x their input."""
-        op = getattr(self.ops, "moe_gate_plan", None)
-        if op is None or self.is_v41:
-            return (*self(x, input_ids), None)
-        bias, tid2eid, ids = ((None, self.tid2eid, input_ids) if self.is_hash
-                              else (self.bias, None, None))
-        return op(x, self.weight, bias, tid2eid, ids, self.top_k, self.route_scale, experts)
+            out = gate(x, self.weight, bias, tid2eid, ids, self.top_k, self.route_scale)
+        else:
+            # The gate GEMM (fp32, the skinny-GEMM op); everything after it is one op.
+            logits = self.ops.linear_fp32(x, self.weight)
+            out = self.ops.moe_route(logits, bias, tid2eid, ids, self.top_k, self.route_scale)
+        return out if experts is None else (*out, None)
 
 
 class Experts(nn.Module):
@@ -352,7 +350,7 @@ class MoE(nn.Module):
             weights, ids = self.gate(x, input_ids, image_mask)
         else:
             # One rank: at decode the gate's launch also makes the experts' plan.
-            weights, ids, plan = self.gate.route_with_plan(x, input_ids, experts)
+            weights, ids, plan = self.gate(x, input_ids, experts=experts)
         if self.experts.expert_offset:
             ids = ids - self.experts.expert_offset  # local ids; other ranks' experts are skipped
         with_plan = {} if plan is None else {"plan": plan}
