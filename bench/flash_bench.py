@@ -346,6 +346,7 @@ LAUNCH_VARIANTS = {
     "pdl, wide one-row GEMV plans": {"DSV4_PDL": "1", "triton_dense.GEMV_WIDE_ONE_ROW": "1"},
     "pdl, wide one-row bf16w plans": {"DSV4_PDL": "1",
                                       "triton_linear32.BF16W_WIDE_ONE_ROW": "1"},
+    "pdl, unsplit short attention": {"DSV4_PDL": "1", "triton_attn.ATTN_SPLIT_MIN_ROWS": "128"},
 }
 # ``--ab-variants``: the LAUNCH_VARIANTS entries to capture ("plain", the bits' reference, always).
 AB_ONLY: list[str] = []
@@ -355,7 +356,8 @@ def _ab_module(name: str) -> Any:
     import importlib
     return importlib.import_module({"attention": "dsv4.model.attention",
                                     "triton_dense": "dsv4.ops.triton_dense",
-                                    "triton_linear32": "dsv4.ops.triton_linear32"}[name])
+                                    "triton_linear32": "dsv4.ops.triton_linear32",
+                                    "triton_attn": "dsv4.ops.triton_attn"}[name])
 
 
 def _without_ops(names: str) -> contextlib.ExitStack:

@@ -16,6 +16,7 @@ fake-quantized rows gives.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,11 @@ __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConf
            "record_meta"]
 
 _LOG2E = 1.4426950408889634
+# Decode split-KV: at least this many index rows a slice (0: no floor).  With a floor of 128 a
+# V4-Flash window-only or HCA layer's decode (128 / 192 rows) runs unsplit, without the merge
+# launch.  Not measured yet (bench/flash_bench.py --launch-ab, "pdl, unsplit short
+# attention"): 0, the swept default; DSV4_ATTN_SPLIT_MIN_ROWS overrides it.
+ATTN_SPLIT_MIN_ROWS = int(os.environ.get("DSV4_ATTN_SPLIT_MIN_ROWS", "0"))
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -345,6 +351,8 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     if programs < sms:
         want = max(1, (2 * sms) // programs)
         split = min(8, 1 << (want.bit_length() - 1), max(1, triton.cdiv(K, bn)))
+        if ATTN_SPLIT_MIN_ROWS > 0:
+            split = max(1, min(split, K // ATTN_SPLIT_MIN_ROWS))
     return AttnConfig(BH=bh, BN=bn, num_warps=8 if records else 4, num_stages=2,
                       split_kv=split)
 

@@ -104,3 +104,31 @@ def test_sparse_attn_plans_agree(cfg: tri.AttnConfig) -> None:
     ob_ref = ref.sparse_attn(q.bfloat16(), kv_a.bfloat16(), idx_a, kv_b.bfloat16(), idx_b, sink,
                              0.2, p_dtype=torch.bfloat16)
     assert rel_err(ob.float(), ob_ref.float()) < 4e-3
+
+
+def test_sparse_attn_split_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATTN_SPLIT_MIN_ROWS (off by default): decode slices of at least that many index rows —
+    V4-Flash's window (128 rows) and HCA (192) decode unsplit, the CSA layer's 640 rows in 5;
+    the picked plan's output equals the twin's either way."""
+    monkeypatch.setattr(tri, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    plans = {K: tri.pick_attn_config(1, 64, 512, K, cpu, records=True).split_kv
+             for K in (128, 192, 640)}
+    assert plans == {128: 2, 192: 3, 640: 8}
+    monkeypatch.setattr(tri, "ATTN_SPLIT_MIN_ROWS", 128)
+    plans = {K: tri.pick_attn_config(1, 64, 512, K, cpu, records=True).split_kv
+             for K in (128, 192, 640)}
+    assert plans == {128: 1, 192: 1, 640: 5}
+    monkeypatch.setattr(tri, "sm_count", lambda device: 4)
+    gen = torch.Generator().manual_seed(8)
+    T, H, d = 1, 20, 48
+    q = torch.randn(T, H, d, generator=gen)
+    kv_a = torch.randn(60, d, generator=gen)
+    idx_a = random_indices(T, 200, 60, gen, 0.2)
+    sink = torch.randn(H, generator=gen)
+    want = ref.sparse_attn(q, kv_a, idx_a, None, None, sink, 0.2)
+    for floor, split in ((0, 4), (64, 3), (256, 1)):              # 200 rows
+        monkeypatch.setattr(tri, "ATTN_SPLIT_MIN_ROWS", floor)
+        assert tri.pick_attn_config(T, H, d, 200, cpu).split_kv == split
+        o = tri.sparse_attn(q, kv_a, idx_a, None, None, sink, 0.2)
+        assert rel_err(o, want) < 1e-5, floor
