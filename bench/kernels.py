@@ -294,39 +294,28 @@ def bench_linear_bf16w(T: int, name: str, N: int, K: int, sweep: bool,
     r = row("linear_bf16w", f"{name} T={T} N={N} K={K}", t, None, base,
             N * K * 2 + T * K * 2 + T * N * 4, 2 * T * N * K, "bf16",
             f"rel err vs fp64 {err:.1e}; torch = the fp32-weight path (linear_fp32 on w.float())")
-    tried = []
+    cands: list = []
     if sweep and T <= 2 and wide:
         # --wide: 1-2 rows, more warps and longer K chunks (each thread's broadcast products
         # 8..64 fp32 per chunk), splits 2-16.
-        for bn in (16, 32, 64):
-            for bk in (256, 512, 1024):
-                for warps in (4, 8):
-                    if not 8 <= bn * bk // (32 * warps) <= 64:
-                        continue
-                    for sp in (2, 4, 8, 16):
-                        if sp * bk > K:
-                            continue
-                        cfg = tl32.Linear32Config(BM=T, BN=bn, BK=bk, split_k=sp,
-                                                  num_warps=warps, num_stages=2)
-                        try:
-                            tried.append((time_graph([lambda c=cfg, w=w: tl32.linear_fp32_with_config(
-                                x, w, c) for w in ws], 1.5), asdict(cfg)))
-                        except Exception as e:
-                            tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: "
-                                          f"{e}"[:200]))
+        cands = [tl32.Linear32Config(BM=T, BN=bn, BK=bk, split_k=sp, num_warps=warps,
+                                     num_stages=2)
+                 for bn in (16, 32, 64) for bk in (256, 512, 1024) for warps in (4, 8)
+                 if 8 <= bn * bk // (32 * warps) <= 64 for sp in (2, 4, 8, 16) if sp * bk <= K]
     elif sweep and T <= tl32.MAX_KERNEL_ROWS:
         bm = 1 << max(0, (T - 1).bit_length())
         bm = bm if bm <= 4 else max(16, bm)
-        for bn in (32, 64, 128):
-            for sp in (2, 4, 8, 16, 32):
-                bk = max(8, min(256, 8192 // (bm * bn))) if bm < 16 else 64
-                cfg = tl32.Linear32Config(BM=bm, BN=bn, BK=bk, split_k=sp, num_warps=4,
-                                          num_stages=3 if bm >= 16 else 2)
-                try:
-                    tried.append((time_graph([lambda c=cfg, w=w: tl32.linear_fp32_with_config(
-                        x, w, c) for w in ws], 1.5), asdict(cfg)))
-                except Exception as e:
-                    tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+        bk = 64 if bm >= 16 else None
+        cands = [tl32.Linear32Config(BM=bm, BN=bn, BK=bk or max(8, min(256, 8192 // (bm * bn))),
+                                     split_k=sp, num_warps=4, num_stages=3 if bm >= 16 else 2)
+                 for bn in (32, 64, 128) for sp in (2, 4, 8, 16, 32)]
+    tried = []
+    for cfg in cands:
+        try:
+            tried.append((time_graph([lambda c=cfg, w=w: tl32.linear_fp32_with_config(x, w, c)
+                                      for w in ws], 1.5), asdict(cfg)))
+        except Exception as e:
+            tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
     return r, tried
 
 

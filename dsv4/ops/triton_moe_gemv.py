@@ -239,11 +239,11 @@ def _fake_quant_tile(a, BN: tl.constexpr, QA: tl.constexpr):
     NB: tl.constexpr = BN // QA
     if NB == 1:
         ex = ue8m0_exponent(tl.maximum(tl.max(tl.abs(a), axis=0), 1e-4))
-        return round_to_e4m3(tl.clamp(a * pow2_from_exp(-ex), -448.0, 448.0)) * pow2_from_exp(ex)
-    same = (tl.arange(0, NB)[:, None] == tl.arange(0, BN)[None, :] // QA)           # [NB, BN]
-    ex = ue8m0_exponent(tl.maximum(tl.max(tl.where(same, tl.abs(a)[None, :], 0.0), axis=1),
-                                   1e-4))                                            # [NB]
-    ex = tl.sum(tl.where(same, ex[:, None], 0), axis=0)                              # [BN]
+    else:
+        same = (tl.arange(0, NB)[:, None] == tl.arange(0, BN)[None, :] // QA)       # [NB, BN]
+        ex = ue8m0_exponent(tl.maximum(tl.max(tl.where(same, tl.abs(a)[None, :], 0.0), axis=1),
+                                       1e-4))                                        # [NB]
+        ex = tl.sum(tl.where(same, ex[:, None], 0), axis=0)                          # [BN]
     return round_to_e4m3(tl.clamp(a * pow2_from_exp(-ex), -448.0, 448.0)) * pow2_from_exp(ex)
 
 

@@ -361,9 +361,7 @@ def moe_gate_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``moe_experts_shared`` on ``experts``, x the experts' input) built in the same launch:
     the first N tile's programs prepare x per token, the routing program makes the plan.  The
     same weights and ids as :func:`moe_gate`; the plan None where it does not apply."""
-    weights, ids, plan = _gate(x, weight, bias, tid2eid, input_ids, top_k, route_scale, None,
-                               experts)
-    return weights, ids, plan
+    return _gate(x, weight, bias, tid2eid, input_ids, top_k, route_scale, None, experts)
 
 
 def moe_gate_with_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -354,43 +354,6 @@ def test_interp_gate_is_the_two_kernels(T: int, E: int, hash_routed: bool,
     _assert_rel(got[0], w0, 1e-5)
 
 
-@interp_only
-@pytest.mark.parametrize("T", [0, 1, 3])
-@pytest.mark.parametrize("fmt", ["fp4", "dense"])
-def test_interp_experts_shared_is_the_combine(T: int, fmt: str) -> None:
-    """moe_experts_shared = moe_combine(moe_experts(...)) bit for bit; wait_shared once."""
-    from dsv4.ops import torch_dense
-    from dsv4.ops import triton_moe as tmoe
-
-    gen = torch.Generator().manual_seed(T + 11)
-    E, D, inter = 4, 256, 128
-    if fmt == "fp4":
-        def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-            w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
-            s = torch.randint(120, 126, (E, n, k // 32), generator=gen).to(torch.uint8)
-            return w.view(torch.int8), s.view(torch.float8_e8m0fnu)
-        (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
-        ex = torch_dense.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
-    else:
-        ex = torch_dense.ExpertWeights(*(torch.randn(*shape, generator=gen).bfloat16() * 0.06
-                                         for shape in ((E, inter, D), (E, inter, D),
-                                                       (E, D, inter))), None, "dense")
-    x = torch.randn(T, D, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)]) if T else \
-        torch.zeros(0, 2, dtype=torch.int64)
-    if T:
-        ids[0, 1] = -1                                     # a pick of another rank: skipped
-    wts = torch.rand(T, 2, generator=gen) + 0.1
-    shared = torch.randn(T, D, generator=gen).bfloat16()
-    waits: list[int] = []
-    got = tmoe.moe_experts_shared(x, ids, wts, ex, 10.0, shared, lambda: waits.append(1))
-    want = torch_route.moe_combine(tmoe.moe_experts(x, ids, wts, ex, 10.0), shared,
-                                   torch.bfloat16)
-    assert torch.equal(got, want) and waits == [1] and got.dtype == torch.bfloat16
-    if T:
-        _assert_bf16_close(got, torch_route.moe_experts_shared(x, ids, wts, ex, 10.0, shared))
-
-
 def _plan_experts(fmt: str, E: int, D: int, inter: int, gen: torch.Generator,
                   device: str = "cpu"):
     """Random expert stacks of one format: fp4 (row-major or K-chunk-major), fp8, dense."""
@@ -415,6 +378,32 @@ def _plan_experts(fmt: str, E: int, D: int, inter: int, gen: torch.Generator,
     return torch_dense.ExpertWeights(*((torch.randn(*shape, generator=gen) * 0.06).to(
         device, torch.bfloat16) for shape in ((E, inter, D), (E, inter, D), (E, D, inter))),
         None, "dense")
+
+
+@interp_only
+@pytest.mark.parametrize("T", [0, 1, 3])
+@pytest.mark.parametrize("fmt", ["fp4", "dense"])
+def test_interp_experts_shared_is_the_combine(T: int, fmt: str) -> None:
+    """moe_experts_shared = moe_combine(moe_experts(...)) bit for bit; wait_shared once."""
+    from dsv4.ops import triton_moe as tmoe
+
+    gen = torch.Generator().manual_seed(T + 11)
+    E, D, inter = 4, 256, 128
+    ex = _plan_experts(fmt, E, D, inter, gen)
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)]) if T else \
+        torch.zeros(0, 2, dtype=torch.int64)
+    if T:
+        ids[0, 1] = -1                                     # a pick of another rank: skipped
+    wts = torch.rand(T, 2, generator=gen) + 0.1
+    shared = torch.randn(T, D, generator=gen).bfloat16()
+    waits: list[int] = []
+    got = tmoe.moe_experts_shared(x, ids, wts, ex, 10.0, shared, lambda: waits.append(1))
+    want = torch_route.moe_combine(tmoe.moe_experts(x, ids, wts, ex, 10.0), shared,
+                                   torch.bfloat16)
+    assert torch.equal(got, want) and waits == [1] and got.dtype == torch.bfloat16
+    if T:
+        _assert_bf16_close(got, torch_route.moe_experts_shared(x, ids, wts, ex, 10.0, shared))
 
 
 @interp_only
@@ -493,10 +482,9 @@ def test_interp_experts_ignore_a_plan_of_other_ids() -> None:
     assert torch.equal(tmoe.moe_experts(x[:1], ids, wts, ex, 10.0, plan=plan),
                        tmoe.moe_experts(x[:1], ids, wts, ex, 10.0))
     other_rows = dataclasses.replace(plan, BM=plan.BM * 2)
-    assert torch.equal(tmoe.moe_experts(x, *tri.moe_gate(x, w, bias, None, None, 3, 2.5)[::-1],
-                                        ex, 10.0, plan=other_rows),
-                       tmoe.moe_experts(x, *tri.moe_gate(x, w, bias, None, None, 3, 2.5)[::-1],
-                                        ex, 10.0))
+    wts, ids = tri.moe_gate(x, w, bias, None, None, 3, 2.5)
+    assert torch.equal(tmoe.moe_experts(x, ids, wts, ex, 10.0, plan=other_rows),
+                       tmoe.moe_experts(x, ids, wts, ex, 10.0))
 
 
 # ------------------------------------------------------------------------ GPU (V4-Flash shapes)
@@ -563,20 +551,12 @@ def test_gpu_experts_shared_is_the_combine(T: int) -> None:
     moe_experts_shared = moe_combine(moe_experts(...)) bit for bit, with the shared expert on
     the side lane joined by wait_shared."""
     from dsv4.ops import streams
-    from dsv4.ops import torch_dense
     from dsv4.ops import triton_moe as tmoe
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(T)
     E, D, inter = 16, 4096, 2048
-
-    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = torch.randint(0, 256, (E, n, k // 2), generator=gen, dtype=torch.uint8)
-        s = torch.randint(118, 124, (E, n, k // 32), generator=gen).to(torch.uint8)
-        return w.view(torch.int8).to(dev), s.view(torch.float8_e8m0fnu).to(dev)
-    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
-    ex = torch_dense.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
-    ex = torch_dense.kchunk_experts(ex, 128)
+    ex = _plan_experts("fp4_kchunk", E, D, inter, gen, dev)
     x = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen)[:6] for _ in range(T)]).to(dev)
     wts = (torch.rand(T, 6, generator=gen) + 0.1).to(dev)
