@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in the nineteenth session (docs/PERFORMANCE.md); bench/ws_gemm.py and the TMA /
+# warp-specialized expert kernels were removed after it: they are at commit 7c14f5f.
 # Nineteenth session.  (1) Hopper automatic warp specialization on the block-scaled FP8 expert
 # GEMMs (bench/ws_gemm.py: the same grouped GEMM with and without it, up and down forms,
 # V4-Flash widths at an 8K prefill's 192 rows an expert).  (2) Why s18g's B=2 PDL step did not

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in the nineteenth session (docs/PERFORMANCE.md); bench/ws_gemm.py and the TMA /
+# warp-specialized expert kernels were removed after it: they are at commit 7c14f5f.
 # Nineteenth session: the prefill experts' GEMMs through TMA descriptors, plain and with
 # Hopper's automatic warp specialization (DSV4_FP8MMA_LOADS tma / ws).  GPU bits test against
 # the pointer-load kernels, bench/ws_gemm.py (the model's kernels, V4-Flash widths, an 8K

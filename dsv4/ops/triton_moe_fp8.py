@@ -74,7 +74,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
@@ -133,13 +132,6 @@ _PREDECODE_TILE = tuple(int(v) for v in
 # 8K tokens 10.56 ms, 32K 28.04 against 10.86 / 26.89 in order with a slower re-encoding
 # tile), so off: in order on the current stream.
 PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "0") == "1"
-# How the GEMMs on predecoded weights read their tiles (DSV4_FP8MMA_LOADS): "ptr" pointer
-# loads (software-pipelined by Triton), "tma" TMA tensor descriptors, "ws" TMA with Hopper's
-# automatic warp specialization (a producer warp and two consumer warpgroups that wait on their
-# dots independently, so one's fp32 rescale overlaps the other's MMA).  bench/ws_gemm.py.
-FP8MMA_LOADS = os.environ.get("DSV4_FP8MMA_LOADS", "ptr")
-if FP8MMA_LOADS not in ("ptr", "tma", "ws"):
-    raise ValueError(f"DSV4_FP8MMA_LOADS={FP8MMA_LOADS!r}: expected 'ptr', 'tma' or 'ws'")
 _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 # The MXFP4 scale group (host int and kernel constexpr).
@@ -465,76 +457,6 @@ def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_pt
         store_rne(y_ptrs, acc, m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _fp8mma_up_tma_kernel(x_desc, xs_ptr, w1_desc, w3_desc, f1_ptr, f3_ptr, pair_ptr, bexp_ptr,
-                          wt_ptr, act_ptr, P, N, K, e0, e1, stride_xsm, stride_actm, stride_fe,
-                          limit, HAS_LIMIT: tl.constexpr, AB: tl.constexpr, KS: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
-                          WS: tl.constexpr, PDL: tl.constexpr = False):
-    """:func:`_fp8mma_up_kernel` on predecoded weights with TMA tiles: ``x_desc`` over the
-    prepped codes [rows, K], ``w*_desc`` over a chunk's codes [chunk · N, K] (tiles [BM, KS] /
-    [BN, KS]), the step factors [chunk, K / KS, N] read as before.  The same dots and fp32
-    steps, so the same values.  WS: Hopper's automatic warp specialization (a TMA producer and
-    two consumer warpgroups, each waiting on its own dots; needs num_warps=4).  Padding rows
-    read whatever the prepped buffer holds: their results are never stored."""
-    grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(bexp_ptr + blk)
-    rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    n_mask = rn < N
-    if (e >= e0) & (e < e1):
-        ew = e - e0
-        wrow = ew * N + pid_n * BN
-        f1 = f1_ptr + ew.to(tl.int64) * stride_fe + rn
-        f3 = f3_ptr + ew.to(tl.int64) * stride_fe + rn
-        xs_rows = xs_ptr + rm.to(tl.int64) * stride_xsm
-        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc3 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, K, KS, num_stages=STAGES, warp_specialize=WS):
-            a8 = x_desc.load([blk * BM, k0])
-            sa = tl.load(xs_rows + k0 // AB, mask=m_mask, other=0.0)
-            g8 = w1_desc.load([wrow, k0])
-            sg = tl.load(f1 + (k0 // KS) * N, mask=n_mask, other=0.0)
-            acc1 = tl.fma(tl.dot(a8, g8.T) * sa[:, None], sg[None, :], acc1)
-            u8 = w3_desc.load([wrow, k0])
-            su = tl.load(f3 + (k0 // KS) * N, mask=n_mask, other=0.0)
-            acc3 = tl.fma(tl.dot(a8, u8.T) * sa[:, None], su[None, :], acc3)
-        _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
-                     limit, tl.bfloat16, HAS_LIMIT)
-
-
-@triton.jit
-def _fp8mma_down_tma_kernel(a_desc, as_ptr, w2_desc, f2_ptr, pair_ptr, bexp_ptr, y_ptr, P, N,
-                            K, e0, e1, stride_asm, stride_ym, stride_fe, AB: tl.constexpr,
-                            KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            STAGES: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr = False):
-    """:func:`_fp8mma_down_kernel` on predecoded weights with TMA tiles (as
-    :func:`_fp8mma_up_tma_kernel`): one bf16 output row per pair."""
-    grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(bexp_ptr + blk)
-    rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    n_mask = rn < N
-    if (e >= e0) & (e < e1):
-        ew = e - e0
-        wrow = ew * N + pid_n * BN
-        f2 = f2_ptr + ew.to(tl.int64) * stride_fe + rn
-        as_rows = as_ptr + rm.to(tl.int64) * stride_asm
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in tl.range(0, K, KS, num_stages=STAGES, warp_specialize=WS):
-            a8 = a_desc.load([blk * BM, k0])
-            sa = tl.load(as_rows + k0 // AB, mask=m_mask, other=0.0)
-            w8 = w2_desc.load([wrow, k0])
-            sw = tl.load(f2 + (k0 // KS) * N, mask=n_mask, other=0.0)
-            acc = tl.fma(tl.dot(a8, w8.T) * sa[:, None], sw[None, :], acc)
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        store_rne(y_ptrs, acc, m_mask[:, None] & n_mask[None, :])
-
-
 # ------------------------------------------------------------------------------ host side
 # How the GEMM kernels decode the MXFP4 codes to e4m3 bytes on the GPU: "asm" (prmt byte
 # lookups per 4 packed bytes, inline PTX) or "alu" (the integer operations the interpreter runs).
@@ -555,17 +477,8 @@ class MoeFp8Config:
     warps_up: int = 8
     warps_down: int = 4
     stages: int = 3
-    # Predecoded weights only: "ptr", "tma" or "ws" (see FP8MMA_LOADS).
-    loads: str = "ptr"
 
     def __post_init__(self) -> None:
-        if self.loads not in ("ptr", "tma", "ws"):
-            raise ValueError(f"MoeFp8Config: loads must be 'ptr', 'tma' or 'ws'; found "
-                             f"{self.loads!r}")
-        if self.loads == "ws" and (self.warps_up, self.warps_down) != (4, 4):
-            raise ValueError("MoeFp8Config: warp-specialized plans take 4 warps a partition "
-                             f"(warps_up = warps_down = 4); found {self.warps_up} / "
-                             f"{self.warps_down}")
         for name in ("BM", "BN_up", "BN_down"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
@@ -588,12 +501,6 @@ PLAN_LARGE = MoeFp8Config(BM=128, BN_up=64, BN_down=128, warps_up=8, warps_down=
 # 2026-12-01, bench/moe_prefill_fp8.py --sweep, bench/sessions/gpu_session_s10c.sh).
 PLAN_PREDECODED = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
                                stages=4)
-# The same GEMMs through TMA descriptors, and warp-specialized (128-row blocks: each consumer
-# warpgroup takes 64 rows).  Not yet measured on the H200 in the model's path.
-PLAN_PREDECODED_TMA = MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
-                                   stages=4, loads="tma")
-PLAN_PREDECODED_WS = MoeFp8Config(BM=128, BN_up=128, BN_down=128, warps_up=4, warps_down=4,
-                                  stages=3, loads="ws")
 
 
 def pick_fp8mma_config(num_pairs: int, num_experts: int, predecode: bool = False
@@ -609,8 +516,7 @@ def pick_fp8mma_config(num_pairs: int, num_experts: int, predecode: bool = False
     default (:data:`FP8MMA_PREDECODE`); on the H200 its 128×128 up tile was the faster one
     despite the spill (bench/sessions/gpu_session_s11a.sh, docs/PERFORMANCE.md)."""
     if predecode:
-        return {"ptr": PLAN_PREDECODED, "tma": PLAN_PREDECODED_TMA,
-                "ws": PLAN_PREDECODED_WS}[FP8MMA_LOADS]
+        return PLAN_PREDECODED
     active = max(1, min(num_experts, num_pairs))
     return PLAN_SMALL if num_pairs / active < 128 else PLAN_LARGE
 
@@ -718,13 +624,6 @@ def _predecode_buffers(chunk: int, inter: int, dim: int, ks: int, device: torch.
     q1 = torch.empty(chunk, inter, dim, dtype=torch.float8_e4m3fn, device=device)
     f1 = torch.empty(chunk, dim // ks, inter, dtype=torch.float32, device=device)
     return q1, torch.empty_like(q1), f1, torch.empty_like(f1)
-
-
-def _tile_desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """A TMA descriptor of ``t`` seen as a matrix [numel / last dim, last dim] (a chunk's
-    predecoded codes [chunk, N, K] as [chunk · N, K]) with [rows, cols] tiles."""
-    flat = t.view(-1, t.shape[-1])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols])
 
 
 def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tensor, e0: int,
@@ -856,15 +755,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
-            if cfg.loads != "ptr":
-                _fp8mma_up_tma_kernel[(nb, n_up)](
-                    _tile_desc(xq, cfg.BM, ks), xs, _tile_desc(q1, cfg.BN_up, ks),
-                    _tile_desc(q3, cfg.BN_up, ks), f1, f3, pairs, block_expert, wts, act, P,
-                    inter, D, e0, e1, xs.stride(0), act.stride(0), f1.stride(0),
-                    float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0, AB=ab, KS=ks, BM=cfg.BM,
-                    BN=cfg.BN_up, STAGES=cfg.stages, WS=cfg.loads == "ws",
-                    num_warps=cfg.warps_up, **pdl_args(xq))
-                return
             _fp8mma_up_kernel[(nb, n_up)](
                 xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
                 xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
@@ -897,13 +787,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_down(slot: int, e0: int, e1: int) -> None:
             q2, f2 = down_bufs[slot]
-            if cfg.loads != "ptr":
-                _fp8mma_down_tma_kernel[(nb, n_down)](
-                    _tile_desc(aq, cfg.BM, ks), as_, _tile_desc(q2, cfg.BN_down, ks), f2, pairs,
-                    block_expert, y, P, D, inter, e0, e1, as_.stride(0), y.stride(0),
-                    f2.stride(0), AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_down, STAGES=cfg.stages,
-                    WS=cfg.loads == "ws", num_warps=cfg.warps_down, **pdl_args(aq))
-                return
             _fp8mma_down_kernel[(nb, n_down)](
                 aq, as_, q2, f2, pairs, block_expert, y, P, D, inter, e0, e1, aq.stride(0),
                 as_.stride(0), y.stride(0), q2.stride(0), q2.stride(1), f2.stride(0),

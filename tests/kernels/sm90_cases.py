@@ -717,16 +717,6 @@ def _moe_fp8mma() -> None:
         with RECORDER.override(tf8._fp8_predecode_kernel, ASM_DECODE=False):
             tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, tf8.PLAN_LARGE,
                                    predecode=True)
-        # The GEMMs through TMA descriptors, plain and warp-specialized (DSV4_FP8MMA_LOADS),
-        # and the warp-specialized plans of bench/ws_gemm.py.
-        plans = [tf8.PLAN_PREDECODED_TMA, tf8.PLAN_PREDECODED_WS]
-        for _, bm, bn, warps, stages, loads in _bench_module("ws_gemm").PLANS:
-            if loads != "ptr":
-                plans.append(tf8.MoeFp8Config(BM=bm, BN_up=bn, BN_down=bn, warps_up=warps,
-                                              warps_down=warps, stages=stages, loads=loads))
-        for cfg in plans:
-            tf8.moe_experts_fp8mma(x, ids, torch.rand(64, m.topk), ex, 10.0, cfg,
-                                   predecode=True)
         # The re-encoding tiles of bench/moe_prefill_fp8.py --sweep.
         from dsv4.ops import triton_moe as tm
         w2, s2, _ = tm._weight_args(ex, "w2")

@@ -140,32 +140,6 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @needs_gpu
-@pytest.mark.parametrize("loads", ["tma", "ws"])
-def test_fp8mma_tma_tiles_gpu(loads: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GEMMs on predecoded weights through TMA descriptors (plain and warp-specialized,
-    their default plans) give the pointer-load kernels' bits: 2,048 tokens, chunks of 37
-    experts (short last chunk, other chunks' blocks skipped), a skipped pick; NaN-poisoned
-    outputs."""
-    from dsv4.ops import torch_dense as ref
-    cfg = {"tma": f8.PLAN_PREDECODED_TMA, "ws": f8.PLAN_PREDECODED_WS}[loads]
-    monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 37)
-    ex = _stacks(torch.Generator(device=DEV).manual_seed(51))
-    T = 2048
-    gen = torch.Generator(device=DEV).manual_seed(52)
-    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
-    ids, w = _routing(T, gen)
-    ids[7, 2] = -1
-    base = f8.MoeFp8Config(BM=cfg.BM, BN_up=cfg.BN_up, BN_down=cfg.BN_down, warps_up=8,
-                           warps_down=8, stages=cfg.stages)
-    _poison()
-    y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
-    y_ptr = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, base, predecode=True)
-    assert bool(torch.isfinite(y).all())
-    assert torch.equal(y, y_ptr), _rel(y, y_ptr)
-    assert _rel(y, ref.moe_experts(x, ids, w, ex, 10.0)) < REL_BOUND
-
-
-@needs_gpu
 def test_fp8mma_predecode_tiles_same_bytes_gpu() -> None:
     """Every re-encoding tile of bench/moe_prefill_fp8.py's sweep writes the same codes and
     factors (w2-shaped stacks of 3 experts: N = D, K = I), the hoisted-load tiles included,

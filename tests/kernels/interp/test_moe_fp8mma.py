@@ -279,30 +279,6 @@ def test_predecoded_equals_decoded_in_the_loop(chunk: int, act_block: int, T: in
     assert rel_err(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
 
 
-@pytest.mark.parametrize("loads,act_block,T", [("tma", 128, 13), ("ws", 128, 29), ("tma", 32, 5)])
-def test_tma_tiles_equal_pointer_loads(loads: str, act_block: int, T: int,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GEMMs on predecoded weights through TMA descriptors (``loads`` "tma", and "ws":
-    warp-specialized on the GPU) give the pointer-load kernels' bits: chunks of 3 experts (the
-    last one short, so blocks of other chunks are skipped), skipped picks, unused plan blocks,
-    padding rows, act blocks 128 and 32."""
-    monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 3)
-    gen = torch.Generator().manual_seed(T)
-    ex = _fp4_experts(gen, act_block)
-    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16)
-    ids, w = _routing(T, gen)
-    ids[0, 1] = -1
-    ids[T - 1, 0] = E + 3
-    warps = 4 if loads == "ws" else 8
-    base = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128, warps_up=warps, warps_down=warps)
-    y_ptr = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, base, predecode=True)
-    cfg = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128, warps_up=warps, warps_down=warps,
-                          loads=loads)
-    y = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
-    assert torch.equal(y, y_ptr), (loads, act_block)
-    assert rel_err(y, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
-
-
 @pytest.mark.parametrize("tile,kchunk", [(None, False), ((32, 8, 1), False),
                                          ((16, 2, 1, 2), True), ((64, 1, 0), True),
                                          ((16, 4, 0, 8), True)])
