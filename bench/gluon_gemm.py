@@ -36,19 +36,20 @@ E, D, INTER, TOPK = 256, 4096, 2048, 6
 TRITON = f8.PLAN_PREDECODED
 PLANS = [
     ("up", "triton", TRITON),
-    ("up", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 4, 1, 1)),      # no overlap: a control
-    ("up", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 4, 2, 2)),
+    ("up", "triton", f8.MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
+                                     stages=5)),
+    ("up", "gluon", glm.GluonPlan(64, 128, 128, 8, 8, 4, 1, 1)),      # no overlap: a control
     ("up", "gluon", glm.GluonPlan(64, 128, 128, 8, 8, 4, 2, 2)),
-    ("up", "gluon", glm.GluonPlan(64, 64, 128, 8, 8, 4, 4, 4)),
-    ("up", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 3, 2, 2)),
-    ("up", "gluon", glm.GluonPlan(128, 64, 128, 8, 8, 4, 2, 2)),
+    ("up", "gluon", glm.GluonPlan(64, 128, 128, 8, 8, 5, 2, 2)),
+    ("up", "gluon", glm.GluonPlan(64, 128, 128, 8, 8, 5, 1, 1)),
     ("down", "triton", TRITON),
+    ("down", "triton", f8.MoeFp8Config(BM=64, BN_up=128, BN_down=128, warps_up=8, warps_down=8,
+                                       stages=6)),
     ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 4, 1, 1)),    # no overlap: a control
-    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 4, 8, 8)),
-    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 4, 4, 4)),
-    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 6, 4, 4)),
-    ("down", "gluon", glm.GluonPlan(64, 64, 64, 4, 4, 4, 8, 8)),
-    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 4, 16, 16)),
+    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 6, 1, 1)),
+    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 8, 1, 1)),
+    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 8, 2, 2)),
+    ("down", "gluon", glm.GluonPlan(64, 64, 128, 4, 8, 8, 4, 4)),
 ]
 
 
