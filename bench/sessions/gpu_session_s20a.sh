@@ -2,6 +2,8 @@
 # Twentieth session, run A: the Gluon GEMMs of the predecoded FP8 expert path (new,
 # dsv4/ops/gluon_moe_fp8.py): their GPU tests (bits against the Triton kernels), the kernels
 # alone against Triton's at an 8K prefill's routing, the whole expert path with and without them.
+# The Gluon kernels and bench/gluon_gemm.py were removed after these runs (no gain); they are
+# at commit 9fb6c51.
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage

@@ -8,7 +8,12 @@ the GEMMs stream plain FP8 tiles; the first form decoded the codes inside the GE
 layer's experts, docs/PERFORMANCE.md tenth session): predecoded 10.6 ms at 8,192 tokens and
 28.0 ms at 32,768 against 10.5 / 35.2 ms for the bf16-MMA kernels; in-loop 13.3 / 43.4 ms.
 The wgmma of each step is still waited on at once (its result is rescaled before the next
-step), so the MMAs do not overlap the next step's loads: the next thing to fix.
+step).  Overlapping it inside a program does not pay on the H200: Gluon kernels that keep the
+next step's wgmma in flight during the rescale gave the same bits at 3,521 / 2,773 µs (up /
+down, 8K tokens) against these kernels' 3,614 / 1,998 (docs/PERFORMANCE.md, twentieth session;
+the code is at commit 9fb6c51).  Two programs per SM already overlap each other's rescales
+and MMAs; the down GEMM's in-flight product costs it the second program (registers), and the
+up GEMM runs one program per SM either way.  Triton 3.6's automatic warp specialization hung.
 
 The products are exact.  With ``ExpertWeights.act_block`` set, the torch twin
 (``dsv4.ops.torch_dense.moe_experts``) FP8-fake-quantizes the expert inputs per act block with
@@ -671,25 +676,10 @@ def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
     return ab
 
 
-def _gluon_applies(x: torch.Tensor, ks: int, dim: int, inter: int, predecode: bool,
-                   gluon: bool | None) -> bool:
-    """Whether the predecoded GEMMs run as the Gluon kernels (``dsv4.ops.gluon_moe_fp8``):
-    asked for (``gluon``, None: ``DSV4_FP8MMA_GLUON``), on a CUDA device (Gluon has no
-    interpreter), with the K step 128 and both K loops whole multiples of the plan's unroll."""
-    from dsv4.ops import gluon_moe_fp8 as glm
-    want = glm.GLUON_GEMMS if gluon is None else bool(gluon)
-    if not (want and predecode and glm.HAVE_GLUON and x.is_cuda) or _INTERPRET_HOST:
-        return False
-    plan = glm.DEFAULT_PLAN
-    return (ks == MAX_STEP and dim % (plan.unroll_up * ks) == 0
-            and inter % (plan.unroll_down * ks) == 0)
-
-
 def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: ExpertWeights, swiglu_limit: float,
                        cfg: MoeFp8Config | None = None,
-                       predecode: bool | None = None,
-                       gluon: bool | None = None) -> torch.Tensor:
+                       predecode: bool | None = None) -> torch.Tensor:
     """Weighted sum of the routed experts picked per token (spec §3.9), fp32 [T, D], with the
     GEMMs on FP8 tensor cores: the contract of ``triton_moe.moe_experts`` restricted to MXFP4
     stacks under official numerics (``act_block`` set) and bf16 compute (ValueError otherwise).
@@ -697,9 +687,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     x [T, D] bf16; topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights [T, k];
     ``cfg``: the tile plan (None: :func:`pick_fp8mma_config`); ``predecode``: re-encode each
     chunk of experts to FP8 codes first and run the GEMMs on them (same bytes, same dots), or
-    decode in the GEMMs' K loop (None: :data:`FP8MMA_PREDECODE`); ``gluon``: run the predecoded
-    GEMMs as the Gluon kernels of ``dsv4.ops.gluon_moe_fp8`` (same bits; None:
-    ``DSV4_FP8MMA_GLUON``; ignored off CUDA and for the in-loop decode).  Stacks whose scale spread is
+    decode in the GEMMs' K loop (None: :data:`FP8MMA_PREDECODE`).  Stacks whose scale spread is
     beyond :data:`FOLD_SPREAD` somewhere (or unchecked inside a CUDA-graph capture) run the
     bf16-MMA kernels (``triton_moe.moe_experts_with_config``).  Off CUDA without the Triton
     interpreter it runs the torch twin.
@@ -726,13 +714,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     predecode = FP8MMA_PREDECODE if predecode is None else bool(predecode)
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
-    use_gluon = _gluon_applies(x, ks, D, inter, predecode, gluon)
-    if use_gluon:
-        from dataclasses import replace
-
-        from dsv4.ops import gluon_moe_fp8 as glm
-        gplan = glm.DEFAULT_PLAN
-        cfg = replace(cfg, BM=gplan.BM)      # the routing plan's row blocks are the kernels'
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -779,10 +760,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
-            if use_gluon:
-                glm.gluon_up(xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, e0, e1,
-                             ab, ks, swiglu_limit, gplan)
-                return
             _fp8mma_up_kernel[(nb, n_up)](
                 xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
                 xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
@@ -815,10 +792,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_down(slot: int, e0: int, e1: int) -> None:
             q2, f2 = down_bufs[slot]
-            if use_gluon:
-                glm.gluon_down(aq, as_, q2, f2, pairs, block_expert, y, P, e0, e1, ab, ks,
-                               gplan)
-                return
             _fp8mma_down_kernel[(nb, n_down)](
                 aq, as_, q2, f2, pairs, block_expert, y, P, D, inter, e0, e1, aq.stride(0),
                 as_.stride(0), y.stride(0), q2.stride(0), q2.stride(1), f2.stride(0),

@@ -233,11 +233,8 @@ def compile_launch(launch: Launch) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    source = triton.compiler.ASTSource
-    if getattr(launch.kernel, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    src = source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs,
-                 attrs=launch.attrs)
+    src = triton.compiler.ASTSource(fn=launch.kernel, signature=launch.signature,
+                                    constexprs=launch.constexprs, attrs=launch.attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", ARCH, 32),
                             options=launch.options.__dict__)
     shared = kernel.metadata.shared
@@ -737,37 +734,6 @@ def _moe_fp8mma() -> None:
                                    predecode=predecode)
     finally:
         tf8.fold_spread_ok = real_ok
-
-
-@scenario("moe_experts/v4_flash/fp4_fp8mma/gluon")
-def _moe_fp8mma_gluon() -> None:
-    """The Gluon GEMMs on predecoded weights (dsv4.ops.gluon_moe_fp8; Gluon has no
-    interpreter, so this compile is their CPU check): the default plan and every plan of
-    bench/gluon_gemm.py, V4-Flash widths, TMA descriptors over CPU tensors.  ptxas (sm_90):
-    up 64×64, 4 warps, unroll 2 — 254 registers; down 64×128, 8 warps, unroll 8 — 189; no
-    spills, no serialized wgmma (C7514)."""
-    import torch
-
-    from dsv4.ops import gluon_moe_fp8 as glm
-    if not glm.HAVE_GLUON:
-        return
-    m, e4, rows, P, chunk = V4_FLASH, torch.float8_e4m3fn, 64 * 8, 300, 4
-    bench = _bench_module("gluon_gemm")
-    plans = [glm.DEFAULT_PLAN] + [plan for _, label, plan in bench.PLANS if label == "gluon"]
-    for plan in plans:
-        pairs = torch.zeros(rows, dtype=torch.int32)
-        bexp = torch.zeros(rows // plan.BM, dtype=torch.int32)
-        glm.gluon_up(_empty(rows, m.dim, dtype=e4), torch.empty(rows, m.dim // 128),
-                     _empty(chunk, m.inter, m.dim, dtype=e4),
-                     _empty(chunk, m.inter, m.dim, dtype=e4),
-                     torch.empty(chunk, m.dim // 128, m.inter),
-                     torch.empty(chunk, m.dim // 128, m.inter), pairs, bexp, torch.empty(P),
-                     _empty(rows, m.inter, dtype=torch.bfloat16), P, 0, chunk, 128, 128, 10.0,
-                     plan)
-        glm.gluon_down(_empty(rows, m.inter, dtype=e4), torch.empty(rows, m.inter // 128),
-                       _empty(chunk, m.dim, m.inter, dtype=e4),
-                       torch.empty(chunk, m.inter // 128, m.dim), pairs, bexp,
-                       _empty(P, m.dim, dtype=torch.bfloat16), P, 0, chunk, 128, 128, plan)
 
 
 def _bench_module(name: str):
