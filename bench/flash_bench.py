@@ -732,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=None,
                     help="routed experts a layer (default V4-Flash's 256); fewer let all 43 "
                          "layers fit one GPU for the batch-1 step, whose bytes do not change")
+    ap.add_argument("--moe-fp8-codes", action="store_true",
+                    help="keep the MXFP4 experts' FP8 re-encoding on the GPU (the engine "
+                         "option moe_fp8_codes): prefill's FP8-MMA experts skip re-encoding")
     ap.add_argument("--prefill", default="1024,4096,8192", help="prompt lengths")
     ap.add_argument("--decode-batches", default="1,16,64,256")
     ap.add_argument("--ctx", type=int, default=8192, help="context length of decode requests")
@@ -785,6 +788,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
 
     model = build_model(args.layers, args.tiny, args.experts)
+    if args.moe_fp8_codes:
+        kept = model.keep_expert_fp8_codes()
+        log(f"kept FP8 expert codes: {kept / 1e9:.1f} GB")
+    results["moe_fp8_codes"] = bool(args.moe_fp8_codes)
     results["gpu_mem_model_GB"] = torch.cuda.memory_allocated() / 1e9 if DEV == "cuda" else 0.0
     log(f"model built: {args.layers} layers, {results['gpu_mem_model_GB']:.1f} GB on the GPU")
     batches = [int(b) for b in args.decode_batches.split(",") if b]

@@ -2,7 +2,7 @@
 against the bf16-MMA kernels (``triton_moe.moe_experts_with_config``), V4-Flash widths (D 4096,
 I 2048, 256 experts, top-6), MXFP4 stacks under official numerics (act_block 128), bf16.
 
-    PYTHONPATH=. python bench/moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] [--out f.json]
+    PYTHONPATH=. python bench/moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] [--kept] [--out f.json]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_prefill_fp8.py --tiny   # CPU smoke run
 
 Per token count and FP8 weight mode (decoded in the GEMMs' K loop; predecoded): µs per call
@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     # The model's GPU layout (K-chunk-major) unless --rows.
     ex = mxfp4_stacks(E, D, inter, gen, device, kchunk=device == "cuda" and not args.rows)
+    # The same stacks with their FP8 re-encoding kept on the device (the engine option
+    # moe_fp8_codes): the GEMMs read it, nothing is re-encoded per call.
+    kept = replace(ex, fp8_codes=f8.encode_fp8_codes(ex)) if args.kept else None
     rows: list[dict[str, Any]] = []
     print("| tokens | plan | weights | bf16-MMA µs | TFLOP/s | FP8-MMA µs | TFLOP/s | speed-up "
           "| rel. diff | finite |")
@@ -98,13 +102,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flops = 2 * 3 * T * k * D * inter
         y_bf16 = tri.moe_experts_with_config(x, ids, w, ex, 10.0, None)
         t_bf16 = time_us(lambda: tri.moe_experts_with_config(x, ids, w, ex, 10.0, None), device)
-        for mode, predecode in (("decoded in the K loop", False), ("predecoded", True)):
+        modes = [("decoded in the K loop", False, ex), ("predecoded", True, ex)]
+        if kept is not None:
+            modes.append(("kept FP8 codes", True, kept))
+        for mode, predecode, stacks in modes:
             picked = f8.pick_fp8mma_config(T * k, E, predecode)
             plans: list[f8.MoeFp8Config | None] = [None] + (
                 [c for c in SWEEP if c != picked] if args.sweep else [])
             for cfg in plans:
-                def call(cfg=cfg, predecode=predecode) -> torch.Tensor:
-                    return f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
+                def call(cfg=cfg, predecode=predecode, stacks=stacks) -> torch.Tensor:
+                    return f8.moe_experts_fp8mma(x, ids, w, stacks, 10.0, cfg,
+                                                 predecode=predecode)
                 y = call()
                 t = time_us(call, device)
                 used = cfg or picked
@@ -166,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sweep", action="store_true", help="also time the other FP8 tile plans")
     ap.add_argument("--rows", action="store_true",
                     help="row-major stacks (the layout before the twelfth session)")
+    ap.add_argument("--kept", action="store_true",
+                    help="also time the stacks with their FP8 re-encoding kept on the device")
     ap.add_argument("--tiny", action="store_true", help="toy widths on CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     return run(ap.parse_args(argv))

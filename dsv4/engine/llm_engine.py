@@ -76,6 +76,11 @@ class EngineOptions:
     pipeline.  Each step computes what the unpipelined engine computes, except that the step
     after a sequence stops still carries its row (a larger batch bucket may round other rows
     differently, as any change of batch does).
+    ``moe_fp8_codes`` (default False): keep an FP8 re-encoding of the MXFP4 routed experts on
+    the GPU next to them (lossless; about twice the MXFP4 stacks' bytes, counted as weights in the
+    cache sizing), so prefill steps large enough for the FP8-MMA expert GEMMs skip re-encoding
+    every expert of every MoE layer at each step (``dsv4.ops.triton_moe_fp8``); for machines
+    with memory to spare, e.g. V4-Flash over 8 GPUs with ``expert_parallel``.
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
     ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
     loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:
@@ -103,6 +108,7 @@ class EngineOptions:
     cuda_graph_capture: str = "startup"
     cuda_graphs_under_tp: bool = True
     pipeline_decode: bool | None = None
+    moe_fp8_codes: bool = False
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
@@ -126,6 +132,9 @@ class EngineOptions:
         if self.pipeline_decode not in (None, True, False):
             raise ValueError(f"engine option pipeline_decode={self.pipeline_decode!r} is "
                              "invalid; allowed: None, True, False")
+        if not isinstance(self.moe_fp8_codes, bool):
+            raise ValueError(f"engine option moe_fp8_codes={self.moe_fp8_codes!r} is invalid; "
+                             "allowed: True, False")
         if not isinstance(self.cuda_graphs_under_tp, bool):
             raise ValueError(f"engine option cuda_graphs_under_tp={self.cuda_graphs_under_tp!r} "
                              "is invalid; allowed: True, False")
@@ -263,6 +272,17 @@ class LLMEngine:
             extra_bytes = self.model.prepare_decode_weights()
             if extra_bytes:
                 log.info("dsv4 engine: %.2f GiB of decode-only weight forms", extra_bytes / 2**30)
+        if device.type == "cuda" and opts.moe_fp8_codes:
+            if not hasattr(self.model, "keep_expert_fp8_codes"):
+                raise ValueError("engine option moe_fp8_codes=True: this model has no MXFP4 "
+                                 "expert stacks to re-encode")
+            try:
+                kept = self.model.keep_expert_fp8_codes()
+            except torch.cuda.OutOfMemoryError as e:
+                raise ValueError("engine option moe_fp8_codes=True: the FP8 copies of the "
+                                 "routed experts do not fit on this GPU next to the weights; "
+                                 "turn it off or use more GPUs (expert_parallel)") from e
+            log.info("dsv4 engine: %.2f GiB of kept FP8 expert codes", kept / 2**30)
         profile = graph_pool = None
         use_graphs = device.type == "cuda" and not opts.enforce_eager and (
             not self.parallel.enabled or opts.cuda_graphs_under_tp)

@@ -166,6 +166,8 @@ class Experts(nn.Module):
         # weight tile one contiguous run, ~11% faster expert GEMMs from 2 tokens per step,
         # docs/PERFORMANCE.md twelfth session); ``kchunk`` says what the stacks hold now.
         self.kchunk = 0
+        # The stacks' FP8 re-encoding kept on the device (keep_fp8_codes), or None.
+        self.fp8_codes: Any = None
         k_step = expert_k_step(act_block, d, i)
         self.k_step = k_step if d % k_step == 0 and i % k_step == 0 else 0
         self.w1_scale: torch.Tensor | None = None
@@ -235,6 +237,7 @@ class Experts(nn.Module):
                              f"{value.scale.dtype}")
         stack = self._materialize(which, value.weight.device)
         scale = getattr(self, f"{which}_scale")
+        self.fp8_codes = None         # made from the stacks as they were
         w, s = value.weight.view(stack.dtype), value.scale
         if self.fmt == "fp4" and stack.is_cuda and self.k_step:
             w = rows_kchunk(w.view(torch.uint8), self.k_step // 2).view(stack.dtype)
@@ -251,11 +254,25 @@ class Experts(nn.Module):
         if self.fmt != "fp4" or self.kchunk or not self.k_step:
             return
         chunked = kchunk_experts(self.weights(), self.k_step)
+        self.fp8_codes = None
         with torch.no_grad():
             for name in ("w1", "w3", "w2"):
                 getattr(self, name).copy_(getattr(chunked, name))
                 getattr(self, f"{name}_scale").copy_(getattr(chunked, "s" + name[1]))
         self.kchunk = self.k_step
+
+    def keep_fp8_codes(self) -> int:
+        """Make the MXFP4 stacks' lossless FP8 re-encoding and keep it on the device, so that
+        large prefill steps run the FP8-MMA expert GEMMs without re-encoding the experts each
+        time (``triton_moe_fp8.encode_fp8_codes``; the engine option ``moe_fp8_codes``).
+        Returns its bytes; 0 (nothing kept) off CUDA, for other formats, and for stacks the
+        FP8-MMA path does not run (a scale spread beyond its exact range)."""
+        from dsv4.ops import triton_moe_fp8
+        self.fp8_codes = None
+        if self.fmt != "fp4" or not self.w1.is_cuda:
+            return 0
+        self.fp8_codes = triton_moe_fp8.encode_fp8_codes(self.weights())
+        return self.fp8_codes.nbytes() if self.fp8_codes is not None else 0
 
     def _materialize(self, which: str, device: torch.device) -> torch.Tensor:
         """The stack ``which`` (and its scales), given storage on ``device`` by the first expert
@@ -273,7 +290,7 @@ class Experts(nn.Module):
             return ExpertWeights(self.w1, self.w3, self.w2, self.act_block)
         return ExpertWeights(self.w1, self.w3, self.w2, self.act_block, self.fmt,
                              self.w1_scale, self.w3_scale, self.w2_scale, self.block,
-                             self.kchunk)
+                             self.kchunk, self.fp8_codes)
 
 
 class SharedExpert(nn.Module):

@@ -328,6 +328,12 @@ class Transformer(nn.Module):
         return sum(m.prepare_decode_weights() for m in self.modules()
                    if m is not self and hasattr(m, "prepare_decode_weights"))
 
+    def keep_expert_fp8_codes(self) -> int:
+        """Keep every MXFP4 expert stack's FP8 re-encoding on the GPU (``Experts.keep_fp8_codes``:
+        the prefill's FP8-MMA expert GEMMs then skip their per-call re-encoding); returns the
+        bytes kept (0 on CPUs and for other expert formats)."""
+        return sum(m.keep_fp8_codes() for m in self.modules() if hasattr(m, "keep_fp8_codes"))
+
     # ------------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, ctx: Any, cache: Any) -> torch.Tensor:

@@ -262,6 +262,10 @@ class ExpertWeights:
     ``kchunk`` (MXFP4 only; 0: row-major): the codes and scales are stored K-chunk-major with
     chunks of ``kchunk`` codes (:func:`rows_kchunk`: same shapes, another byte order), so the
     expert kernels' weight tile of one K step (= ``kchunk``) is one contiguous run of bytes.
+
+    ``fp8_codes`` (MXFP4 on a GPU, optional): the stacks' lossless FP8 re-encoding kept on the
+    device (``dsv4.ops.triton_moe_fp8.Fp8Codes``), which the FP8-MMA prefill path then reads
+    instead of re-encoding the experts at every call; the twin ignores it.
     """
 
     w1: torch.Tensor
@@ -274,6 +278,7 @@ class ExpertWeights:
     s2: torch.Tensor | None = None
     block: int = 128
     kchunk: int = 0
+    fp8_codes: Any = None
 
     def __post_init__(self) -> None:
         if self.fmt not in EXPERT_FORMATS:

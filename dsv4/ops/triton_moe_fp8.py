@@ -100,8 +100,8 @@ from dsv4.ops.triton_moe import (
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
-__all__ = ["FP8MMA_PREFILL", "MoeFp8Config", "fold_spread_ok", "fp8mma_applies",
-           "moe_experts_fp8mma", "pick_fp8mma_config"]
+__all__ = ["FP8MMA_PREFILL", "Fp8Codes", "MoeFp8Config", "encode_fp8_codes", "fold_spread_ok",
+           "fp8_codes_apply", "fp8mma_applies", "moe_experts_fp8mma", "pick_fp8mma_config"]
 
 # triton_moe.moe_experts routes calls here when fp8mma_applies (DSV4_FP8MMA=0: never).
 FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
@@ -116,6 +116,10 @@ FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
 # 32K 1.47x (the bf16 kernels 6-8% slower on that layout, the predecoded path faster): from
 # 192 (8K tokens of V4-Flash on one GPU).
 MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "192"))
+# The same for stacks whose FP8 codes are kept on the device (ExpertWeights.fp8_codes: no
+# re-encoding to pay for).  H200, V4-Flash (bench/moe_prefill_fp8.py --kept): see
+# docs/PERFORMANCE.md, twentieth session.
+MIN_PAIRS_KEPT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_KEPT", "48"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
 FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
@@ -565,7 +569,8 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     :data:`FP8MMA_PREFILL`): MXFP4 stacks with e8m0 (uint8) scales under official numerics with
     an act block that is a multiple of 128 (one dot per 128-wide K step; smaller act blocks
     work but are slower than the bf16-MMA kernels), bf16 x [T, D] with D and I multiples of the
-    act block, at least :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert, and every
+    act block, at least :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert
+    (:data:`MIN_PAIRS_KEPT` with the stacks' FP8 codes kept on the device), and every
     scale spread within :data:`FOLD_SPREAD` (checked once per scale tensor; the first check
     syncs)."""
     ab = experts.act_block
@@ -575,7 +580,8 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
         return False
     if any(getattr(experts, n).dtype not in (_E8M0, torch.uint8) for n in ("s1", "s3", "s2")):
         return False
-    if topk_ids.numel() < MIN_PAIRS_PER_EXPERT * experts.num_experts:
+    least = MIN_PAIRS_KEPT if experts.fp8_codes is not None else MIN_PAIRS_PER_EXPERT
+    if topk_ids.numel() < least * experts.num_experts:
         return False
     if experts.kchunk and experts.kchunk != k_step(ab):
         return False          # chunks of another width than this path's K step
@@ -653,6 +659,71 @@ def _predecode(w: torch.Tensor, s: torch.Tensor, q: torch.Tensor, f: torch.Tenso
                                 HOIST=bool(hoist), num_warps=warps, **pdl_args(w))
 
 
+@dataclass(frozen=True)
+class Fp8Codes:
+    """MXFP4 expert stacks re-encoded to FP8 once and kept on the device, so the FP8-MMA
+    prefill path skips its per-call re-encoding (``_fp8_predecode_kernel``'s output for every
+    expert: codes [E, N, K] e4m3 in the MMA K order of each ``ks``-wide step, step factors
+    [E, K / ks, N] fp32, for w1, w3 and w2).  Lossless: made only for stacks within
+    :data:`FOLD_SPREAD`.  1.03 bytes a weight, next to the MXFP4 stacks' 0.53."""
+
+    ks: int
+    q1: torch.Tensor
+    q3: torch.Tensor
+    q2: torch.Tensor
+    f1: torch.Tensor
+    f3: torch.Tensor
+    f2: torch.Tensor
+
+    def nbytes(self) -> int:
+        """Device bytes of the codes and factors."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.q1, self.q3, self.q2, self.f1, self.f3, self.f2))
+
+
+def fp8_codes_apply(experts: ExpertWeights) -> bool:
+    """Whether :func:`encode_fp8_codes` makes codes for ``experts``: MXFP4 stacks with e8m0
+    scales under official numerics with an act block that is a multiple of 128 (the stacks the
+    FP8-MMA path runs), D and I multiples of it, and every scale spread within
+    :data:`FOLD_SPREAD` (one check per scale tensor, cached)."""
+    ab = experts.act_block
+    if experts.fmt != "fp4" or not ab or ab % MAX_STEP:
+        return False
+    if experts.dim % ab or experts.inter_dim % ab:
+        return False
+    if any(getattr(experts, n).dtype not in (_E8M0, torch.uint8) for n in ("s1", "s3", "s2")):
+        return False
+    ks = k_step(ab)
+    if experts.kchunk and experts.kchunk != ks:
+        return False
+    return fold_spread_ok(experts, ks)
+
+
+def encode_fp8_codes(experts: ExpertWeights) -> Fp8Codes | None:
+    """The FP8 re-encoding of every expert of ``experts`` (the re-encoding kernel once per
+    stack), or None where :func:`fp8_codes_apply` says no.  Needs a CUDA device (or the
+    interpreter)."""
+    if not fp8_codes_apply(experts):
+        return None
+    if experts.w1.device.type != "cuda" and not _INTERPRET_HOST:
+        raise ValueError("encode_fp8_codes: needs the stacks on a CUDA device (or "
+                         "TRITON_INTERPRET=1)")
+    ks = k_step(experts.act_block)
+    E, inter, D = experts.num_experts, experts.inter_dim, experts.dim
+    dev, e4m3 = experts.w1.device, torch.float8_e4m3fn
+    q1 = torch.empty(E, inter, D, dtype=e4m3, device=dev)
+    q3 = torch.empty_like(q1)
+    q2 = torch.empty(E, D, inter, dtype=e4m3, device=dev)
+    f1 = torch.empty(E, D // ks, inter, dtype=torch.float32, device=dev)
+    f3 = torch.empty_like(f1)
+    f2 = torch.empty(E, inter // ks, D, dtype=torch.float32, device=dev)
+    asm, kchunk = FP8MMA_DECODE == "asm", bool(experts.kchunk)
+    for name, q, f in (("w1", q1, f1), ("w3", q3, f3), ("w2", q2, f2)):
+        w, sc, _ = _weight_args(experts, name)
+        _predecode(w, sc, q, f, 0, E, asm, ks, kchunk=kchunk)
+    return Fp8Codes(ks, q1, q3, q2, f1, f3, f2)
+
+
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
     """The act block, after checking that this path applies (MXFP4, official numerics, bf16)."""
     if experts.fmt != "fp4":
@@ -687,7 +758,9 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     x [T, D] bf16; topk_ids [T, k] (ids outside 0..E-1 are skipped); topk_weights [T, k];
     ``cfg``: the tile plan (None: :func:`pick_fp8mma_config`); ``predecode``: re-encode each
     chunk of experts to FP8 codes first and run the GEMMs on them (same bytes, same dots), or
-    decode in the GEMMs' K loop (None: :data:`FP8MMA_PREDECODE`).  Stacks whose scale spread is
+    decode in the GEMMs' K loop (None: :data:`FP8MMA_PREDECODE`); predecoded with
+    ``experts.fp8_codes`` set (:func:`encode_fp8_codes`), the GEMMs read those kept codes and
+    nothing is re-encoded (same bits).  Stacks whose scale spread is
     beyond :data:`FOLD_SPREAD` somewhere (or unchecked inside a CUDA-graph capture) run the
     bf16-MMA kernels (``triton_moe.moe_experts_with_config``).  Off CUDA without the Triton
     interpreter it runs the torch twin.
@@ -712,6 +785,11 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     P = T * k
     predecode = FP8MMA_PREDECODE if predecode is None else bool(predecode)
+    resident = experts.fp8_codes if predecode else None
+    if resident is not None and (resident.ks != ks or resident.q1.shape != (E, inter, D)):
+        raise ValueError(f"moe_experts_fp8mma: the kept FP8 codes are for other stacks (K step "
+                         f"{resident.ks}, {tuple(resident.q1.shape)}); expected K step {ks}, "
+                         f"{(E, inter, D)}")
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -750,10 +828,16 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
         slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
         chunk = predecode_chunk(E, inter, D, slots)
-        bufs = [_predecode_buffers(chunk, inter, D, ks, x.device) for _ in range(slots)]
+        if resident is not None:     # codes kept on the device: one chunk, nothing to encode
+            slots, chunk = 1, E
+            bufs = [(resident.q1, resident.q3, resident.f1, resident.f3)]
+        else:
+            bufs = [_predecode_buffers(chunk, inter, D, ks, x.device) for _ in range(slots)]
         free: list = [None] * slots
 
         def predecode_up(slot: int, e0: int, e1: int) -> None:
+            if resident is not None:
+                return
             q1, q3, f1, f3 = bufs[slot]
             _predecode(w1, s1, q1, f1, e0, e1, asm, ks, kchunk=kchunk)
             _predecode(w3, s3, q3, f3, e0, e1, asm, ks, kchunk=kchunk)
@@ -785,8 +869,12 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size).
         down_bufs = [(q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D))
                      for q1, _, f1, _ in bufs]
+        if resident is not None:
+            down_bufs = [(resident.q2, resident.f2)]
 
         def predecode_down(slot: int, e0: int, e1: int) -> None:
+            if resident is not None:
+                return
             q2, f2 = down_bufs[slot]
             _predecode(w2, s2, q2, f2, e0, e1, asm, ks, kchunk=kchunk)
 

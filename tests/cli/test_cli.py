@@ -62,6 +62,9 @@ def test_engine_flags_reach_the_engine_options():
     assert kw["gpu_memory_utilization"] == 0.8 and kw["cuda_graph_max_batch"] == 16
     assert "cuda_graphs_under_tp" not in kw and "pipeline_decode" not in kw
     opts = EngineOptions(**kw)
+    assert "moe_fp8_codes" not in kw
+    kept = engine_kwargs(build_parser().parse_args(["generate", "--moe-fp8-codes", "hi"]))
+    assert kept["moe_fp8_codes"] is True and EngineOptions(**kept).moe_fp8_codes is True
     off = engine_kwargs(build_parser().parse_args(["generate", "--no-pipeline-decode", "hi"]))
     assert off["pipeline_decode"] is False and EngineOptions(**off).pipeline_decode is False
     assert opts.enforce_eager and opts.cuda_graph_capture == "lazy"

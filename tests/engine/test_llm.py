@@ -92,6 +92,7 @@ def test_engine_rejects_bad_requests(tiny_v4_path, tiny_v4_model, tiny_v4_tokeni
     (dict(max_num_seqs=0), "max_num_seqs=0 is invalid"),
     (dict(numerics="fp4"), "numerics='fp4' is invalid"),
     (dict(max_num_seq=4), r"unknown engine option\(s\) \['max_num_seq'\]"),
+    (dict(moe_fp8_codes="yes"), "moe_fp8_codes='yes' is invalid"),
 ])
 def test_engine_rejects_bad_options(kw, msg, tiny_v4_path, tiny_v4_model) -> None:
     with pytest.raises(ValueError, match=msg):

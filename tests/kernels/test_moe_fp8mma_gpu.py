@@ -140,6 +140,42 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @needs_gpu
+def test_fp8mma_kept_codes_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V4-Flash stacks with their FP8 re-encoding kept (encode_fp8_codes, the engine option
+    moe_fp8_codes): the codes equal the per-call re-encoding's bytes, the expert call on them
+    gives the re-encoding path's bits at 2048 tokens (a skipped pick), and the op table takes
+    the FP8-MMA path from MIN_PAIRS_KEPT pairs an expert."""
+    from dataclasses import replace
+
+    from dsv4.ops import triton_moe as tri
+    ex = _stacks(torch.Generator(device=DEV).manual_seed(61))
+    codes = f8.encode_fp8_codes(ex)
+    assert codes is not None
+    q = torch.empty_like(codes.q2)
+    f = torch.empty_like(codes.f2)
+    w2, s2, _ = tri._weight_args(ex, "w2")
+    f8._predecode(w2, s2, q, f, 0, E, True, 128, kchunk=bool(ex.kchunk))
+    assert torch.equal(q.view(torch.uint8), codes.q2.view(torch.uint8))
+    assert torch.equal(f, codes.f2)
+    kept = replace(ex, fp8_codes=codes)
+    T = 2048
+    gen = torch.Generator(device=DEV).manual_seed(62)
+    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[7, 2] = -1
+    _poison()
+    y_kept = f8.moe_experts_fp8mma(x, ids, w, kept, 10.0, predecode=True)
+    y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, predecode=True)
+    assert bool(torch.isfinite(y_kept).all())
+    assert torch.equal(y_kept, y_pre)
+    monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
+    monkeypatch.setattr(f8, "FP8MMA_PREDECODE", True)
+    monkeypatch.setattr(f8, "MIN_PAIRS_KEPT", 48)
+    assert f8.fp8mma_applies(x, ids, kept) and not f8.fp8mma_applies(x, ids, ex)
+    assert torch.equal(tri.moe_experts(x, ids, w, kept, 10.0), y_kept)
+
+
+@needs_gpu
 def test_fp8mma_predecode_tiles_same_bytes_gpu() -> None:
     """Every re-encoding tile of bench/moe_prefill_fp8.py's sweep writes the same codes and
     factors (w2-shaped stacks of 3 experts: N = D, K = I), the hoisted-load tiles included,

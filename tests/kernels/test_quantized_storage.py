@@ -129,6 +129,27 @@ def test_experts_kchunk_relayout_keeps_the_output() -> None:
     assert torch.equal(torch_dense.kchunk_rows(ex.w1, 64), rows)
 
 
+def test_experts_keep_fp8_codes_on_cpu_and_reset_by_loads() -> None:
+    """Experts.keep_fp8_codes (the engine option moe_fp8_codes) keeps nothing off CUDA (0
+    bytes); codes kept earlier are dropped when an expert is loaded or the stacks re-laid, and
+    weights() hands the kept codes to the expert ops."""
+    cfg = ModelConfig.from_dict(tiny_config("v4", hidden_size=256, moe_intermediate_size=128,
+                                            n_routed_experts=4, num_experts_per_tok=2,
+                                            expert_dtype="fp4"))
+    ex = Experts(cfg, None, torch.float32, keep_quantized=True)
+    assert ex.keep_fp8_codes() == 0 and ex.fp8_codes is None
+    marker = object()
+    ex.fp8_codes = marker
+    assert ex.weights().fp8_codes is marker
+    gen = torch.Generator().manual_seed(5)
+    q, s = formats.quant_mxfp4(torch.randn(128, 256, generator=gen) * 0.1)
+    ex.official_targets("")["0.w1.weight"](formats.QuantWeight(q, s, "fp4", 32, (128, 256)))
+    assert ex.fp8_codes is None
+    ex.fp8_codes = marker
+    ex.relayout_kchunk()
+    assert ex.fp8_codes is None
+
+
 def test_experts_quantized_storage_rejects_other_formats() -> None:
     cfg = _expert_cfg("fp4")
     ex = Experts(cfg, None, torch.float32, keep_quantized=True)

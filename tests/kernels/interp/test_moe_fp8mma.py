@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -277,6 +278,74 @@ def test_predecoded_equals_decoded_in_the_loop(chunk: int, act_block: int, T: in
     y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
     assert torch.equal(y_pre, y_loop), (chunk, act_block)
     assert rel_err(y_pre, ref.moe_experts(x, ids, w, ex, 10.0)) < BF16_BOUND
+
+
+@pytest.mark.parametrize("kchunk", [False, True])
+def test_kept_fp8_codes_same_bits(kchunk: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacks with their FP8 re-encoding kept (encode_fp8_codes, ExpertWeights.fp8_codes):
+    the codes equal the re-encoding kernel's for every expert, and the expert call reading
+    them (no re-encoding, one chunk) gives the re-encoding path's bits — which itself runs in
+    chunks of 3 here (a short last chunk), with skipped picks and unused plan blocks."""
+    monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 3)
+    gen = torch.Generator().manual_seed(31)
+    ex = _fp4_experts(gen, 128)
+    if kchunk:
+        ex = ref.kchunk_experts(ex, 128)
+    codes = f8.encode_fp8_codes(ex)
+    assert codes is not None and codes.ks == 128
+    assert codes.q1.shape == (E, INTER, D) and codes.q2.shape == (E, D, INTER)
+    assert codes.f2.shape == (E, INTER // 128, D)
+    assert codes.nbytes() == 3 * E * INTER * D + 4 * (2 * E * (D // 128) * INTER
+                                                      + E * (INTER // 128) * D)
+    w2, s2, _ = tri._weight_args(ex, "w2")
+    q = torch.empty(E, D, INTER, dtype=torch.float8_e4m3fn)
+    f = torch.empty(E, INTER // 128, D)
+    f8._predecode(w2, s2, q, f, 0, E, False, 128, kchunk=kchunk)
+    assert torch.equal(q.view(torch.uint8), codes.q2.view(torch.uint8))
+    assert torch.equal(f, codes.f2)
+    kept = replace(ex, fp8_codes=codes)
+    T = 13
+    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[0, 1] = -1
+    ids[T - 1, 0] = E + 3
+    cfg = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128)
+    calls = []
+    real_predecode = f8._predecode
+    monkeypatch.setattr(f8, "_predecode", lambda *a, **k: calls.append(1) or real_predecode(*a, **k))
+    y_kept = f8.moe_experts_fp8mma(x, ids, w, kept, 10.0, cfg, predecode=True)
+    assert not calls                                       # nothing re-encoded
+    y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
+    assert calls
+    assert torch.equal(y_kept, y_pre)
+    # The in-loop decode ignores the kept codes (and still gives the same bits).
+    assert torch.equal(f8.moe_experts_fp8mma(x, ids, w, kept, 10.0, cfg, predecode=False), y_pre)
+
+
+def test_kept_fp8_codes_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No codes for stacks the FP8-MMA path does not run (act block 32, no official numerics,
+    fp32 scales, a spread beyond the exact range); codes of other stacks are refused; the
+    pair threshold of stacks with kept codes is MIN_PAIRS_KEPT."""
+    gen = torch.Generator().manual_seed(32)
+    ex = _fp4_experts(gen, 128)
+    assert f8.fp8_codes_apply(ex)
+    assert f8.encode_fp8_codes(_fp4_experts(gen, 32)) is None
+    assert f8.encode_fp8_codes(replace(ex, act_block=None)) is None
+    assert f8.encode_fp8_codes(replace(ex, s1=ex.s1.float(), s3=ex.s3.float(),
+                                       s2=ex.s2.float())) is None
+    assert f8.encode_fp8_codes(_spread_experts(gen, 2, wide_at="s2")) is None
+    other = f8.encode_fp8_codes(_fp4_experts(gen, 128, n_exp=4))
+    x = torch.zeros(4, D, dtype=torch.bfloat16)
+    ids = torch.zeros(4, TOPK, dtype=torch.int64)
+    w = torch.ones(4, TOPK)
+    with pytest.raises(ValueError, match="kept FP8 codes are for other stacks"):
+        f8.moe_experts_fp8mma(x, ids, w, replace(ex, fp8_codes=other), 10.0, predecode=True)
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 64)
+    monkeypatch.setattr(f8, "MIN_PAIRS_KEPT", 8)
+    ids = torch.zeros(32, 2, dtype=torch.int64)              # 64 pairs = 8 per expert
+    x = torch.zeros(32, D, dtype=torch.bfloat16)
+    assert not f8.fp8mma_applies(x, ids, ex)
+    assert f8.fp8mma_applies(x, ids, replace(ex, fp8_codes=f8.encode_fp8_codes(ex)))
 
 
 @pytest.mark.parametrize("tile,kchunk", [(None, False), ((32, 8, 1), False),
