@@ -117,9 +117,12 @@ FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
 # 192 (8K tokens of V4-Flash on one GPU).
 MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "192"))
 # The same for stacks whose FP8 codes are kept on the device (ExpertWeights.fp8_codes: no
-# re-encoding to pay for).  H200, V4-Flash (bench/moe_prefill_fp8.py --kept): see
-# docs/PERFORMANCE.md, twentieth session.
-MIN_PAIRS_KEPT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_KEPT", "48"))
+# re-encoding to pay for).  H200, V4-Flash (docs/PERFORMANCE.md, twentieth session): the
+# expert call alone against the bf16-MMA kernels 1.00x at 24 pairs an expert, 1.24x at 48,
+# 1.53x at 96, 1.79x at 192 (bench/moe_prefill_fp8.py --kept); the 4-layer prefill at 2K
+# tokens (48) 27.1 ms with them against 26.0 without, at 4K (96) 35.6 against 44.3
+# (bench/flash_bench.py --moe-fp8-codes): from 96.
+MIN_PAIRS_KEPT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_KEPT", "96"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
 FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
