@@ -7,7 +7,7 @@ fused or separate, as it picks), of cuBLAS alone on codes quantized by ``act_qua
 ``act_quant`` alone, TFLOP/s, and the relative difference of the outputs (both sum each
 128-wide K block's exact FP8 products in the tensor core's precision, then in fp32).
 
-    PYTHONPATH=. python bench/fp8_cublas.py [--tokens 8192]
+    PYTHONPATH=. python bench/fp8_cublas.py [--tokens 512,2048,8192]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv4.ops import triton_dense as td  # noqa: E402
 
-# (name, N, K) of V4-Flash's FP8 Linears that a prefill step runs (spec §1).
-SHAPES = [("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wq_b", 32768, 1024),
+# (name, N, K) of V4-Flash's FP8 Linears that a prefill step runs (spec §1; wq_a and wkv fused).
+SHAPES = [("wq_a+wkv", 1536, 4096), ("wq_b", 32768, 1024),
           ("wo_b", 4096, 8192), ("indexer wq_b", 8192, 1024), ("shared w1+w3", 4096, 4096),
           ("shared w2", 4096, 2048)]
 BLOCK = 128
@@ -40,27 +40,27 @@ def cublas_block_fp8(a: torch.Tensor, sa: torch.Tensor, w8: torch.Tensor, sw: to
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", default="8192", help="comma-separated row counts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_cublas: needs a GPU")
     from triton.testing import do_bench
-    M = args.tokens
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"M = {M} tokens; µs per call (triton.testing.do_bench, median); torch "
-          f"{torch.__version__}, CUDA {torch.version.cuda}")
-    print("| Linear | N | K | Triton fp8_linear | TFLOP/s | act_quant | cuBLAS block FP8 | "
+    print(f"µs per call (triton.testing.do_bench, median); torch {torch.__version__}, CUDA "
+          f"{torch.version.cuda}; the Triton column is _fp8_gemm_kernel's own plan")
+    print("| M | Linear | N | K | Triton fp8_linear | TFLOP/s | act_quant | cuBLAS block FP8 | "
           "TFLOP/s | cuBLAS + act_quant | rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, N, K in SHAPES:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for M, (name, N, K) in ((int(m), shape) for m in args.tokens.split(",") for shape in SHAPES):
         x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
         w8 = (torch.randn(N, K, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
         exps = torch.randint(118, 128, (N // BLOCK, K // BLOCK), device="cuda", generator=g)
         sw_e8m0 = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
         sw = torch.exp2(exps.float() - 127)
         flops = 2 * M * N * K
-        y_tri = td.fp8_linear(x, w8, sw_e8m0, BLOCK, torch.bfloat16)
-        t_tri = do_bench(lambda: td.fp8_linear(x, w8, sw_e8m0, BLOCK, torch.bfloat16),
+        y_tri = td.fp8_linear_with_config(x, w8, sw_e8m0, BLOCK, torch.bfloat16, None)
+        t_tri = do_bench(lambda: td.fp8_linear_with_config(x, w8, sw_e8m0, BLOCK,
+                                                           torch.bfloat16, None),
                          warmup=5, rep=50, return_mode="median") * 1e3
         a, sa = td.act_quant(x, BLOCK)
         t_q = do_bench(lambda: td.act_quant(x, BLOCK), warmup=5, rep=50,
@@ -74,7 +74,7 @@ def main() -> None:
                    + ("" if torch.isfinite(y_cub).all() else " NaN"))
         except Exception as e:  # report an unsupported build / layout, keep the table going
             cub = f"failed: {type(e).__name__}: {str(e)[:150]} | | |"
-        print(f"| {name} | {N} | {K} | {t_tri:.1f} | {flops / t_tri / 1e6:.0f} | {t_q:.1f} | "
+        print(f"| {M} | {name} | {N} | {K} | {t_tri:.1f} | {flops / t_tri / 1e6:.0f} | {t_q:.1f} | "
               f"{cub} |", flush=True)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dsv4.ops import torch_dense
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
@@ -700,6 +701,93 @@ def _scale_operand(w_scale: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return w_scale.contiguous().view(torch.uint8), True
 
 
+# Prefill-sized FP8 block GEMMs through cuBLAS's block-scaled FP8 kernel (``torch._scaled_mm``
+# with 1x128 activation and 128x128 weight scales; CUDA >= 12.9): on the H200 it gave
+# _fp8_gemm_kernel's bits for e8m0 weight scales at V4-Flash's prefill shapes, 950-1,230 TFLOP/s
+# against 200-685 (docs/PERFORMANCE.md, twentieth session).  Used from FP8_CUBLAS_MIN_M rows;
+# DSV4_FP8_CUBLAS=0: never.
+FP8_CUBLAS = os.environ.get("DSV4_FP8_CUBLAS", "1") == "1"
+FP8_CUBLAS_MIN_M = int(os.environ.get("DSV4_FP8_CUBLAS_MIN_M", "512"))
+# device index -> whether this torch / cuBLAS runs the block-scaled call (probed once)
+_CUBLAS_BLOCK_FP8: dict[int, bool] = {}
+# e8m0 weight scale tensor -> (its version, the fp32 scales cuBLAS takes)
+_FP32_SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _tensor_version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:      # inference tensors keep no version counter (and cannot change)
+        return None
+
+
+def _fp32_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """The e8m0 block scales as fp32 powers of two (2^(byte - 127)), cached per tensor and
+    version."""
+    ver = _tensor_version(w_scale)
+    entry = _FP32_SCALES.get(w_scale)
+    if entry is not None and entry[0] == ver:
+        return entry[1]
+    f = torch.exp2(w_scale.view(torch.uint8).to(torch.float32) - 127.0)
+    _FP32_SCALES[w_scale] = (ver, f)
+    return f
+
+
+def _cublas_block_fp8_works(device: torch.device) -> bool:
+    """Whether torch's ``_scaled_mm`` takes block scales here (one tiny call, once a device;
+    False inside a CUDA-graph capture before that)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CUBLAS_BLOCK_FP8:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            a = torch.zeros(4, 512, dtype=_E4M3, device=device)
+            w = torch.zeros(128, 512, dtype=_E4M3, device=device)
+            sa = torch.ones(4, 4, device=device).t().contiguous().t()
+            sw = torch.ones(1, 4, device=device)
+            torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
+            _CUBLAS_BLOCK_FP8[idx] = True
+        except (RuntimeError, TypeError, ValueError):
+            _CUBLAS_BLOCK_FP8[idx] = False
+    return _CUBLAS_BLOCK_FP8[idx]
+
+
+def cublas_fp8_applies(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
+                       out_dtype: torch.dtype) -> bool:
+    """Whether :func:`fp8_linear` runs through cuBLAS (:data:`FP8_CUBLAS`): a CUDA x of at least
+    :data:`FP8_CUBLAS_MIN_M` rows, block 128, e8m0 weight scales (the shape of the bits checked
+    equal), bf16 out, N a multiple of 128 and K of 512 (cuBLAS's scale layouts), and a torch
+    whose cuBLAS has the block-scaled FP8 GEMM."""
+    if not (FP8_CUBLAS and x2.is_cuda and not _INTERPRET_HOST and block == 128):
+        return False
+    if w_scale.dtype != _E8M0 or out_dtype != torch.bfloat16 or x2.shape[0] < FP8_CUBLAS_MIN_M:
+        return False
+    N, K = w8.shape
+    if N % 128 or K % 512:
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        # Nothing is probed or cached inside a capture (allocations there belong to the graph).
+        entry = _FP32_SCALES.get(w_scale)
+        if entry is None or entry[0] != _tensor_version(w_scale) \
+                or not _CUBLAS_BLOCK_FP8.get(x2.device.index or 0, False):
+            return False
+    return _cublas_block_fp8_works(x2.device)
+
+
+def _fp8_linear_cublas(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                       block: int) -> torch.Tensor:
+    """x2 [M, K] quantized by :func:`act_quant`, times the block-FP8 weight through cuBLAS:
+    bf16 [M, N].  cuBLAS takes the activation scales outer-dim-major and M a multiple of 4."""
+    M = x2.shape[0]
+    pad = -M % 4
+    if pad:
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
+    a, sa = act_quant(x2, block)
+    out = torch._scaled_mm(a, w8.t(), scale_a=sa.t().contiguous().t(),
+                           scale_b=_fp32_block_scales(w_scale).t(), out_dtype=torch.bfloat16)
+    return out[:M] if pad else out
+
+
 def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: int,
                            out_dtype: torch.dtype | None, cfg: Fp8GemmConfig | None
                            ) -> torch.Tensor:
@@ -811,8 +899,17 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
     x [..., K] (bf16 / fp32); w8 [N, K] float8_e4m3fn; w_scale [ceil(N/block), K/block]
     (float8_e8m0fnu or fp32).  x is quantized per row and per ``block`` of K to e4m3 with
     power-of-two scales; ``y = Σ_kblocks (x8·sx)(W8·sW)^T`` in fp32, returned in ``out_dtype``
-    (default x.dtype).
+    (default x.dtype).  Prefill-sized calls (:func:`cublas_fp8_applies`) run cuBLAS's
+    block-scaled FP8 GEMM on the quantized x instead of ``_fp8_gemm_kernel`` (same bits).
     """
+    _check_fp8_args(x, w8, w_scale, block)
+    out_dtype = out_dtype or x.dtype
+    K = w8.shape[1]
+    x2 = x.reshape(-1, K)
+    if cublas_fp8_applies(x2, w8, w_scale, block, out_dtype):
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
+        return _fp8_linear_cublas(x2, w8, w_scale, block).view(*x.shape[:-1], w8.shape[0])
     return fp8_linear_with_config(x, w8, w_scale, block, out_dtype, None)
 
 
