@@ -189,7 +189,13 @@ def bench_attn(T: int, Ka: int, Kb: int, sweep: bool, records: bool = False
                      dict(BH=64, BN=32, num_warps=8, num_stages=2, dv=256),
                      dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=128),
                      dict(BH=32, BN=64, num_warps=4, num_stages=2, dv=256),
-                     dict(BH=64, BN=32, num_warps=8, num_stages=1)]
+                     dict(BH=64, BN=32, num_warps=8, num_stages=1),
+                     # Fewer programs per token (each gathers and dequantizes the same rows):
+                     dict(BH=32, BN=64, num_warps=8, num_stages=2),
+                     dict(BH=32, BN=32, num_warps=8, num_stages=2),
+                     dict(BH=32, BN=64, num_warps=8, num_stages=1),
+                     dict(BH=16, BN=128, num_warps=8, num_stages=2),
+                     dict(BH=16, BN=64, num_warps=8, num_stages=3)]
             if T <= 64:
                 plans += [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=2)]
         for plan in plans:
