@@ -415,6 +415,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time tile-plan candidates")
     ap.add_argument("--out", default=None, help="write all rows (and sweeps) as JSON here")
     ap.add_argument("--only", default="", help="comma list of ops to run (default: all)")
+    ap.add_argument("--attn-tokens", default="1,16,64,1024,4096",
+                    help="sparse_attn: comma list of token counts")
     ap.add_argument("--wide", action="store_true", help="linear_bf16w: one row only, swept "
                     "over more warps and longer K chunks (with --sweep)")
     args = ap.parse_args()
@@ -449,11 +451,13 @@ def main() -> int:
         for name, N, K in FP8_PREFILL:
             add(*bench_fp8(4096, name, N, K, args.sweep))
     if want("sparse_attn"):
+        attn_tokens = [int(t) for t in args.attn_tokens.split(",")]
         for records in (False, True):
-            for T in (1, 16, 64, 1024, 4096):
-                # (the bf16-row plans were swept in the first GPU session)
-                add(*bench_attn(T, 128, 512, args.sweep and records and T in (1, 16, 64, 4096),
-                                records))
+            for T in attn_tokens:
+                # (the bf16-row plans were swept in the first GPU session, again from 1,024
+                # tokens in the twentieth)
+                swept = T in (1, 16, 64, 4096) if records else T >= 1024
+                add(*bench_attn(T, 128, 512, args.sweep and swept, records))
     if want("indexer_scores"):
         for T, L in ((1, 8192), (1, 65536), (64, 8192), (4096, 1024)):
             add(bench_indexer(T, L))

@@ -37,6 +37,8 @@ _LOG2E = 1.4426950408889634
 # launch.  Not measured yet (bench/flash_bench.py --launch-ab, "pdl, unsplit short
 # attention"): 0, the swept default; DSV4_ATTN_SPLIT_MIN_ROWS overrides it.
 ATTN_SPLIT_MIN_ROWS = int(os.environ.get("DSV4_ATTN_SPLIT_MIN_ROWS", "0"))
+# Prefill over fp8 records: the 64-head plan of pick_attn_config from this many tokens.
+RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -342,7 +344,10 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     (decode), the index lists are split into a power-of-two number of slices (<= 8) so that
     about two programs per SM run; the merge costs an fp32 partial per slice, so no more.
     ``records`` (a source is fp8 records, dequantized in registers): 8 warps, which keeps the
-    dequantized [64, 512] tile out of local memory (ptxas: 4 warps spill).
+    dequantized [64, 512] tile out of local memory (ptxas: 4 warps spill); from
+    :data:`RECORD_WIDE_MIN_T` tokens all 64 heads in one program over 32-row steps, one stage
+    (each row is gathered and dequantized once a token, not once per 16 heads): H200, V4-Flash
+    CSA shapes at 4,096 tokens, 3.61 against 7.33 ms (docs/PERFORMANCE.md, twentieth session).
     """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)
@@ -353,6 +358,8 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
         split = min(8, 1 << (want.bit_length() - 1), max(1, triton.cdiv(K, bn)))
         if ATTN_SPLIT_MIN_ROWS > 0:
             split = max(1, min(split, K // ATTN_SPLIT_MIN_ROWS))
+    if records and T >= RECORD_WIDE_MIN_T:
+        return AttnConfig(BH=64, BN=32, num_warps=8, num_stages=1)
     return AttnConfig(BH=bh, BN=bn, num_warps=8 if records else 4, num_stages=2,
                       split_kv=split)
 
