@@ -106,7 +106,7 @@ def test_sparse_attn_gpu(T: int, Ka: int, Kb: int) -> None:
 
 
 @pytest.mark.parametrize("T,Ka,Kb", [(1, 128, 512), (16, 128, 512), (64, 128, 64),
-                                     (1000, 128, 512)])
+                                     (1000, 128, 512), (2048, 128, 512)])
 def test_sparse_attn_gpu_fp8_records(T: int, Ka: int, Kb: int) -> None:
     """V4's 584-byte records (the GPU default cache) read in place, chunk-wise: the same values
     as the per-element reads and as the kernel on the dequantized rows (the interpreter test
