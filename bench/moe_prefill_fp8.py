@@ -2,7 +2,8 @@
 against the bf16-MMA kernels (``triton_moe.moe_experts_with_config``), V4-Flash widths (D 4096,
 I 2048, 256 experts, top-6), MXFP4 stacks under official numerics (act_block 128), bf16.
 
-    PYTHONPATH=. python bench/moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] [--kept] [--out f.json]
+    PYTHONPATH=. python bench/moe_prefill_fp8.py [--tokens 2048,8192] [--sweep] [--kept]
+        [--out f.json]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_prefill_fp8.py --tiny   # CPU smoke run
 
 Per token count and FP8 weight mode (decoded in the GEMMs' K loop; predecoded): µs per call
@@ -11,7 +12,8 @@ GEMMs of every pick) of both paths, the speed-up, the relative difference of the
 FP8 path sums each 128-wide K step in the tensor core's reduced precision: ~3.7e-3 measured,
 the GPU test's bound is 5e-3) and whether every output is finite; then the re-encoding of the
 three stacks alone.  ``--sweep`` also times the other tile plans of :data:`SWEEP` and the
-re-encoding tiles of :data:`PREDECODE_TILES`.  The random stacks spread their scales by at
+re-encoding tiles of :data:`PREDECODE_TILES`; ``--kept`` also the stacks with their FP8
+re-encoding kept on the device (``ExpertWeights.fp8_codes``: nothing re-encoded per call).  The random stacks spread their scales by at
 most 4 per 128-wide step, inside the scale-folded decode's limit (the row says ``fallback`` if
 not).
 """

@@ -714,7 +714,9 @@ _CUBLAS_BLOCK_FP8: dict[int, bool] = {}
 _FP32_SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _tensor_version(t: torch.Tensor) -> int | None:
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t._version``, None for inference tensors (they keep no version counter and cannot
+    change): the key under which per-tensor caches know a tensor is unchanged."""
     try:
         return t._version
     except RuntimeError:      # inference tensors keep no version counter (and cannot change)
@@ -724,7 +726,7 @@ def _tensor_version(t: torch.Tensor) -> int | None:
 def _fp32_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
     """The e8m0 block scales as fp32 powers of two (2^(byte - 127)), cached per tensor and
     version."""
-    ver = _tensor_version(w_scale)
+    ver = tensor_version(w_scale)
     entry = _FP32_SCALES.get(w_scale)
     if entry is not None and entry[0] == ver:
         return entry[1]
@@ -768,7 +770,7 @@ def cublas_fp8_applies(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor
     if torch.cuda.is_current_stream_capturing():
         # Nothing is probed or cached inside a capture (allocations there belong to the graph).
         entry = _FP32_SCALES.get(w_scale)
-        if entry is None or entry[0] != _tensor_version(w_scale) \
+        if entry is None or entry[0] != tensor_version(w_scale) \
                 or not _CUBLAS_BLOCK_FP8.get(x2.device.index or 0, False):
             return False
     return _cublas_block_fp8_works(x2.device)

@@ -60,6 +60,7 @@ from dsv4.ops.torch_dense import ExpertWeights, expert_k_step
 from dsv4.ops.triton_dense import (
     _INTERPRET_HOST,
     INTERPRET,
+    tensor_version,
     mma,
     pow2_from_exp,
     round_to_bf16,
@@ -781,19 +782,12 @@ FOLD_MAX_SCALE_BYTE = 128
 _SCALE_STATS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:      # inference tensors keep no version counter (and cannot change)
-        return None
-
-
 def cached_scale_stat(s: torch.Tensor, name: str,
                       compute: Callable[[torch.Tensor], int]) -> int | None:
     """``compute(s)`` (a host int, typically one reduction and one host sync), cached per scale
     tensor, ``name`` and the tensor's version; None when not cached and not computable now
     (inside a CUDA-graph capture, where a sync is not allowed)."""
-    ver = _version(s)
+    ver = tensor_version(s)
     entry = _SCALE_STATS.get(s)
     if entry is not None and name in entry and entry[name][0] == ver:
         return entry[name][1]

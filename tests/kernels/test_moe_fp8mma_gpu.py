@@ -70,6 +70,15 @@ def _routing(T: int, gen: torch.Generator):
     return ids, w / w.sum(-1, keepdim=True) * 1.5
 
 
+def _prefill_inputs(T: int, seed: int):
+    """x [T, D] bf16 and a random routing (weights summing to 1.5) with one skipped pick."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[7, 2] = -1
+    return x, ids, w
+
+
 @needs_gpu
 @pytest.mark.parametrize("plan", ["pick", "bm64", "bm128"])
 def test_fp8mma_prefill_gpu(plan: str) -> None:
@@ -114,10 +123,7 @@ def test_fp8mma_predecoded_gpu(plan: str, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 37)
     ex = _stacks(torch.Generator(device=DEV).manual_seed(41))
     T = 2048
-    gen = torch.Generator(device=DEV).manual_seed(42)
-    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
-    ids, w = _routing(T, gen)
-    ids[7, 2] = -1
+    x, ids, w = _prefill_inputs(T, 42)
     _poison()
     y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
     y_loop = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=False)
@@ -158,11 +164,7 @@ def test_fp8mma_kept_codes_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(q.view(torch.uint8), codes.q2.view(torch.uint8))
     assert torch.equal(f, codes.f2)
     kept = replace(ex, fp8_codes=codes)
-    T = 2048
-    gen = torch.Generator(device=DEV).manual_seed(62)
-    x = (torch.randn(T, D, generator=gen, device=DEV) * 2).to(torch.bfloat16)
-    ids, w = _routing(T, gen)
-    ids[7, 2] = -1
+    x, ids, w = _prefill_inputs(2048, 62)
     _poison()
     y_kept = f8.moe_experts_fp8mma(x, ids, w, kept, 10.0, predecode=True)
     y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, predecode=True)

@@ -312,7 +312,8 @@ def test_kept_fp8_codes_same_bits(kchunk: bool, monkeypatch: pytest.MonkeyPatch)
     cfg = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128)
     calls = []
     real_predecode = f8._predecode
-    monkeypatch.setattr(f8, "_predecode", lambda *a, **k: calls.append(1) or real_predecode(*a, **k))
+    monkeypatch.setattr(f8, "_predecode",
+                        lambda *a, **k: calls.append(1) or real_predecode(*a, **k))
     y_kept = f8.moe_experts_fp8mma(x, ids, w, kept, 10.0, cfg, predecode=True)
     assert not calls                                       # nothing re-encoded
     y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
