@@ -13,9 +13,9 @@ FP8 path sums each 128-wide K step in the tensor core's reduced precision: ~3.7e
 the GPU test's bound is 5e-3) and whether every output is finite; then the re-encoding of the
 three stacks alone.  ``--sweep`` also times the other tile plans of :data:`SWEEP` and the
 re-encoding tiles of :data:`PREDECODE_TILES`; ``--kept`` also the stacks with their FP8
-re-encoding kept on the device (``ExpertWeights.fp8_codes``: nothing re-encoded per call).  The random stacks spread their scales by at
-most 4 per 128-wide step, inside the scale-folded decode's limit (the row says ``fallback`` if
-not).
+re-encoding kept on the device (``ExpertWeights.fp8_codes``: nothing re-encoded per call).
+The random stacks spread their scales by at most 4 per 128-wide step, inside the scale-folded
+decode's limit (the row says ``fallback`` if not).
 """
 
 from __future__ import annotations
