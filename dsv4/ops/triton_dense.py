@@ -730,15 +730,19 @@ def _fp32_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
     entry = _FP32_SCALES.get(w_scale)
     if entry is not None and entry[0] == ver:
         return entry[1]
-    f = torch.exp2(w_scale.view(torch.uint8).to(torch.float32) - 127.0)
+    f = torch.exp2(w_scale.view(torch.uint8).to(torch.float32) - 127.0).contiguous()
     _FP32_SCALES[w_scale] = (ver, f)
     return f
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _cublas_block_fp8_works(device: torch.device) -> bool:
     """Whether torch's ``_scaled_mm`` takes block scales here (one tiny call, once a device;
     False inside a CUDA-graph capture before that)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _device_index(device)
     if idx not in _CUBLAS_BLOCK_FP8:
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -771,7 +775,7 @@ def cublas_fp8_applies(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor
         # Nothing is probed or cached inside a capture (allocations there belong to the graph).
         entry = _FP32_SCALES.get(w_scale)
         if entry is None or entry[0] != tensor_version(w_scale) \
-                or not _CUBLAS_BLOCK_FP8.get(x2.device.index or 0, False):
+                or not _CUBLAS_BLOCK_FP8.get(_device_index(x2.device), False):
             return False
     return _cublas_block_fp8_works(x2.device)
 

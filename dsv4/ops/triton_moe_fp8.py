@@ -869,11 +869,12 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
             **down, KCHUNK=kchunk, **pdl_args(aq))
     else:
-        # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size).
-        down_bufs = [(q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D))
-                     for q1, _, f1, _ in bufs]
         if resident is not None:
             down_bufs = [(resident.q2, resident.f2)]
+        else:
+            # w2 [chunk, D, I] in the storage of w1's codes [chunk, I, D] (same size).
+            down_bufs = [(q1.view(chunk, D, inter), f1.view(chunk, inter // ks, D))
+                         for q1, _, f1, _ in bufs]
 
         def predecode_down(slot: int, e0: int, e1: int) -> None:
             if resident is not None:
