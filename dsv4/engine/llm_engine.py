@@ -282,7 +282,11 @@ class LLMEngine:
                 raise ValueError("engine option moe_fp8_codes=True: the FP8 copies of the "
                                  "routed experts do not fit on this GPU next to the weights; "
                                  "turn it off or use more GPUs (expert_parallel)") from e
-            log.info("dsv4 engine: %.2f GiB of kept FP8 expert codes", kept / 2**30)
+            if kept:
+                log.info("dsv4 engine: %.2f GiB of kept FP8 expert codes", kept / 2**30)
+            else:
+                log.warning("dsv4 engine: moe_fp8_codes=True kept nothing: it needs MXFP4 "
+                            "experts under numerics='official' (the FP8-MMA prefill path)")
         profile = graph_pool = None
         use_graphs = device.type == "cuda" and not opts.enforce_eager and (
             not self.parallel.enabled or opts.cuda_graphs_under_tp)
