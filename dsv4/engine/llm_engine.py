@@ -76,7 +76,8 @@ class EngineOptions:
     pipeline.  Each step computes what the unpipelined engine computes, except that the step
     after a sequence stops still carries its row (a larger batch bucket may round other rows
     differently, as any change of batch does).
-    ``moe_fp8_codes`` (default False): keep an FP8 re-encoding of the MXFP4 routed experts on
+    ``moe_fp8_codes`` (default False; MXFP4 experts under ``numerics="official"``, whose large
+    prefill steps run the FP8-MMA expert path): keep an FP8 re-encoding of the routed experts on
     the GPU next to them (lossless; about twice the MXFP4 stacks' bytes, counted as weights in the
     cache sizing), so prefill steps large enough for the FP8-MMA expert GEMMs skip re-encoding
     every expert of every MoE layer at each step (``dsv4.ops.triton_moe_fp8``); for machines
