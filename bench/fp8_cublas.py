@@ -29,15 +29,6 @@ SHAPES = [("wq_a+wkv", 1536, 4096), ("wq_b", 32768, 1024),
 BLOCK = 128
 
 
-def cublas_block_fp8(a: torch.Tensor, sa: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
-                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """a [M, K] e4m3 with fp32 scales sa [M, K / 128]; w8 [N, K] e4m3 with fp32 scales
-    sw [N / 128, K / 128] -> a·w^T through cuBLAS's block-scaled FP8 GEMM."""
-    # cuBLAS reads the 1×128 scales outer-dim-major and B column-major ([K, N] = w8^T).
-    return torch._scaled_mm(a, w8.t(), scale_a=sa.t().contiguous().t(), scale_b=sw.t(),
-                            out_dtype=out_dtype)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192", help="comma-separated row counts")
@@ -66,8 +57,8 @@ def main() -> None:
         t_q = do_bench(lambda: td.act_quant(x, BLOCK), warmup=5, rep=50,
                        return_mode="median") * 1e3
         try:
-            y_cub = cublas_block_fp8(a, sa, w8, sw)
-            t_cub = do_bench(lambda: cublas_block_fp8(a, sa, w8, sw), warmup=5, rep=50,
+            y_cub = td.cublas_block_fp8_mm(a, sa, w8, sw)
+            t_cub = do_bench(lambda: td.cublas_block_fp8_mm(a, sa, w8, sw), warmup=5, rep=50,
                              return_mode="median") * 1e3
             rel = ((y_cub.float() - y_tri.float()).norm() / y_tri.float().norm()).item()
             cub = (f"{t_cub:.1f} | {flops / t_cub / 1e6:.0f} | {t_cub + t_q:.1f} | {rel:.2e}"

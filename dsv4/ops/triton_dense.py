@@ -723,35 +723,32 @@ def tensor_version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _fp32_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
+def _fp32_block_scales(w_scale: torch.Tensor, make: bool = True) -> torch.Tensor | None:
     """The e8m0 block scales as fp32 powers of two (2^(byte - 127)), cached per tensor and
-    version."""
+    version; None when not cached and not ``make``."""
     ver = tensor_version(w_scale)
     entry = _FP32_SCALES.get(w_scale)
     if entry is not None and entry[0] == ver:
         return entry[1]
+    if not make:
+        return None
     f = torch.exp2(w_scale.view(torch.uint8).to(torch.float32) - 127.0).contiguous()
     _FP32_SCALES[w_scale] = (ver, f)
     return f
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _cublas_block_fp8_works(device: torch.device) -> bool:
     """Whether torch's ``_scaled_mm`` takes block scales here (one tiny call, once a device;
     False inside a CUDA-graph capture before that)."""
-    idx = _device_index(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _CUBLAS_BLOCK_FP8:
         if torch.cuda.is_current_stream_capturing():
             return False
         try:
-            a = torch.zeros(4, 512, dtype=_E4M3, device=device)
-            w = torch.zeros(128, 512, dtype=_E4M3, device=device)
-            sa = torch.ones(4, 4, device=device).t().contiguous().t()
-            sw = torch.ones(1, 4, device=device)
-            torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16)
+            cublas_block_fp8_mm(torch.zeros(4, 512, dtype=_E4M3, device=device),
+                                torch.ones(4, 4, device=device),
+                                torch.zeros(128, 512, dtype=_E4M3, device=device),
+                                torch.ones(1, 4, device=device))
             _CUBLAS_BLOCK_FP8[idx] = True
         except (RuntimeError, TypeError, ValueError):
             _CUBLAS_BLOCK_FP8[idx] = False
@@ -771,26 +768,31 @@ def cublas_fp8_applies(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor
     N, K = w8.shape
     if N % 128 or K % 512:
         return False
-    if torch.cuda.is_current_stream_capturing():
-        # Nothing is probed or cached inside a capture (allocations there belong to the graph).
-        entry = _FP32_SCALES.get(w_scale)
-        if entry is None or entry[0] != tensor_version(w_scale) \
-                or not _CUBLAS_BLOCK_FP8.get(_device_index(x2.device), False):
-            return False
+    if torch.cuda.is_current_stream_capturing() \
+            and _fp32_block_scales(w_scale, make=False) is None:
+        return False    # nothing is cached inside a capture (its allocations belong to it)
     return _cublas_block_fp8_works(x2.device)
+
+
+def cublas_block_fp8_mm(a: torch.Tensor, sa: torch.Tensor, w8: torch.Tensor,
+                        sw: torch.Tensor) -> torch.Tensor:
+    """a [M, K] e4m3 with fp32 scales sa [M, K / 128] (M a multiple of 4), w8 [N, K] e4m3
+    with fp32 scales sw [N / 128, K / 128] -> a·w^T in bf16 through cuBLAS's block-scaled FP8
+    GEMM, which reads the 1×128 scales outer-dim-major and B column-major ([K, N] = w8^T)."""
+    return torch._scaled_mm(a, w8.t(), scale_a=sa.t().contiguous().t(), scale_b=sw.t(),
+                            out_dtype=torch.bfloat16)
 
 
 def _fp8_linear_cublas(x2: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                        block: int) -> torch.Tensor:
     """x2 [M, K] quantized by :func:`act_quant`, times the block-FP8 weight through cuBLAS:
-    bf16 [M, N].  cuBLAS takes the activation scales outer-dim-major and M a multiple of 4."""
+    bf16 [M, N] (x2 padded to a multiple of 4 rows for it)."""
     M = x2.shape[0]
     pad = -M % 4
     if pad:
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
     a, sa = act_quant(x2, block)
-    out = torch._scaled_mm(a, w8.t(), scale_a=sa.t().contiguous().t(),
-                           scale_b=_fp32_block_scales(w_scale).t(), out_dtype=torch.bfloat16)
+    out = cublas_block_fp8_mm(a, sa, w8, _fp32_block_scales(w_scale))
     return out[:M] if pad else out
 
 

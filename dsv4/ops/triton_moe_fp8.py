@@ -577,18 +577,12 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     scale spread within :data:`FOLD_SPREAD` (checked once per scale tensor; the first check
     syncs)."""
     ab = experts.act_block
-    if experts.fmt != "fp4" or not ab or ab % MAX_STEP or x.dtype != torch.bfloat16:
-        return False
-    if x.dim() != 2 or x.shape[1] % ab or experts.inter_dim % ab:
-        return False
-    if any(getattr(experts, n).dtype not in (_E8M0, torch.uint8) for n in ("s1", "s3", "s2")):
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not ab or x.shape[1] % ab:
         return False
     least = MIN_PAIRS_KEPT if experts.fp8_codes is not None else MIN_PAIRS_PER_EXPERT
     if topk_ids.numel() < least * experts.num_experts:
         return False
-    if experts.kchunk and experts.kchunk != k_step(ab):
-        return False          # chunks of another width than this path's K step
-    return fold_spread_ok(experts, k_step(ab))
+    return fp8_codes_apply(experts)     # the stacks' conditions, the spread check last (syncs)
 
 
 def predecode_chunk(num_experts: int, inter: int, dim: int, slots: int = 1) -> int:
@@ -685,10 +679,11 @@ class Fp8Codes:
 
 
 def fp8_codes_apply(experts: ExpertWeights) -> bool:
-    """Whether :func:`encode_fp8_codes` makes codes for ``experts``: MXFP4 stacks with e8m0
-    scales under official numerics with an act block that is a multiple of 128 (the stacks the
-    FP8-MMA path runs), D and I multiples of it, and every scale spread within
-    :data:`FOLD_SPREAD` (one check per scale tensor, cached)."""
+    """Whether the FP8-MMA path runs ``experts`` (the stacks' part of :func:`fp8mma_applies`)
+    and so :func:`encode_fp8_codes` makes codes for them: MXFP4 stacks with e8m0 scales under
+    official numerics with an act block that is a multiple of 128, D and I multiples of it,
+    K-chunks (if any) of the K step, and every scale spread within :data:`FOLD_SPREAD` (one
+    check per scale tensor, cached)."""
     ab = experts.act_block
     if experts.fmt != "fp4" or not ab or ab % MAX_STEP:
         return False
@@ -828,13 +823,13 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             xq.stride(0), xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
             s1.stride(1), float(swiglu_limit), **up, KCHUNK=kchunk, **pdl_args(xq))
     else:
-        overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
-        slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
-        chunk = predecode_chunk(E, inter, D, slots)
         if resident is not None:     # codes kept on the device: one chunk, nothing to encode
             slots, chunk = 1, E
             bufs = [(resident.q1, resident.q3, resident.f1, resident.f3)]
         else:
+            overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
+            slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
+            chunk = predecode_chunk(E, inter, D, slots)
             bufs = [_predecode_buffers(chunk, inter, D, ks, x.device) for _ in range(slots)]
         free: list = [None] * slots
 
