@@ -195,7 +195,13 @@ def bench_attn(T: int, Ka: int, Kb: int, sweep: bool, records: bool = False
                      dict(BH=32, BN=32, num_warps=8, num_stages=2),
                      dict(BH=32, BN=64, num_warps=8, num_stages=1),
                      dict(BH=16, BN=128, num_warps=8, num_stages=2),
-                     dict(BH=16, BN=64, num_warps=8, num_stages=3)]
+                     dict(BH=16, BN=64, num_warps=8, num_stages=3),
+                     # All 64 heads and the whole head dim, the gathers pipelined (21st
+                     # session: the one-stage form waits for every step's rows):
+                     dict(BH=64, BN=32, num_warps=8, num_stages=2),
+                     dict(BH=64, BN=32, num_warps=8, num_stages=3),
+                     dict(BH=64, BN=64, num_warps=8, num_stages=2),
+                     dict(BH=64, BN=16, num_warps=8, num_stages=3)]
             if T <= 64:
                 plans += [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=2)]
         for plan in plans:
@@ -417,6 +423,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of ops to run (default: all)")
     ap.add_argument("--attn-tokens", default="1,16,64,1024,4096",
                     help="sparse_attn: comma list of token counts")
+    ap.add_argument("--attn-sources", default="rows,records",
+                    help="sparse_attn: bf16 rows and/or fp8 records (comma list)")
     ap.add_argument("--wide", action="store_true", help="linear_bf16w: one row only, swept "
                     "over more warps and longer K chunks (with --sweep)")
     args = ap.parse_args()
@@ -452,7 +460,8 @@ def main() -> int:
             add(*bench_fp8(4096, name, N, K, args.sweep))
     if want("sparse_attn"):
         attn_tokens = [int(t) for t in args.attn_tokens.split(",")]
-        for records in (False, True):
+        kinds = args.attn_sources.split(",")
+        for records in [r for r, k in ((False, "rows"), (True, "records")) if k in kinds]:
             for T in attn_tokens:
                 # (the bf16-row plans were swept in the first GPU session, again from 1,024
                 # tokens in the twentieth)
