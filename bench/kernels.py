@@ -237,6 +237,46 @@ def bench_indexer(T: int, L: int) -> dict:
                2 * T * h * L * dI, "bf16", "torch = twin (fp32)")
 
 
+def bench_indexer_prefill(T: int, sweep: bool, ratio: int = 4) -> tuple[dict, list]:
+    """The indexer scores of one request's prefill of T tokens from position 0 (every token
+    repeats the request's key rows; token t sees (t + 1) // ratio entries), the keys as V4's
+    fp4 records (kv_cache_dtype "fp8"): the token-tile kernel's layout.  FLOPs and bytes count
+    the visible entries only, the keys once per token (the one-token kernel's gathers)."""
+    from dsv4.cache import formats as cf
+    h, dI = 64, 128
+    L = T // ratio
+    f = cf.fp4_record(dI, cf.V4_INDEX_BLOCK, "e8m0")
+    n_vis = (torch.arange(T, device=DEV) + 1) // ratio
+    seen = int(n_vis.sum())
+    sets = []
+    for _ in range(copies_for(T * h * dI * 2 + T * L * 12)):
+        keys = PackedRows(f.pack(torch.randn(4 * L, dI, device=DEV)), f)
+        rows = torch.randperm(4 * L, device=DEV)[:L].expand(T, L).contiguous()
+        q = torch.randn(T, h, dI, device=DEV).bfloat16()
+        w = torch.randn(T, h, device=DEV) * (dI ** -0.5 * h ** -0.5)
+        sets.append((q, w, keys, rows, n_vis))
+    calls = [lambda s=s: ta.indexer_scores(*s) for s in sets]
+    t = time_graph(calls)
+    eager = time_eager(lambda: ta.indexer_scores(*sets[0]))
+    nbytes = T * h * dI * 2 + T * L * (4 + 8) + seen * f.record_bytes
+    plan = ta.pick_indexer_config(T, h)
+    r = row("indexer_scores", f"prefill T={T} h={h} dI={dI} L={L} fp4", t, eager, None, nbytes,
+            2 * seen * h * dI, "bf16", f"plan {asdict(plan)}")
+    tried = []
+    if sweep:
+        plans = [dict()] + [dict(BT=bt, BL=bl, num_warps=nw, num_stages=st)
+                            for bt in (2, 4) for bl in (32, 64, 128) for nw in (4, 8)
+                            for st in (1, 2)]
+        for plan in plans:
+            cfg = ta.IndexerConfig(**plan)
+            try:
+                cc = [lambda s=s, c=cfg: ta.indexer_scores_with_config(*s, c) for s in sets]
+                tried.append((time_graph(cc, 1.5), asdict(cfg)))
+            except Exception as e:
+                tried.append((float("inf"), f"{asdict(cfg)}: {type(e).__name__}: {e}"[:200]))
+    return r, tried
+
+
 # ----------------------------------------------------------------------------- linear_fp32
 # V4-Flash fp32 GEMMs: the compressors' wkv / wgate widths and the MoE gate (K = dim = 4096).
 LINEAR32_SHAPES = [("cmp_r4_overlap", 1024, 4096), ("cmp_r128", 512, 4096),
@@ -470,6 +510,8 @@ def main() -> int:
     if want("indexer_scores"):
         for T, L in ((1, 8192), (1, 65536), (64, 8192), (4096, 1024)):
             add(bench_indexer(T, L))
+        for T in (2048, 8192):
+            add(*bench_indexer_prefill(T, args.sweep and T == 8192))
     if want("hc"):
         for T in (1, 64, 4096):
             for r in bench_hc(T):
