@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.formats import PackedRows, RecordFormat
+from dsv4.ops import unverified_kernels_enabled
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
@@ -41,8 +42,11 @@ ATTN_SPLIT_MIN_ROWS = int(os.environ.get("DSV4_ATTN_SPLIT_MIN_ROWS", "0"))
 # Prefill over fp8 records: the 64-head plan of pick_attn_config from this many tokens.
 RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
 # Indexer scores: the token-tile kernel (keys gathered once for a tile of tokens of one request)
-# from this many tokens (prefill); fewer take the one-token kernel.
+# from this many tokens (prefill); fewer take the one-token kernel.  0: never.
 INDEXER_TILE_MIN_T = int(os.environ.get("DSV4_INDEXER_TILE_MIN_T", "256"))
+# Whether the token-tile kernel has passed its GPU checks (bench/sessions/): until then it runs
+# only with DSV4_UNVERIFIED_KERNELS=1, like the ops of dsv4.ops.UNVERIFIED_ON_GPU.
+INDEXER_TILE_CHECKED_ON_GPU = False
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -621,7 +625,8 @@ class IndexerConfig:
 def pick_indexer_config(T: int, NH: int) -> IndexerConfig:
     """The one-token kernel below :data:`INDEXER_TILE_MIN_T` tokens (decode: few tokens, long
     key lists); from there tiles of 256 query rows (V4: 4 tokens × 64 heads), 8 warps."""
-    if INDEXER_TILE_MIN_T <= 0 or T < INDEXER_TILE_MIN_T:
+    if INDEXER_TILE_MIN_T <= 0 or T < INDEXER_TILE_MIN_T or not (
+            INDEXER_TILE_CHECKED_ON_GPU or unverified_kernels_enabled()):
         return IndexerConfig()
     bhi = max(16, triton.next_power_of_2(NH))
     return IndexerConfig(BT=max(1, 256 // bhi), BL=64, num_warps=8, num_stages=2)
