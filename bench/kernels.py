@@ -255,9 +255,9 @@ def bench_indexer_prefill(T: int, sweep: bool, ratio: int = 4) -> tuple[dict, li
         q = torch.randn(T, h, dI, device=DEV).bfloat16()
         w = torch.randn(T, h, device=DEV) * (dI ** -0.5 * h ** -0.5)
         sets.append((q, w, keys, rows, n_vis))
-    calls = [lambda s=s: ta.indexer_scores(*s) for s in sets]
+    calls = [lambda s=s: ta.indexer_scores(*s, rows_shared=True) for s in sets]
     t = time_graph(calls)
-    eager = time_eager(lambda: ta.indexer_scores(*sets[0]))
+    eager = time_eager(lambda: ta.indexer_scores(*sets[0], rows_shared=True))
     nbytes = T * h * dI * 2 + T * L * (4 + 8) + seen * f.record_bytes
     plan = ta.pick_indexer_config(T, h)
     r = row("indexer_scores", f"prefill T={T} h={h} dI={dI} L={L} fp4", t, eager, None, nbytes,

@@ -622,10 +622,12 @@ class IndexerConfig:
     num_stages: int = 2
 
 
-def pick_indexer_config(T: int, NH: int) -> IndexerConfig:
-    """The one-token kernel below :data:`INDEXER_TILE_MIN_T` tokens (decode: few tokens, long
-    key lists); from there tiles of 256 query rows (V4: 4 tokens × 64 heads), 8 warps."""
-    if INDEXER_TILE_MIN_T <= 0 or T < INDEXER_TILE_MIN_T or not (
+def pick_indexer_config(T: int, NH: int, rows_shared: bool = True) -> IndexerConfig:
+    """The token-tile kernel for ``rows_shared`` calls of at least :data:`INDEXER_TILE_MIN_T`
+    tokens (a prefill), tiles of 256 query rows (V4: 4 tokens × 64 heads), 8 warps; else the
+    one-token kernel (decode: a token per request, few tokens, long key lists: a tile would
+    take its tokens one by one, with a program per 4 tokens)."""
+    if not rows_shared or INDEXER_TILE_MIN_T <= 0 or T < INDEXER_TILE_MIN_T or not (
             INDEXER_TILE_CHECKED_ON_GPU or unverified_kernels_enabled()):
         return IndexerConfig()
     bhi = max(16, triton.next_power_of_2(NH))
@@ -634,8 +636,8 @@ def pick_indexer_config(T: int, NH: int) -> IndexerConfig:
 
 def indexer_scores_with_config(q: torch.Tensor, w: torch.Tensor,
                                keys: torch.Tensor | PackedRows, key_rows: torch.Tensor,
-                               n_visible: torch.Tensor,
-                               cfg: IndexerConfig | None = None) -> torch.Tensor:
+                               n_visible: torch.Tensor, cfg: IndexerConfig | None = None,
+                               rows_shared: bool = False) -> torch.Tensor:
     """:func:`indexer_scores` with an explicit plan (``None``: :func:`pick_indexer_config`)."""
     if q.dim() != 3:
         raise ValueError(f"indexer_scores: q must be [T, h, dI]; found {tuple(q.shape)}")
@@ -661,7 +663,7 @@ def indexer_scores_with_config(q: torch.Tensor, w: torch.Tensor,
     if meta[0] == FMT_DENSE and keys.dtype != q.dtype:
         # One dot dtype: bf16 keys with bf16 queries on the GPU; fp32 on the CPU path.
         keys = keys.to(q.dtype)
-    cfg = cfg or pick_indexer_config(T, NH)
+    cfg = cfg or pick_indexer_config(T, NH, rows_shared)
     BHI = max(16, triton.next_power_of_2(NH))
     BDI = max(16, triton.next_power_of_2(DI))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -682,13 +684,15 @@ def indexer_scores_with_config(q: torch.Tensor, w: torch.Tensor,
 
 @torch_twin_off_gpu("dsv4.ops.torch_attn")
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor | PackedRows,
-                   key_rows: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+                   key_rows: torch.Tensor, n_visible: torch.Tensor,
+                   rows_shared: bool = False) -> torch.Tensor:
     """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.
 
     q [T, h, dI]; w [T, h] fp32; keys [Nk, dI] or PackedRows (fp4 records, read in place);
     key_rows [T, L] int rows of ``keys`` (any value where the entry does not exist);
-    n_visible [T].  Returns [T, L] fp32, −inf where ``j >= n_visible[t]``.  Prefill-sized
-    calls gather each block of keys once for a tile of tokens that share their rows (the
-    tokens of one request), :func:`_indexer_tile_kernel`.
+    n_visible [T].  Returns [T, L] fp32, −inf where ``j >= n_visible[t]``.  ``rows_shared``
+    (runs of consecutive tokens repeat their key rows: the tokens of one request in a prefill):
+    prefill-sized calls gather each block of keys once for a tile of tokens
+    (:func:`_indexer_tile_kernel`, which checks the rows itself: the hint picks the kernel only).
     """
-    return indexer_scores_with_config(q, w, keys, key_rows, n_visible, None)
+    return indexer_scores_with_config(q, w, keys, key_rows, n_visible, None, rows_shared)

@@ -504,10 +504,10 @@ def _indexer(m: ModelDims, keys_kind: str) -> None:
         keys = cf.PackedRows(_empty(8192, f.record_bytes, dtype=torch.uint8), f)
     else:
         keys = _empty(8192, dI, dtype=torch.bfloat16)
-    for T in (1, 5, 512):
+    for T, shared in ((1, False), (5, False), (512, False), (512, True)):
         ta.indexer_scores(_empty(T, h, dI, dtype=torch.bfloat16), _empty(T, h, dtype=torch.float32),
                           keys, torch.zeros(T, L, dtype=torch.int64),
-                          torch.full((T,), L, dtype=torch.int64))
+                          torch.full((T,), L, dtype=torch.int64), rows_shared=shared)
 
 
 for _m in (V4_FLASH, V41_FLASH):

@@ -197,8 +197,8 @@ def test_indexer_scores_gpu_prefill_tiles(keys_kind: str) -> None:
         keys = keys.bfloat16()
     assert tri.pick_indexer_config(T, h).BT > 0
     _poison()
-    s = tri.indexer_scores(q, w, keys, rows, n_vis)
-    s_one = tri.indexer_scores_with_config(q, w, keys, rows, n_vis, tri.IndexerConfig())
+    s = tri.indexer_scores(q, w, keys, rows, n_vis, rows_shared=True)
+    s_one = tri.indexer_scores(q, w, keys, rows, n_vis)     # no hint: the one-token kernel
     s_ref = ref.indexer_scores(q, w, keys, rows, n_vis)
     vis = torch.arange(L, device=DEV)[None, :] < n_vis[:, None]
     assert torch.equal(torch.isinf(s), ~vis) and not bool(torch.isnan(s).any())

@@ -98,7 +98,24 @@ def test_tiles_read_fp4_keys_in_place() -> None:
 
 
 def test_plan_rule() -> None:
+    n = max(1, tri.INDEXER_TILE_MIN_T)
     assert tri.pick_indexer_config(1, 64).BT == 0
-    assert tri.pick_indexer_config(tri.INDEXER_TILE_MIN_T - 1, 64).BT == 0
-    cfg = tri.pick_indexer_config(max(1, tri.INDEXER_TILE_MIN_T), 64)
-    assert cfg.BT * 64 == 256
+    assert tri.pick_indexer_config(n - 1, 64).BT == 0
+    assert tri.pick_indexer_config(n, 64, rows_shared=False).BT == 0   # decode: a token a request
+    assert tri.pick_indexer_config(n, 64).BT * 64 == 256
+
+
+def test_hint_only_picks_the_kernel() -> None:
+    # rows_shared on rows that are not shared: the tiles check the rows, same scores.
+    gen = torch.Generator().manual_seed(6)
+    T, h, dI, Nk, L = max(1, tri.INDEXER_TILE_MIN_T), 8, 16, 40, 20
+    q = torch.randn(T, h, dI, generator=gen)
+    w = torch.randn(T, h, generator=gen)
+    keys = torch.randn(Nk, dI, generator=gen)
+    rows = torch.randint(0, Nk, (T, L), generator=gen)
+    n_vis = torch.randint(0, L + 1, (T,), generator=gen)
+    vis = torch.arange(L)[None, :] < n_vis[:, None]
+    s = tri.indexer_scores(q, w, keys, rows, n_vis, rows_shared=True)
+    s_one = tri.indexer_scores(q, w, keys, rows, n_vis)
+    assert torch.equal(torch.isinf(s), ~vis)
+    assert rel_err(s[vis], s_one[vis]) < 1e-5
