@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
-# Twenty-first session, run B: the eighteenth session's in-step A/B of the three decode plan
-# switches left off (gpu_session_s18g.sh, never run): 4 layers at B 1 / 2, interleaved graph
-# replays, each variant's logits against the plain launch's.
+# Twenty-first session, run B: the 64-head, 64-row, two-stage sparse-attention plan for bf16
+# rows from 1,024 tokens (new default): the attention GPU tests, the bf16-row prefill plans
+# swept at 1K / 8K tokens, the 4-layer prefill (2K / 8K) with it and without it
+# (DSV4_ATTN_DENSE_WIDE_MIN_T=10^9: the 16-head plan), all 43 V4-Flash layers at 8K with it.
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-stage ab 230 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1,2 \
-    --ctx 8192 --steps 2 --budget 200 --launch-ab \
-    --ab-variants "pdl;pdl, wide one-row GEMV plans;pdl, wide one-row bf16w plans;pdl, unsplit short attention" \
-    --out "$LOGS/ab.json"
-grep -h "decode B\|Error\|median\|variant\|bits" "$LOGS"/ab.log | tail -n 30
+stage tests 100 python -m pytest -q -x tests/kernels/test_gpu_kernels.py -k "sparse_attn"
+stage attn 100 python bench/kernels.py --only sparse_attn --sweep --attn-tokens 1024,8192 \
+    --attn-sources rows --out "$LOGS/attn.json"
+stage pre_new 80 python bench/flash_bench.py --layers 4 --prefill 2048,8192 \
+    --decode-batches "" --reps 3 --budget 60 --out "$LOGS/pre_new.json"
+DSV4_ATTN_DENSE_WIDE_MIN_T=1000000000 stage pre_old 80 python bench/flash_bench.py --layers 4 \
+    --prefill 2048,8192 --decode-batches "" --reps 3 --budget 60 --out "$LOGS/pre_old.json"
+stage full43 200 python bench/flash_bench.py --layers 43 --experts 128 --prefill 8192 \
+    --decode-batches "" --reps 2 --budget 170 --out "$LOGS/full43.json"
+tail -n 3 "$LOGS/tests.log"
+grep -h "sparse_attn" "$LOGS/attn.log"
+for p in new old; do echo "prefill plan=$p"; grep -h "prefill S=\|Error" "$LOGS/pre_$p.log" | tail -n 3; done
+echo "43 layers"; grep -h "prefill S=\|Error\|GB" "$LOGS/full43.log" | tail -n 4
+python - "$LOGS/attn.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for sw in r.get("sweeps") or []:
+    print(sw["shape"])
+    for t, cfg in sorted(sw["tried"], key=lambda x: x[0])[:5]:
+        print(f"  {t:9.1f} us  {cfg}")
+PY

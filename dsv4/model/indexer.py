@@ -90,11 +90,7 @@ class _IndexScorer(nn.Module):
         w [T, h] fp32 against the layer's key pool rows ``flat_keys``."""
         n_visible = visible_entries(ctx, self.ratio)
         key_rows = token_key_rows(ctx, self.ratio, cache.page_size)
-        # The rows repeat per request: shared by runs of tokens when the step's requests bring
-        # two or more tokens each on average (a prefill, not a decode step).
-        shared = ctx.static is None and q.shape[0] >= 2 * max(1, len(ctx.seqlens_host))
-        return self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible,
-                                       rows_shared=shared), n_visible
+        return self.ops.indexer_scores(q, w, flat_keys, key_rows, n_visible), n_visible
 
 
 class Indexer(_IndexScorer):

@@ -151,15 +151,13 @@ def _online_softmax_sink_pv(z: Tensor, rows: Tensor, sink: Tensor, p_dtype: torc
 
 
 def indexer_scores(q: Tensor, w: Tensor, keys: Tensor, key_rows: Tensor,
-                   n_visible: Tensor, rows_shared: bool = False) -> Tensor:
+                   n_visible: Tensor) -> Tensor:
     """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.
 
     q [T, h, dI]; w [T, h] fp32 (already scaled); keys [Nk, dI] (a flat key pool);
     key_rows [T, L] int64 rows of ``keys`` holding entries 0..L−1 of the token's request (any
     value where the entry does not exist); n_visible [T] int64.  Returns [T, L] fp32 with −inf
-    where ``j >= n_visible[t]``.  ``rows_shared``: a hint that runs of consecutive tokens
-    repeat their key rows (the tokens of one request in a prefill); kernels may gather the
-    keys once per run, the result does not depend on it (unused here).
+    where ``j >= n_visible[t]``.
     """
     T, h, dI = q.shape
     L = key_rows.shape[1]

@@ -24,12 +24,10 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.formats import PackedRows, RecordFormat
-from dsv4.ops import unverified_kernels_enabled
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
-           "IndexerConfig", "pick_indexer_config", "indexer_scores_with_config",
            "pick_attn_config", "load_rows", "load_fp8_records_chunked", "chunked_records_ok",
            "record_meta"]
 
@@ -41,12 +39,9 @@ _LOG2E = 1.4426950408889634
 ATTN_SPLIT_MIN_ROWS = int(os.environ.get("DSV4_ATTN_SPLIT_MIN_ROWS", "0"))
 # Prefill over fp8 records: the 64-head plan of pick_attn_config from this many tokens.
 RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
-# Indexer scores: the token-tile kernel (keys gathered once for a tile of tokens of one request)
-# from this many tokens (prefill); fewer take the one-token kernel.  0: never.
-INDEXER_TILE_MIN_T = int(os.environ.get("DSV4_INDEXER_TILE_MIN_T", "256"))
-# Whether the token-tile kernel has passed its GPU checks (bench/sessions/): until then it runs
-# only with DSV4_UNVERIFIED_KERNELS=1, like the ops of dsv4.ops.UNVERIFIED_ON_GPU.
-INDEXER_TILE_CHECKED_ON_GPU = False
+# Prefill over bf16 rows (bf16 queries): the 64-head, 64-row, two-stage plan from this many
+# tokens (a prefill's dense copy of the cache rows, attention.dense_prefill_pays).
+DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "1024"))
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -345,7 +340,7 @@ class AttnConfig:
 
 
 def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
-                     records: bool = False) -> AttnConfig:
+                     records: bool = False, bf16: bool = False) -> AttnConfig:
     """Default plan (tuned on the H200, docs/PERFORMANCE.md); K = indices per token, both lists.
 
     16 heads × the whole head dim per program, 64 rows per step.  With fewer programs than SMs
@@ -356,6 +351,10 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     :data:`RECORD_WIDE_MIN_T` tokens all 64 heads in one program over 32-row steps, one stage
     (each row is gathered and dequantized once a token, not once per 16 heads): H200, V4-Flash
     CSA shapes at 4,096 tokens, 3.61 against 7.33 ms (docs/PERFORMANCE.md, twentieth session).
+    ``bf16`` (bf16 queries and bf16 rows, no records): from :data:`DENSE_WIDE_MIN_T` tokens all
+    64 heads over 64-row steps, two stages (the rows' loads of the next step in flight; its
+    shared memory, 2 × 64 KB of rows + 64 KB of queries, fits only in bf16): V4-Flash CSA
+    shapes at 4,096 tokens 1.76 against 2.84 ms (twenty-first session).
     """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)
@@ -368,6 +367,8 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
             split = max(1, min(split, K // ATTN_SPLIT_MIN_ROWS))
     if records and T >= RECORD_WIDE_MIN_T:
         return AttnConfig(BH=64, BN=32, num_warps=8, num_stages=1)
+    if bf16 and not records and T >= DENSE_WIDE_MIN_T:
+        return AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2)
     return AttnConfig(BH=bh, BN=bn, num_warps=8 if records else 4, num_stages=2,
                       split_kv=split)
 
@@ -425,8 +426,11 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
     if T == 0:
         return o
     Kb = idx_b.shape[1] if kv_b is not None else 0
-    cfg = cfg or pick_attn_config(T, H, d, idx_a.shape[1] + Kb, q.device,
-                                  records=meta_a[0] != FMT_DENSE or meta_b[0] != FMT_DENSE)
+    records = meta_a[0] != FMT_DENSE or meta_b[0] != FMT_DENSE
+    bf16 = (q.dtype == torch.bfloat16 and kv_a.dtype == torch.bfloat16
+            and (kv_b is None or kv_b.dtype == torch.bfloat16))
+    cfg = cfg or pick_attn_config(T, H, d, idx_a.shape[1] + Kb, q.device, records=records,
+                                  bf16=bf16)
     idx_a = idx_a if idx_a.stride(1) == 1 else idx_a.contiguous()
     has_b = kv_b is not None
     if has_b:
@@ -532,113 +536,15 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
         tl.store(out_ptrs, score, mask=l_mask)
 
 
-@triton.jit
-def _indexer_tile_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, nvis_ptr, out_ptr,
-                         T, NH, DI, L, stride_qt, stride_qh, stride_wt, stride_k, stride_rt,
-                         stride_ot, BT: tl.constexpr, BHI: tl.constexpr, BDI: tl.constexpr,
-                         BL: tl.constexpr, DOT_PREC: tl.constexpr, FMT: tl.constexpr,
-                         NQ: tl.constexpr, QB: tl.constexpr, SC_OFF: tl.constexpr,
-                         TAIL_OFF: tl.constexpr, PDL: tl.constexpr = False):
-    """The scores of BT consecutive tokens (one program), walking all their visible entries.
+@torch_twin_off_gpu("dsv4.ops.torch_attn")
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor | PackedRows,
+                   key_rows: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.
 
-    In a prefill the tokens of one request share their key rows (``key_rows`` repeats the
-    request's row for each of its tokens), so for each block of BL entries the tile checks
-    that its tokens' rows agree wherever they are visible; then the keys are gathered once and
-    multiplied by the whole tile's queries in one [BT·BHI, DI] × [DI, BL] dot, and the head sum
-    is taken per token.  A tile whose rows differ (it straddles two requests, or any other
-    caller) takes each token in turn, as :func:`_indexer_scores_kernel` does.  The queries and
-    head weights stay in registers for the whole walk (the one-token kernel re-reads them for
-    every block of entries)."""
-    grid_dependency_sync(PDL)
-    t0 = tl.program_id(0) * BT
-    rt = t0 + tl.arange(0, BT)
-    t_mask = rt < T
-    rt64 = rt.to(tl.int64)
-    nv = tl.minimum(tl.load(nvis_ptr + rt, mask=t_mask, other=0).to(tl.int32), L)
-    nv_max = tl.max(nv, axis=0)
-    rd = tl.arange(0, BDI)
-    d_mask = rd < DI
-    rh = tl.arange(0, BHI)
-    h_mask = rh < NH
-    # Tile row m = (token m // BHI, head m % BHI).
-    rm = tl.arange(0, BT * BHI)
-    tm = t0 + rm // BHI
-    hm = rm % BHI
-    m_mask = (tm < T) & (hm < NH)
-    q = tl.load(q_ptr + tm.to(tl.int64)[:, None] * stride_qt + hm[:, None] * stride_qh
-                + rd[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    w = tl.load(w_ptr + tm.to(tl.int64) * stride_wt + hm, mask=m_mask, other=0.0).to(tl.float32)
-    sel = tl.arange(0, BT)
-    for l0 in range(0, nv_max, BL):
-        rl = l0 + tl.arange(0, BL)
-        vis = rl[None, :] < nv[:, None]                                   # [BT, BL]
-        rows = tl.load(rows_ptr + rt64[:, None] * stride_rt + rl[None, :], mask=vis, other=0)
-        ref = tl.max(tl.where(vis, rows, -1), axis=0)                     # [BL]
-        same = tl.min(tl.where(vis, (rows == ref[None, :]).to(tl.int32), 1))
-        if same == 1:
-            k_ok = ref >= 0
-            k = load_rows(k_ptr, tl.maximum(ref, 0).to(tl.int64), rd,
-                          k_ok[:, None] & d_mask[None, :], stride_k, FMT, NQ, QB, SC_OFF,
-                          TAIL_OFF)                                       # [BL, BDI]
-            s = mma(q, tl.trans(k.to(q.dtype)), DOT_PREC)                 # [BT·BHI, BL]
-            s = tl.maximum(s, 0.0) * w[:, None]
-            score = tl.sum(tl.reshape(s, (BT, BHI, BL)), axis=1)          # [BT, BL]
-        else:
-            score = tl.zeros((BT, BL), tl.float32)
-            for i in tl.static_range(BT):
-                pick = (sel == i)[:, None] & vis
-                vis_i = tl.max(pick.to(tl.int32), axis=0) > 0
-                rows_i = tl.sum(tl.where(pick, rows, 0), axis=0)
-                k = load_rows(k_ptr, rows_i.to(tl.int64), rd, vis_i[:, None] & d_mask[None, :],
-                              stride_k, FMT, NQ, QB, SC_OFF, TAIL_OFF)
-                ti = (t0 + i).to(tl.int64)
-                ok = (t0 + i) < T
-                q_i = tl.load(q_ptr + ti * stride_qt + rh[:, None] * stride_qh + rd[None, :],
-                              mask=ok & h_mask[:, None] & d_mask[None, :], other=0.0)
-                w_i = tl.load(w_ptr + ti * stride_wt + rh, mask=ok & h_mask,
-                              other=0.0).to(tl.float32)
-                s_i = mma(q_i, tl.trans(k.to(q_i.dtype)), DOT_PREC)       # [BHI, BL]
-                sc_i = tl.sum(tl.maximum(s_i, 0.0) * w_i[:, None], axis=0)
-                score = tl.where((sel == i)[:, None], sc_i[None, :], score)
-        score = tl.where(vis, score, float("-inf"))
-        tl.store(out_ptr + rt64[:, None] * stride_ot + rl[None, :], score,
-                 mask=t_mask[:, None] & (rl < L)[None, :])
-    for l0 in range(tl.cdiv(nv_max, BL) * BL, L, BL):
-        rl = l0 + tl.arange(0, BL)
-        tl.store(out_ptr + rt64[:, None] * stride_ot + rl[None, :],
-                 tl.full((BT, BL), float("-inf"), tl.float32),
-                 mask=t_mask[:, None] & (rl < L)[None, :])
-
-
-@dataclass(frozen=True)
-class IndexerConfig:
-    """Plan of the indexer scores: ``BT`` tokens per program (0: the one-token kernel, a
-    program per token and block of BL entries; else :func:`_indexer_tile_kernel`), ``BL``
-    entries per step."""
-
-    BT: int = 0
-    BL: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def pick_indexer_config(T: int, NH: int, rows_shared: bool = True) -> IndexerConfig:
-    """The token-tile kernel for ``rows_shared`` calls of at least :data:`INDEXER_TILE_MIN_T`
-    tokens (a prefill), tiles of 256 query rows (V4: 4 tokens × 64 heads), 8 warps; else the
-    one-token kernel (decode: a token per request, few tokens, long key lists: a tile would
-    take its tokens one by one, with a program per 4 tokens)."""
-    if not rows_shared or INDEXER_TILE_MIN_T <= 0 or T < INDEXER_TILE_MIN_T or not (
-            INDEXER_TILE_CHECKED_ON_GPU or unverified_kernels_enabled()):
-        return IndexerConfig()
-    bhi = max(16, triton.next_power_of_2(NH))
-    return IndexerConfig(BT=max(1, 256 // bhi), BL=64, num_warps=8, num_stages=2)
-
-
-def indexer_scores_with_config(q: torch.Tensor, w: torch.Tensor,
-                               keys: torch.Tensor | PackedRows, key_rows: torch.Tensor,
-                               n_visible: torch.Tensor, cfg: IndexerConfig | None = None,
-                               rows_shared: bool = False) -> torch.Tensor:
-    """:func:`indexer_scores` with an explicit plan (``None``: :func:`pick_indexer_config`)."""
+    q [T, h, dI]; w [T, h] fp32; keys [Nk, dI] or PackedRows (fp4 records, read in place);
+    key_rows [T, L] int rows of ``keys`` (any value where the entry does not exist);
+    n_visible [T].  Returns [T, L] fp32, −inf where ``j >= n_visible[t]``.
+    """
     if q.dim() != 3:
         raise ValueError(f"indexer_scores: q must be [T, h, dI]; found {tuple(q.shape)}")
     T, NH, DI = q.shape
@@ -663,36 +569,13 @@ def indexer_scores_with_config(q: torch.Tensor, w: torch.Tensor,
     if meta[0] == FMT_DENSE and keys.dtype != q.dtype:
         # One dot dtype: bf16 keys with bf16 queries on the GPU; fp32 on the CPU path.
         keys = keys.to(q.dtype)
-    cfg = cfg or pick_indexer_config(T, NH, rows_shared)
     BHI = max(16, triton.next_power_of_2(NH))
     BDI = max(16, triton.next_power_of_2(DI))
+    BL = 64
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    args = (q, w, keys, key_rows, n_visible.contiguous(), out)
-    meta_kw = dict(BHI=BHI, BDI=BDI, BL=cfg.BL, DOT_PREC=dot_prec, FMT=meta[0], NQ=meta[1],
-                   QB=meta[2], SC_OFF=meta[3], TAIL_OFF=meta[4], num_warps=cfg.num_warps,
-                   num_stages=cfg.num_stages, **pdl_args(q))
-    strides = (q.stride(0), q.stride(1), w.stride(0), keys.stride(0), key_rows.stride(0),
-               out.stride(0))
-    if cfg.BT > 0:
-        _indexer_tile_kernel[(triton.cdiv(T, cfg.BT),)](
-            *args, T, NH, DI, L, *strides, BT=cfg.BT, **meta_kw)
-    else:
-        _indexer_scores_kernel[(T, triton.cdiv(L, cfg.BL))](*args, NH, DI, L, *strides,
-                                                           **meta_kw)
+    _indexer_scores_kernel[(T, triton.cdiv(L, BL))](
+        q, w, keys, key_rows, n_visible.contiguous(), out, NH, DI, L,
+        q.stride(0), q.stride(1), w.stride(0), keys.stride(0), key_rows.stride(0), out.stride(0),
+        BHI=BHI, BDI=BDI, BL=BL, DOT_PREC=dot_prec, FMT=meta[0], NQ=meta[1], QB=meta[2],
+        SC_OFF=meta[3], TAIL_OFF=meta[4], num_warps=4, num_stages=2, **pdl_args(q))
     return out
-
-
-@torch_twin_off_gpu("dsv4.ops.torch_attn")
-def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor | PackedRows,
-                   key_rows: torch.Tensor, n_visible: torch.Tensor,
-                   rows_shared: bool = False) -> torch.Tensor:
-    """Lightning-indexer scores ``s[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · keys[key_rows[t,j]])``.
-
-    q [T, h, dI]; w [T, h] fp32; keys [Nk, dI] or PackedRows (fp4 records, read in place);
-    key_rows [T, L] int rows of ``keys`` (any value where the entry does not exist);
-    n_visible [T].  Returns [T, L] fp32, −inf where ``j >= n_visible[t]``.  ``rows_shared``
-    (runs of consecutive tokens repeat their key rows: the tokens of one request in a prefill):
-    prefill-sized calls gather each block of keys once for a tile of tokens
-    (:func:`_indexer_tile_kernel`, which checks the rows itself: the hint picks the kernel only).
-    """
-    return indexer_scores_with_config(q, w, keys, key_rows, n_visible, None, rows_shared)

@@ -465,9 +465,10 @@ def _sparse_attn(kind: str, m: ModelDims, Ts: tuple[int, ...], heads: int | None
 
 
 # Decode (one token: T specialized to 1, split-KV plan) and prefill (one-pass plan) per cache
-# kind; a 16-token decode batch (split-KV, T not 1) for the V4 records.  sparse_attn compiles
+# kind; a 16-token decode batch (split-KV, T not 1) for the V4 records; the 64-head bf16-row
+# prefill plan (DENSE_WIDE_MIN_T) at 1,024 tokens.  sparse_attn compiles
 # are the slowest (~3-5 s of CPU each): keep this list lean.
-for _kind, _m, _ts in (("dense", V4_FLASH, (1, 512)), ("v4_record", V4_FLASH, (1, 16, 512)),
+for _kind, _m, _ts in (("dense", V4_FLASH, (1, 512, 1024)), ("v4_record", V4_FLASH, (1, 16, 512)),
                        ("v41_records", V41_FLASH, (1, 512))):
     scenario(f"sparse_attn/{_kind}")(lambda k=_kind, m=_m, ts=_ts: _sparse_attn(k, m, ts))
 scenario("sparse_attn/v4_record/tp8_heads")(
@@ -504,10 +505,10 @@ def _indexer(m: ModelDims, keys_kind: str) -> None:
         keys = cf.PackedRows(_empty(8192, f.record_bytes, dtype=torch.uint8), f)
     else:
         keys = _empty(8192, dI, dtype=torch.bfloat16)
-    for T, shared in ((1, False), (5, False), (512, False), (512, True)):
+    for T in (1, 5, 512):
         ta.indexer_scores(_empty(T, h, dI, dtype=torch.bfloat16), _empty(T, h, dtype=torch.float32),
                           keys, torch.zeros(T, L, dtype=torch.int64),
-                          torch.full((T,), L, dtype=torch.int64), rows_shared=shared)
+                          torch.full((T,), L, dtype=torch.int64))
 
 
 for _m in (V4_FLASH, V41_FLASH):

@@ -84,6 +84,7 @@ def test_indexer_scores_matches_twin(dtype: torch.dtype) -> None:
     tri.AttnConfig(BH=16, BN=16, split_kv=3),          # split-KV + combine (S not a power of 2)
     tri.AttnConfig(BH=32, BN=16, dv=32),                # value columns split across programs
     tri.AttnConfig(BH=16, BN=32, split_kv=4, dv=16),    # both
+    tri.AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2),  # bf16-row prefill plan
 ])
 def test_sparse_attn_plans_agree(cfg: tri.AttnConfig) -> None:
     gen = torch.Generator().manual_seed(cfg.split_kv * 10 + cfg.dv)
@@ -132,3 +133,15 @@ def test_sparse_attn_split_floor(monkeypatch: pytest.MonkeyPatch) -> None:
         assert tri.pick_attn_config(T, H, d, 200, cpu).split_kv == split
         o = tri.sparse_attn(q, kv_a, idx_a, None, None, sink, 0.2)
         assert rel_err(o, want) < 1e-5, floor
+
+
+def test_dense_prefill_plan_rule() -> None:
+    """bf16 queries over bf16 rows from DENSE_WIDE_MIN_T tokens: the 64-head, 64-row, two-stage
+    plan; fp32 (its shared memory would not fit), records and short steps keep theirs."""
+    cpu = torch.device("cpu")
+    n = tri.DENSE_WIDE_MIN_T
+    wide = tri.AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2)
+    assert tri.pick_attn_config(n, 64, 512, 640, cpu, bf16=True) == wide
+    assert tri.pick_attn_config(n - 1, 64, 512, 640, cpu, bf16=True).BH == 16
+    assert tri.pick_attn_config(n, 64, 512, 640, cpu).BH == 16
+    assert tri.pick_attn_config(n, 64, 512, 640, cpu, records=True, bf16=True).BN == 32
