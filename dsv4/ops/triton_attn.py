@@ -354,7 +354,8 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     ``bf16`` (bf16 queries and bf16 rows, no records): from :data:`DENSE_WIDE_MIN_T` tokens all
     64 heads over 64-row steps, two stages (the rows' loads of the next step in flight; its
     shared memory, 2 × 64 KB of rows + 64 KB of queries, fits only in bf16): V4-Flash CSA
-    shapes at 4,096 tokens 1.76 against 2.84 ms (twenty-first session).
+    shapes at 4,096 tokens 1.76 against 2.84 ms (twenty-first session); with 64 heads or more
+    (a tensor-parallel shard of fewer would pad the MMA rows; not measured).
     """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)
@@ -367,7 +368,7 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
             split = max(1, min(split, K // ATTN_SPLIT_MIN_ROWS))
     if records and T >= RECORD_WIDE_MIN_T:
         return AttnConfig(BH=64, BN=32, num_warps=8, num_stages=1)
-    if bf16 and not records and T >= DENSE_WIDE_MIN_T:
+    if bf16 and not records and T >= DENSE_WIDE_MIN_T and H >= 64:
         return AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2)
     return AttnConfig(BH=bh, BN=bn, num_warps=8 if records else 4, num_stages=2,
                       split_kv=split)

@@ -145,3 +145,4 @@ def test_dense_prefill_plan_rule() -> None:
     assert tri.pick_attn_config(n - 1, 64, 512, 640, cpu, bf16=True).BH == 16
     assert tri.pick_attn_config(n, 64, 512, 640, cpu).BH == 16
     assert tri.pick_attn_config(n, 64, 512, 640, cpu, records=True, bf16=True).BN == 32
+    assert tri.pick_attn_config(n, 8, 512, 640, cpu, bf16=True).BH == 16   # a TP-8 shard
