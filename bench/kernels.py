@@ -451,6 +451,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of ops to run (default: all)")
     ap.add_argument("--attn-tokens", default="1,16,64,1024,4096",
                     help="sparse_attn: comma list of token counts")
+    ap.add_argument("--attn-kb", type=int, default=512,
+                    help="sparse_attn: rows a token from the second source (512: a CSA layer's "
+                    "top-k; 64: an HCA layer's compressed entries at 8K tokens)")
     ap.add_argument("--attn-sources", default="rows,records",
                     help="sparse_attn: bf16 rows and/or fp8 records (comma list)")
     ap.add_argument("--wide", action="store_true", help="linear_bf16w: one row only, swept "
@@ -492,9 +495,10 @@ def main() -> int:
         for records in [r for r, k in ((False, "rows"), (True, "records")) if k in kinds]:
             for T in attn_tokens:
                 # (the bf16-row plans were swept in the first GPU session, again from 1,024
-                # tokens in the twentieth)
-                swept = T in (1, 16, 64, 4096) if records else T >= 1024
-                add(*bench_attn(T, 128, 512, args.sweep and swept, records))
+                # tokens in the twentieth; from 128 in the twenty-second: the prefill chunks
+                # below DENSE_WIDE_MIN_T)
+                swept = T in (1, 16, 64, 1024, 4096) if records else T >= 128
+                add(*bench_attn(T, 128, args.attn_kb, args.sweep and swept, records))
     if want("indexer_scores"):
         for T, L in ((1, 8192), (1, 65536), (64, 8192), (4096, 1024)):
             add(bench_indexer(T, L))
