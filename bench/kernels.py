@@ -495,9 +495,9 @@ def main() -> int:
         for records in [r for r, k in ((False, "rows"), (True, "records")) if k in kinds]:
             for T in attn_tokens:
                 # (the bf16-row plans were swept in the first GPU session, again from 1,024
-                # tokens in the twentieth; from 128 in the twenty-second: the prefill chunks
-                # below DENSE_WIDE_MIN_T)
-                swept = T in (1, 16, 64, 1024, 4096) if records else T >= 128
+                # tokens in the twentieth; both from 128 in the twenty-second: the engine's steps
+                # of up to 2,048 tokens, below DENSE_WIDE_MIN_T / RECORD_WIDE_MIN_T)
+                swept = T in (1, 16, 64) or T >= 128
                 add(*bench_attn(T, 128, args.attn_kb, args.sweep and swept, records))
     if want("indexer_scores"):
         for T, L in ((1, 8192), (1, 65536), (64, 8192), (4096, 1024)):

@@ -21,7 +21,7 @@ stage attn_small 120 python bench/kernels.py --only sparse_attn --sweep \
 stage attn_hca 70 python bench/kernels.py --only sparse_attn --sweep --attn-kb 64 \
     --attn-tokens 1024,8192 --attn-sources rows --out "$LOGS/attn_hca.json"
 stage attn_rec 90 python bench/kernels.py --only sparse_attn --sweep \
-    --attn-tokens 1024,4096 --attn-sources records --out "$LOGS/attn_rec.json"
+    --attn-tokens 256,512,1024 --attn-sources records --out "$LOGS/attn_rec.json"
 for p in new old; do echo "prefill plan=$p"; grep -h "prefill S=\|Error" "$LOGS/pre_$p.log" 2>/dev/null | tail -n 3; done
 echo "43 layers"; grep -h "prefill S=\|Error\|GB" "$LOGS/full43.log" 2>/dev/null | tail -n 4
 python - "$LOGS"/attn_*.json <<'PY'
