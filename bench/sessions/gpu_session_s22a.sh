@@ -14,6 +14,11 @@ stage pre_small_def 60 python bench/flash_bench.py --layers 4 --prefill 256,512 
     --decode-batches "" --reps 3 --budget 50 --out "$LOGS/pre_small_def.json"
 DSV4_ATTN_DENSE_WIDE_MIN_T=128 stage pre_small_128 60 python bench/flash_bench.py --layers 4 \
     --prefill 256,512 --decode-batches "" --reps 3 --budget 50 --out "$LOGS/pre_small_128.json"
+stage ncu_attn 90 env DSV4_PDL=0 ncu --clock-control none -k regex:"_sparse_attn" \
+    --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python bench/ncu_attn.py 4096
 stage attn_rec 100 python bench/kernels.py --only sparse_attn --sweep \
     --attn-tokens 256,512,1024 --attn-sources records --out "$LOGS/attn_rec.json"
 if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1)" -gt 100000 ]; then
@@ -27,6 +32,7 @@ if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head
 fi
 stage attn_hca 70 python bench/kernels.py --only sparse_attn --sweep --attn-kb 64 \
     --attn-tokens 1024,8192 --attn-sources rows --out "$LOGS/attn_hca.json"
+grep -v "^==" "$LOGS/ncu_attn.log" | grep -v "^ *-* *$" | head -n 150
 for p in small_def small_128 new old; do echo "prefill $p"; grep -h "prefill S=\|Error" "$LOGS/pre_$p.log" 2>/dev/null | tail -n 3; done
 echo "43 layers"; grep -h "prefill S=\|Error\|GB" "$LOGS/full43.log" 2>/dev/null | tail -n 4
 python - "$LOGS"/attn_*.json <<'PY'
