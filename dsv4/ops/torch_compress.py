@@ -6,12 +6,26 @@ what runs on CPU; its numerics are those of the model since the first version (b
 Where the rows of a group live
 ------------------------------
 Every token of a step gives fp32 rows ``kv`` / ``score`` [T, W] (W = coff·d; coff = 2 for the
-overlapping compressor).  The rows of positions before the step are in the request's state slot
-``state_kv`` / ``state_score`` [num_slots, coff·r, W]: rows ``[0:r]`` hold the previous complete
-group (overlap only), the next ``r`` rows the open group, at row ``pos % r``.  Entry j of a request
-pools the positions ``j·r .. j·r + r − 1`` (and, with overlap, the previous group ``j·r − r ..``):
-each position is a row of this step (``pos >= start_pos``) or of the state, or empty (kv 0,
-score −inf) when the state does not hold it (before the sequence).
+overlapping compressor).  The rows of positions before the step are in the request's state slot,
+in one of two forms (the ops tell them apart by the state's dtype):
+
+* raw (fp32): ``state_kv`` / ``state_score`` [num_slots, coff·r, W]: rows ``[0:r]`` hold the
+  previous complete group (overlap only), the next ``r`` rows the open group, at row ``pos % r``;
+* compact (float64, non-overlapping compressors only; the cache uses it for ratio >= 8, V4's
+  C128: dsv4.cache.tensors.CompressorSpec.compact): ``state_kv`` / ``state_score``
+  [num_slots, 1, W] hold ONE pseudo-row summarizing the open group's positions seen so far,
+  ``m = max g_i``, ``l = Σ exp(g_i − m)``, ``k* = Σ exp(g_i − m)·k_i / l``, ``g* = m + log l``
+  (empty: kv 0, score −inf).  Since ``exp(g* − M)·k* = exp(m − M)·Σ exp(g_i − m)·k_i`` for any
+  M, the per-channel softmax of a group over [pseudo-row, later rows] is the softmax over all its
+  rows; computed in float64 and rounded once to fp32 (:func:`_softmax_pool`), an entry gets the
+  raw form's bits but for astronomically rare rounding ties (float64 errors ~1e-16 against the
+  fp32 half-ulp 6e-8: the argument torch and Triton already agree by).  The pseudo-row stands
+  at the group's first position ``g0``; the group's other positions before the step are empty.
+
+Entry j of a request pools the positions ``j·r .. j·r + r − 1`` (and, with overlap, the previous
+group ``j·r − r ..``): each position is a row of this step (``pos >= start_pos``) or of the
+state, or empty (kv 0, score −inf) when the state does not hold it (before the sequence; in the
+compact form every position of the open group but its first).
 
 Ops (same signatures in the Triton module)::
 
@@ -40,17 +54,27 @@ from dsv4.ops.torch_attn import apply_rope, rms_norm
 
 __all__ = ["compress_entries", "compress_update_state", "compress_pool", "locate_rows",
            "check_compress_args", "check_entry_args", "check_ape", "step_positions",
-           "bias_step_scores"]
+           "bias_step_scores", "is_compact", "summarize_rows"]
 
 # Gathered group rows per block of entries stay near this many fp32 elements.
 BLOCK_ELEMS = 1 << 24
 
 
+def is_compact(state_kv: Tensor) -> bool:
+    """True for the compact carry-over form (float64 pseudo-rows, see the header)."""
+    return state_kv.dtype == torch.float64
+
+
 def check_compress_args(name: str, kv: Tensor, score: Tensor, state_kv: Tensor,
                         state_score: Tensor, start_pos: Tensor, cu_seqlens: Tensor,
                         slots: Tensor, ratio: int, overlap: bool) -> int:
-    """Validate the shared arguments of the compressor ops; returns the entry width d."""
+    """Validate the shared arguments of the compressor ops (either state form); returns the
+    entry width d."""
     coff = 2 if overlap else 1
+    compact = is_compact(state_kv)
+    if compact and overlap:
+        raise ValueError(f"{name}: the compact (float64) state is for non-overlapping "
+                         f"compressors only")
     if not isinstance(ratio, int) or ratio < 1 or (overlap and ratio < 2):
         raise ValueError(f"{name}: ratio must be an integer >= 1 (>= 2 with overlap); got "
                          f"{ratio!r}")
@@ -58,15 +82,19 @@ def check_compress_args(name: str, kv: Tensor, score: Tensor, state_kv: Tensor,
         raise ValueError(f"{name}: kv and score must be the same [T, coff·d] (coff={coff}); "
                          f"found {tuple(kv.shape)} and {tuple(score.shape)}")
     W = kv.shape[1]
-    want = (coff * ratio, W)
+    want = (1 if compact else coff * ratio, W)
     if (state_kv.dim() != 3 or tuple(state_kv.shape[1:]) != want
             or state_score.shape != state_kv.shape):
-        raise ValueError(f"{name}: state_kv / state_score must be [num_slots, {want[0]}, {W}]; "
-                         f"found {tuple(state_kv.shape)} and {tuple(state_score.shape)}")
-    for t, what in ((kv, "kv"), (score, "score"), (state_kv, "state_kv"),
-                    (state_score, "state_score")):
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name}: {what} must be float32; found {t.dtype}")
+        raise ValueError(f"{name}: state_kv / state_score must be [num_slots, {want[0]}, {W}]"
+                         f"{' (compact form)' if compact else ''}; found "
+                         f"{tuple(state_kv.shape)} and {tuple(state_score.shape)}")
+    state_dtype = torch.float64 if compact else torch.float32
+    for t, what, dt in ((kv, "kv", torch.float32), (score, "score", torch.float32),
+                        (state_kv, "state_kv", state_dtype),
+                        (state_score, "state_score", state_dtype)):
+        if t.dtype != dt:
+            raise ValueError(f"{name}: {what} must be {str(dt).removeprefix('torch.')} "
+                             f"(state: float32 raw rows or float64 compact); found {t.dtype}")
     R = start_pos.shape[0]
     if tuple(cu_seqlens.shape) != (R + 1,) or tuple(slots.shape) != (R,):
         raise ValueError(f"{name}: start_pos [R], cu_seqlens [R+1], slots [R] expected; found "
@@ -131,18 +159,23 @@ def check_entry_args(request: Tensor, entry: Tensor, valid: Tensor | None, norm_
 
 
 def locate_rows(request: Tensor, pos: Tensor, start_pos: Tensor, cu_seqlens: Tensor,
-                slots: Tensor, ratio: int, overlap: bool) -> tuple[Tensor, Tensor, Tensor]:
+                slots: Tensor, ratio: int, overlap: bool, compact: bool = False
+                ) -> tuple[Tensor, Tensor, Tensor]:
     """Where the row of position ``pos`` of request ``request`` lives (same shapes in/out).
 
     Returns ``(from_step, step_row, state_row)``: this step's token row when ``from_step``, else
     a row of the flattened state (−1 when the position holds nothing: before the sequence, or a
-    group that is no longer kept).
+    group that is no longer kept).  ``compact``: the state is the one-pseudo-row form, which
+    stands at the open group's first position (the group's later positions before the step
+    are empty).
     """
     r = ratio
     p0 = start_pos[request]
     from_step = pos >= p0
     step_row = cu_seqlens[request] + (pos - p0)
     g0 = torch.div(p0, r, rounding_mode="floor") * r           # first position of p0's group
+    if compact:
+        return from_step, step_row, torch.where((pos == g0) & ~from_step, slots[request], -1)
     base = slots[request] * ((2 if overlap else 1) * r)
     in_partial = (pos >= g0) & ~from_step
     state_row = torch.where(in_partial, base + (r if overlap else 0) + pos % r, -1)
@@ -154,7 +187,8 @@ def locate_rows(request: Tensor, pos: Tensor, start_pos: Tensor, cu_seqlens: Ten
 
 def _gather(step_rows: Tensor, state_rows: Tensor, fill: float, where: tuple[Tensor, ...]
             ) -> Tensor:
-    """Rows [..., w] picked from this step's rows or the flat state; ``fill`` where empty.
+    """Rows [..., w] picked from this step's rows or the flat state; ``fill`` where empty
+    (float64 when the state is: the compact form's pseudo-rows).
 
     A step row beyond the step (only the never-stored candidates of a static-shape step ask for
     one) is clamped into it, which keeps the read in bounds."""
@@ -182,6 +216,21 @@ def _softmax_pool(rows_kv: Tensor, rows_score: Tensor) -> Tensor:
     return (p * rows_kv.double()).sum(dim=1).float()
 
 
+def summarize_rows(rows_kv: Tensor, rows_score: Tensor) -> tuple[Tensor, Tensor]:
+    """The compact state's pseudo-row (k*, g*) [e, d] float64 of rows [e, slots, d] (dim 1):
+    ``m = max g``, ``l = Σ exp(g − m)``, ``k* = Σ exp(g − m)·k / l``, ``g* = m + log l``;
+    kv 0 and score −inf where every row is empty (no −inf − (−inf) NaN)."""
+    kv, score = rows_kv.double(), rows_score.double()
+    m = score.amax(dim=1)
+    empty = torch.isneginf(m)
+    m = m.masked_fill(empty, 0.0)
+    p = torch.exp(score - m[:, None])
+    l = p.sum(dim=1)
+    k = ((p * kv).sum(dim=1) / l).masked_fill(empty, 0.0)
+    g = (m + torch.log(l)).masked_fill(empty, float("-inf"))
+    return k, g
+
+
 def compress_pool(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tensor,
                   request: Tensor, entry: Tensor, start_pos: Tensor, cu_seqlens: Tensor,
                   slots: Tensor, ratio: int, overlap: bool, block_elems: int = BLOCK_ELEMS
@@ -192,6 +241,7 @@ def compress_pool(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tens
     d = check_compress_args("compress_pool", kv, score, state_kv, state_score, start_pos,
                             cu_seqlens, slots, ratio, overlap)
     r, W = ratio, kv.shape[1]
+    compact = is_compact(state_kv)
     flat_kv, flat_score = state_kv.view(-1, W), state_score.view(-1, W)
     E = request.shape[0]
     pooled = kv.new_empty(E, d)
@@ -207,7 +257,7 @@ def compress_pool(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: Tens
             req = torch.cat((req, req), dim=1)
         else:
             pos = cur_pos
-        where = locate_rows(req, pos, start_pos, cu_seqlens, slots, r, overlap)
+        where = locate_rows(req, pos, start_pos, cu_seqlens, slots, r, overlap, compact)
         rows_kv = _gather(kv, flat_kv, 0.0, where)
         rows_score = _gather(score, flat_score, float("-inf"), where)
         if overlap:
@@ -229,10 +279,10 @@ def compress_entries(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: T
     ``cos`` is None: the V4.1 pre-RoPE latent).
 
     kv / score [T, W] fp32 (score with ``ape`` already, or without it and ``ape`` [r, W] fp32
-    given: see the header), state_kv / state_score [slots, coff·r, W]
-    fp32, request / entry [E] int64 (request index, entry id in the request), start_pos [R],
-    cu_seqlens [R+1], slots [R] int64; cos / sin [E, rd/2] fp32 at the entries' positions j·r.
-    ``valid`` [E] bool or None: entries marked False (the candidates of a static-shape step that
+    given: see the header), state_kv / state_score [slots, coff·r, W] fp32 (or the compact
+    form: [slots, 1, W] float64), request / entry [E] int64 (request index, entry id in the
+    request), start_pos [R], cu_seqlens [R+1], slots [R] int64; cos / sin [E, rd/2] fp32 at
+    the entries' positions j·r.  ``valid`` [E] bool or None: entries marked False (the candidates of a static-shape step that
     do not complete) come out as zeros.  Call it before :func:`compress_update_state` of the
     same step (it reads the old state).
     """
@@ -256,7 +306,8 @@ def compress_update_state(kv: Tensor, score: Tensor, state_kv: Tensor, state_sco
                           overlap: bool, ape: Tensor | None = None) -> None:
     """Keep, in every request's slot, the rows of its open group (and with overlap the last
     complete group) after this step; other rows become empty (kv 0, score −inf).  With ``ape``
-    the step's rows are stored biased (``score + ape[pos % r]``), as the state always holds."""
+    the step's rows are stored biased (``score + ape[pos % r]``), as the state always holds.
+    A compact (float64) state gets the open group's pseudo-row (:func:`summarize_rows`)."""
     check_compress_args("compress_update_state", kv, score, state_kv, state_score, start_pos,
                         cu_seqlens, slots, ratio, overlap)
     check_ape("compress_update_state", ape, score, ratio)
@@ -271,8 +322,12 @@ def compress_update_state(kv: Tensor, score: Tensor, state_kv: Tensor, state_sco
         prev = g_end[:, None] - r + k[None, :]
         pos = torch.cat((prev, pos), dim=1)                                   # [R, 2r]
     req = torch.arange(R, device=kv.device)[:, None].expand_as(pos)
-    where = locate_rows(req, pos, start_pos, cu_seqlens, slots, r, overlap)
+    compact = is_compact(state_kv)
+    where = locate_rows(req, pos, start_pos, cu_seqlens, slots, r, overlap, compact)
     new_kv = _gather(kv, state_kv.view(-1, W), 0.0, where)
     new_score = _gather(score, state_score.view(-1, W), float("-inf"), where)
+    if compact:
+        # The group's rows (old pseudo-row first, then this step's) become one pseudo-row.
+        new_kv, new_score = (t[:, None] for t in summarize_rows(new_kv, new_score))
     state_kv.index_copy_(0, slots, new_kv)
     state_score.index_copy_(0, slots, new_score)

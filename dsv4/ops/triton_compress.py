@@ -26,6 +26,13 @@ the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group
   ``DSV4_UNVERIFIED_KERNELS=1``).
 * ``compress_update_state``: one program per (request, channel block) rewrites the request's
   slot with the rows of its open group (and, with overlap, of the last complete group).
+* The compact carry-over (``COMPACT``, a float64 ``state_kv``: one pseudo-row per slot, the
+  twin header's second form; V4's C128 compressors): ``_locate`` maps only the open group's
+  first position before the step to the slot's row (its other positions are empty), the pooling
+  tile then holds [pseudo-row, step rows] in float64 as before; the state update reduces its
+  tile of the group's rows over the slots (float64 max, exp, sum, log) into the new pseudo-row.
+  GPU-gated by :data:`COMPACT_KERNELS_VERIFIED` (:func:`compact_kernels`): until its GPU checks
+  the wrappers run the twin for a compact state unless ``DSV4_UNVERIFIED_KERNELS=1``.
 * ``ape`` (both ops, optional): the position bias ``ape[pos % r]`` added in fp32 to the scores
   read from the step's rows (``HAS_APE``), which saves the model its gather and add launches
   per compressor call (twin header: the same bits as scores biased before the call).  A step
@@ -56,29 +63,35 @@ from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_to_bf16, splitk_counters, torch_twin_off_gpu
 
 __all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles",
-           "split_tiles", "entries_plan", "ape_fused", "APE_FUSED_VERIFIED"]
+           "split_tiles", "entries_plan", "ape_fused", "APE_FUSED_VERIFIED", "compact_kernels",
+           "COMPACT_KERNELS_VERIFIED"]
 
 
 @triton.jit
-def _locate(pos, p0, cu0, slot, T, R: tl.constexpr, OVERLAP: tl.constexpr):
+def _locate(pos, p0, cu0, slot, T, R: tl.constexpr, OVERLAP: tl.constexpr,
+            COMPACT: tl.constexpr):
     """(from_step, step_row, state_row) of positions ``pos`` of one request (twin: locate_rows);
-    step rows are clamped into the step, state_row is −1 where the state holds nothing."""
+    step rows are clamped into the step, state_row is −1 where the state holds nothing.
+    COMPACT: the slot's one pseudo-row stands at the open group's first position g0."""
     from_step = pos >= p0
     step_row = tl.minimum(tl.maximum(cu0 + pos - p0, 0), T - 1)
     g0 = (p0 // R) * R
-    base = slot * ((2 if OVERLAP else 1) * R)
-    # pos % R is taken only where pos >= 0 (Triton's % truncates towards zero).
-    in_partial = (pos >= g0) & (pos < p0)
-    state_row = tl.where(in_partial, base + (R if OVERLAP else 0) + pos % R, -1)
-    if OVERLAP:
-        in_prev = (pos >= g0 - R) & (pos < g0) & (pos >= 0)
-        state_row = tl.where(in_prev, base + pos % R, state_row)
+    if COMPACT:
+        state_row = tl.where((pos == g0) & (pos < p0), slot, -1)
+    else:
+        base = slot * ((2 if OVERLAP else 1) * R)
+        # pos % R is taken only where pos >= 0 (Triton's % truncates towards zero).
+        in_partial = (pos >= g0) & (pos < p0)
+        state_row = tl.where(in_partial, base + (R if OVERLAP else 0) + pos % R, -1)
+        if OVERLAP:
+            in_prev = (pos >= g0 - R) & (pos < g0) & (pos >= 0)
+            state_row = tl.where(in_prev, base + pos % R, state_row)
     return from_step, step_row, state_row
 
 
 @triton.jit
 def _group_rows(ent, p0, cu0, slot, T, D, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
-                S_BLOCK: tl.constexpr):
+                COMPACT: tl.constexpr, S_BLOCK: tl.constexpr):
     """Where the S_BLOCK slots of entry ``ent``'s group live for one request (start p0, first
     step row cu0, state slot): (from_step, use_step, use_state, kv_base, sc_base, state_base,
     ape_base) [S_BLOCK], the row offsets of the step's kv / score rows (row strides SKV / SSC:
@@ -94,7 +107,7 @@ def _group_rows(ent, p0, cu0, slot, T, D, W, SKV, SSC, R: tl.constexpr, OVERLAP:
         n_slots = R
         pos = ent * R + s
         ch_off = s * 0
-    from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
+    from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP, COMPACT)
     slot_ok = s < n_slots
     use_step = slot_ok & from_step
     use_state = slot_ok & (pos < p0) & (state_row >= 0)
@@ -107,10 +120,11 @@ def _group_rows(ent, p0, cu0, slot, T, D, W, SKV, SSC, R: tl.constexpr, OVERLAP:
 @triton.jit
 def _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm, from_step, use_step,
                 use_state, kv_base, sc_base, state_base, ape_base, HAS_APE: tl.constexpr,
-                OUT_BF16: tl.constexpr):
+                OUT_BF16: tl.constexpr, COMPACT: tl.constexpr):
     """Channels ``c`` (mask ``cm``) of one entry: the float64 softmax over its group's slots of
     the scores (step rows + ape when HAS_APE; state rows as stored) pooling the kv rows, rounded
-    once to fp32 (and to bf16 with OUT_BF16, the output's rounding); 0 where ``cm`` is False."""
+    once to fp32 (and to bf16 with OUT_BF16, the output's rounding); 0 where ``cm`` is False.
+    COMPACT: the state rows are float64 pseudo-rows (read as such, never rounded to fp32)."""
     m_step = use_step[:, None] & cm[None, :]
     m_state = use_state[:, None] & cm[None, :]
     k_step = tl.load(kv_ptr + kv_base[:, None] + c[None, :], mask=m_step, other=0.0)
@@ -123,8 +137,13 @@ def _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm, from_step, 
                                   other=0.0)
     g_state = tl.load(ssc_ptr + state_base[:, None] + c[None, :], mask=m_state,
                       other=float("-inf"))
-    kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
-    g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
+    if COMPACT:
+        # Both sides float64 before the select: the pseudo-row keeps its float64 bits.
+        kv = tl.where(from_step[:, None], k_step.to(tl.float64), k_state.to(tl.float64))
+        g = tl.where(from_step[:, None], g_step.to(tl.float64), g_state.to(tl.float64))
+    else:
+        kv = tl.where(from_step[:, None], k_step, k_state).to(tl.float64)
+        g = tl.where(from_step[:, None], g_step, g_state).to(tl.float64)
     p = tl.exp(g - tl.max(g, axis=0)[None, :])
     p = p / tl.sum(p, axis=0)[None, :]
     pooled = tl.sum(p * kv, axis=0).to(tl.float32)
@@ -160,7 +179,7 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_p
                              out_ptr, T, D, W, SKV, SSC, HALF, eps,
                              R: tl.constexpr, OVERLAP: tl.constexpr, HAS_VALID: tl.constexpr,
                              HAS_ROPE: tl.constexpr, HAS_APE: tl.constexpr,
-                             OUT_BF16: tl.constexpr,
+                             OUT_BF16: tl.constexpr, COMPACT: tl.constexpr,
                              S_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                              PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)
@@ -176,7 +195,7 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_p
         cu0 = tl.load(cu_ptr + req)
         slot = tl.load(slot_ptr + req)
         from_step, use_step, use_state, kv_base, sc_base, state_base, ape_base = _group_rows(
-            ent, p0, cu0, slot, T, D, W, SKV, SSC, R, OVERLAP, S_BLOCK)
+            ent, p0, cu0, slot, T, D, W, SKV, SSC, R, OVERLAP, COMPACT, S_BLOCK)
         # Pass 1: pool channel blocks (float64 softmax over the slots), store them rounded to
         # the output dtype (the norm's input) and sum their squares.
         ss = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -185,7 +204,7 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_p
             cm = c < D
             pooled = _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm,
                                  from_step, use_step, use_state, kv_base, sc_base, state_base,
-                                 ape_base, HAS_APE, OUT_BF16)
+                                 ape_base, HAS_APE, OUT_BF16, COMPACT)
             ss += pooled * pooled
             tl.store(out_row + c, pooled.to(out_ptr.dtype.element_ty), mask=cm)
         # torch's order: mean = sum / d, then 1 / sqrt(mean + eps), each rounded (IEEE ops).
@@ -228,7 +247,8 @@ def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr,
                                    R: tl.constexpr, OVERLAP: tl.constexpr,
                                    HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr,
                                    HAS_APE: tl.constexpr, OUT_BF16: tl.constexpr,
-                                   SPLIT: tl.constexpr, S_BLOCK: tl.constexpr,
+                                   COMPACT: tl.constexpr, SPLIT: tl.constexpr,
+                                   S_BLOCK: tl.constexpr,
                                    BLOCK_D: tl.constexpr,
                                    BLOCK_F: tl.constexpr, PDL: tl.constexpr = False):
     """The "split" plan of ``compress_entries``: program (e, b) pools channel block b of entry
@@ -271,10 +291,10 @@ def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr,
             cu0 = tl.load(cu_ptr + req)
             slot = tl.load(slot_ptr + req)
         from_step, use_step, use_state, kv_base, sc_base, state_base, ape_base = _group_rows(
-            ent, p0, cu0, slot, T, D, W, SKV, SSC, R, OVERLAP, S_BLOCK)
+            ent, p0, cu0, slot, T, D, W, SKV, SSC, R, OVERLAP, COMPACT, S_BLOCK)
         pooled = _pool_block(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, c, cm, from_step,
                              use_step, use_state, kv_base, sc_base, state_base, ape_base,
-                             HAS_APE, OUT_BF16)
+                             HAS_APE, OUT_BF16, COMPACT)
         if SPLIT:
             tl.store(out_row + c, pooled.to(out_ptr.dtype.element_ty), mask=cm)
             # Every thread's pooled stores are issued before the arrival, whose release
@@ -318,8 +338,12 @@ def _finish_row(x, w_e, w_o, cs, sn, rm, D, eps, HAS_ROPE: tl.constexpr,
 @triton.jit
 def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, start_ptr, cu_ptr,
                            slot_ptr, T, W, SKV, SSC, R: tl.constexpr, OVERLAP: tl.constexpr,
-                           HAS_APE: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           HAS_APE: tl.constexpr, COMPACT: tl.constexpr, S_BLOCK: tl.constexpr,
+                           BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (i, b): channel block b of request i's slot.  The tile holds the rows the slot
+    keeps after the step (open group; with overlap, the last complete group before it) over
+    the block's channels; raw states store them row by row, COMPACT ones reduce them (float64)
+    to the group's one pseudo-row (twin: summarize_rows)."""
     grid_dependency_sync(PDL)
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -337,7 +361,7 @@ def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, start_p
         n_rows = R
         pos = g_end + s
     pos = tl.where(pos < end, pos, -1)                       # open-group rows not yet seen
-    from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP)
+    from_step, step_row, state_row = _locate(pos, p0, cu0, slot, T, R, OVERLAP, COMPACT)
     row_ok = s < n_rows
     use_step = row_ok & from_step
     use_state = row_ok & (pos < p0) & (state_row >= 0)
@@ -346,22 +370,42 @@ def _compress_state_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, start_p
     state_off = tl.maximum(state_row, 0).to(tl.int64)[:, None] * W + c[None, :]
     m_step = use_step[:, None] & cm[None, :]
     m_state = use_state[:, None] & cm[None, :]
-    kv = tl.where(from_step[:, None], tl.load(kv_ptr + kv_off, mask=m_step, other=0.0),
-                  tl.load(skv_ptr + state_off, mask=m_state, other=0.0))
+    k_step = tl.load(kv_ptr + kv_off, mask=m_step, other=0.0)
+    k_state = tl.load(skv_ptr + state_off, mask=m_state, other=0.0)
     g_step = tl.load(score_ptr + sc_off, mask=m_step, other=float("-inf"))
     if HAS_APE:
         # The state holds biased scores: a step row's is score + ape[pos % R], pos % R = s % R.
         g_step = g_step + tl.load(ape_ptr + ((s % R) * W)[:, None] + c[None, :], mask=m_step,
                                   other=0.0)
-    g = tl.where(from_step[:, None], g_step,
-                 tl.load(ssc_ptr + state_off, mask=m_state, other=float("-inf")))
-    # The slot's rows are read and rewritten by this block (rows move between the open and
-    # the previous group): every read lands before any write.
-    tl.debug_barrier()
-    dst = (slot.to(tl.int64) * n_rows + s)[:, None] * W + c[None, :]
-    m_dst = row_ok[:, None] & cm[None, :]
-    tl.store(skv_ptr + dst, kv, mask=m_dst)
-    tl.store(ssc_ptr + dst, g, mask=m_dst)
+    g_state = tl.load(ssc_ptr + state_off, mask=m_state, other=float("-inf"))
+    if COMPACT:
+        kv = tl.where(from_step[:, None], k_step.to(tl.float64), k_state.to(tl.float64))
+        g = tl.where(from_step[:, None], g_step.to(tl.float64), g_state.to(tl.float64))
+        # The pseudo-row (k*, g*) of the group's rows: m = max g, l = Σ exp(g − m),
+        # k* = Σ exp(g − m)·k / l, g* = m + log l; an empty channel (m = −inf) stays kv 0,
+        # score −inf (m taken as 0 there: no −inf − (−inf)).
+        m = tl.max(g, axis=0)
+        empty = m == float("-inf")
+        m = tl.where(empty, 0.0, m)
+        p = tl.exp(g - m[None, :])
+        den = tl.sum(p, axis=0)
+        k_new = tl.where(empty, 0.0, tl.sum(p * kv, axis=0) / den)
+        g_new = tl.where(empty, float("-inf"), m + tl.log(den))
+        # Every read of the slot's pseudo-row lands before it is rewritten.
+        tl.debug_barrier()
+        dst = slot.to(tl.int64) * W + c
+        tl.store(skv_ptr + dst, k_new, mask=cm)
+        tl.store(ssc_ptr + dst, g_new, mask=cm)
+    else:
+        kv = tl.where(from_step[:, None], k_step, k_state)
+        g = tl.where(from_step[:, None], g_step, g_state)
+        # The slot's rows are read and rewritten by this block (rows move between the open and
+        # the previous group): every read lands before any write.
+        tl.debug_barrier()
+        dst = (slot.to(tl.int64) * n_rows + s)[:, None] * W + c[None, :]
+        m_dst = row_ok[:, None] & cm[None, :]
+        tl.store(skv_ptr + dst, kv, mask=m_dst)
+        tl.store(ssc_ptr + dst, g, mask=m_dst)
 
 
 def entries_tiles(ratio: int, overlap: bool, d: int) -> tuple[int, int, int, int]:
@@ -406,6 +450,20 @@ SPLIT_PLAN_VERIFIED = True
 # 4-layer step).  Set False for a new form: the wrappers then add ``ape`` in torch first unless
 # DSV4_UNVERIFIED_KERNELS=1.
 APE_FUSED_VERIFIED = True
+# The COMPACT form of the three kernels (the float64 pseudo-row carry-over of V4's C128
+# compressors, dsv4.cache.tensors.CompressorSpec.compact): interpreter- and sm_90-compile-
+# checked, GPU checks not run yet (tests/kernels/test_compress_decode.py's compact cases).
+# Until then a compact state runs the torch twin on the GPU (same results, more launches)
+# unless DSV4_UNVERIFIED_KERNELS=1.
+COMPACT_KERNELS_VERIFIED = False
+
+
+def compact_kernels() -> bool:
+    """True when the kernels take a compact (float64) state themselves
+    (:data:`COMPACT_KERNELS_VERIFIED`, or ``DSV4_UNVERIFIED_KERNELS=1``); otherwise the
+    wrappers run the torch twin for it."""
+    from dsv4.ops import unverified_kernels_enabled
+    return COMPACT_KERNELS_VERIFIED or unverified_kernels_enabled()
 
 
 def ape_fused() -> bool:
@@ -475,7 +533,8 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
     twin.check_entry_args(request, entry, valid, norm_weight, d, cos, sin)
     twin.check_ape("compress_entries", ape, score, ratio)
     state_kv, state_score = state_kv.contiguous(), state_score.contiguous()
-    if out_dtype not in (torch.float32, torch.bfloat16) or d % 2:
+    if (out_dtype not in (torch.float32, torch.bfloat16) or d % 2
+            or (twin.is_compact(state_kv) and not compact_kernels())):
         return twin.compress_entries(kv, score, state_kv, state_score, request, entry, valid,
                                      start_pos, cu_seqlens, slots, ratio, overlap, norm_weight,
                                      norm_eps, cos, sin, out_dtype, ape)
@@ -495,7 +554,7 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
             norm_weight.float().contiguous(), cos_t, sin_t, out)
     consts = dict(R=ratio, OVERLAP=bool(overlap), HAS_VALID=valid is not None,
                   HAS_ROPE=has_rope, HAS_APE=ape is not None,
-                  OUT_BF16=out_dtype == torch.bfloat16)
+                  OUT_BF16=out_dtype == torch.bfloat16, COMPACT=twin.is_compact(state_kv))
     if entries_plan(E) == "split":
         s_block, block_d, block_f, num_warps = split_tiles(ratio, overlap, d)
         blocks = triton.cdiv(d, block_d)
@@ -519,7 +578,8 @@ def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch
                           cu_seqlens: torch.Tensor, slots: torch.Tensor, ratio: int,
                           overlap: bool, ape: torch.Tensor | None = None) -> None:
     """Rewrite every request's slot with its open group (and the last complete group with
-    overlap), in place; ``ape``: the step's scores are stored biased.  See the torch twin."""
+    overlap; a compact state: the group's pseudo-row), in place; ``ape``: the step's scores
+    are stored biased.  See the torch twin."""
     twin.check_compress_args("compress_update_state", kv, score, state_kv, state_score,
                              start_pos, cu_seqlens, slots, ratio, overlap)
     twin.check_ape("compress_update_state", ape, score, ratio)
@@ -529,13 +589,18 @@ def compress_update_state(kv: torch.Tensor, score: torch.Tensor, state_kv: torch
     R, W = start_pos.shape[0], kv.shape[1]
     if R == 0:
         return
+    compact = twin.is_compact(state_kv)
+    if compact and not compact_kernels():
+        twin.compress_update_state(kv, score, state_kv, state_score, start_pos, cu_seqlens,
+                                   slots, ratio, overlap, ape)
+        return
     s_block, block_w, num_warps = state_tiles(ratio, overlap, W)
     score, ape = _ape_operand(score, ape, start_pos, cu_seqlens, ratio)
     kv, score = _unit_cols(kv), _unit_cols(score)
     _compress_state_kernel[(R, triton.cdiv(W, block_w))](
         kv, score, state_kv, state_score, ape if ape is not None else score, _index(start_pos),
         _index(cu_seqlens), _index(slots), kv.shape[0], W, kv.stride(0), score.stride(0),
-        R=ratio, OVERLAP=bool(overlap), HAS_APE=ape is not None,
+        R=ratio, OVERLAP=bool(overlap), HAS_APE=ape is not None, COMPACT=compact,
         S_BLOCK=s_block, BLOCK_W=block_w, num_warps=num_warps, **pdl_args(kv))
 
 
