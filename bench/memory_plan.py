@@ -386,7 +386,8 @@ class CachePlan:
 def cache_plan(cfg: ModelConfig, kv_cache_dtype: str = "fp8", index_keys: str = "auto",
                page_size: int = 256) -> CachePlan:
     """Cache bytes of the backbone layers (MTP / DSpark stages get no cache: no speculative
-    decoding yet), in ``kv_cache_dtype`` records; compressor carry-over stays fp32."""
+    decoding yet), in ``kv_cache_dtype`` records; compressor carry-over as HybridCache holds it
+    (fp32 rows; V4's C128 in the compact float64 form unless DSV4_COMPACT_STATE=0)."""
     for r in cfg.all_ratios:
         if page_size <= 0 or page_size % r:
             raise ValueError(f"--page-size {page_size} must be a positive multiple of every "
@@ -406,9 +407,10 @@ def cache_plan(cfg: ModelConfig, kv_cache_dtype: str = "fp8", index_keys: str = 
             page[key] = page.get(key, 0) + (page_size // r) * fmt.index_key
             layers[key] = layers.get(key, 0) + 1
     slot = {"window ring": cfg.n_layers * cfg.window_size * fmt.window}
-    carry = sum(2 * s.state_rows * s.state_width * 4
-                for layer in range(cfg.n_layers) for s in compressor_specs(cfg, layer))
-    slot["compressor carry-over (fp32)"] = carry
+    # CompressorSpec.state_bytes: what HybridCache allocates (the compact C128 form included).
+    carry = sum(s.state_bytes for layer in range(cfg.n_layers)
+                for s in compressor_specs(cfg, layer))
+    slot["compressor carry-over"] = carry
     if cfg.is_v41 and cfg.engram_layer_ids:
         slot["Engram lookback (int64)"] = (cfg.engram_max_ngram_size - 1) * 8
     return CachePlan(fmt, page_size, page, layers, slot)

@@ -10,10 +10,14 @@ One logical page = ``page_size`` tokens; page id p addresses every paged pool at
 Fixed-size per-request state, indexed by slot:
 
 * window ring, every layer: ``[num_slots, window_size, hd]``, row = position % window;
-* compressor carry-over per compressor (fp32): ``kv``/``score`` ``[num_slots, coff·r, coff·d]``;
-  rows ``[0:r]`` hold the previous complete group (overlapping ratio-4 compressor only), rows
-  ``[off : off + r]`` (off = r with overlap, else 0) the current partial group; the score rows
-  include the position bias ``ape`` and start at −inf;
+* compressor carry-over per compressor: ``kv``/``score`` ``[num_slots, rows, coff·d]``, the score
+  rows including the position bias ``ape`` and starting at −inf (kv at 0).  Raw form (fp32,
+  rows = coff·r): rows ``[0:r]`` hold the previous complete group (overlapping ratio-4
+  compressor only), rows ``[off : off + r]`` (off = r with overlap, else 0) the current partial
+  group.  Compact form (float64, rows = 1; :attr:`CompressorSpec.compact`: non-overlapping
+  compressors of ratio >= :data:`COMPACT_STATE_MIN_RATIO`, i.e. V4's C128): one pseudo-row
+  summarizing the partial group's softmax (dsv4/ops/torch_compress.py header), 8 KiB instead
+  of 512 KiB per request for a C128 layer;
 * V4.1 Engram lookback (configs with Engram layers): ``engram_lookback`` [num_slots, m − 1]
   int64, the compressed ids of the last m − 1 tokens (m = engram_max_ngram_size); allocated and
   reset to DEAD (−1), the lookback of a sequence with nothing before it (docs/V41.md).
@@ -31,6 +35,7 @@ how to encode (``encode_rows``) and read (``rows_view``) them, and are None for 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -40,7 +45,15 @@ from torch import Tensor
 from dsv4.cache.formats import CacheFormats, RecordFormat, cache_formats, is_record_dtype
 from dsv4.config import ModelConfig
 
-__all__ = ["HybridCache", "CompressorSpec", "CompressorState", "compressor_specs"]
+__all__ = ["HybridCache", "CompressorSpec", "CompressorState", "compressor_specs",
+           "COMPACT_STATE", "COMPACT_STATE_MIN_RATIO"]
+
+# The compact carry-over form (one float64 pseudo-row per slot instead of r fp32 rows) for
+# non-overlapping compressors of at least this ratio: V4's C128 (512 KiB -> 8 KiB per request
+# and layer); V4.1's ratio-2 states stay raw (2 fp32 rows are smaller than a float64 one).
+COMPACT_STATE_MIN_RATIO = 8
+# DSV4_COMPACT_STATE=0 keeps raw rows for every compressor (read when this module is imported).
+COMPACT_STATE = os.environ.get("DSV4_COMPACT_STATE", "1") != "0"
 
 # dsv4.model.engram.DEAD: the compressed id of "nothing" (before the sequence, image tokens).
 _ENGRAM_DEAD = -1
@@ -61,12 +74,30 @@ class CompressorSpec:
         return 2 if self.overlap else 1
 
     @property
+    def compact(self) -> bool:
+        """The carry-over is the compact float64 pseudo-row (non-overlapping, ratio >=
+        :data:`COMPACT_STATE_MIN_RATIO`, unless ``DSV4_COMPACT_STATE=0``)."""
+        return COMPACT_STATE and not self.overlap and self.ratio >= COMPACT_STATE_MIN_RATIO
+
+    @property
     def state_rows(self) -> int:
-        return self.coff * self.ratio
+        """Rows per slot of the carry-over state: 1 compact, else coff·r."""
+        return 1 if self.compact else self.coff * self.ratio
 
     @property
     def state_width(self) -> int:
         return self.coff * self.dim
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """float64 for the compact form, else float32."""
+        return torch.float64 if self.compact else torch.float32
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one slot's carry-over (kv and score)."""
+        item = 8 if self.compact else 4
+        return 2 * self.state_rows * self.state_width * item
 
     @property
     def partial_offset(self) -> int:
@@ -96,13 +127,15 @@ def _owns_index_keys(cfg: ModelConfig, layer: int) -> bool:
 
 @dataclass
 class CompressorState:
-    """Carry-over rows of one compressor for every slot (fp32)."""
+    """Carry-over rows of one compressor for every slot: fp32 raw rows, or the compact float64
+    pseudo-row (``spec.compact``); the ops tell the forms apart by dtype."""
 
     spec: CompressorSpec
-    kv: Tensor      # [num_slots, coff·r, coff·d]
-    score: Tensor   # [num_slots, coff·r, coff·d], −inf where empty
+    kv: Tensor      # [num_slots, spec.state_rows, coff·d]
+    score: Tensor   # [num_slots, spec.state_rows, coff·d], −inf where empty
 
     def reset(self, slots: Tensor) -> None:
+        """Empty the slots (kv 0, score −inf: also the compact form's empty pseudo-row)."""
         self.kv.index_fill_(0, slots, 0.0)
         self.score.index_fill_(0, slots, float("-inf"))
 
@@ -160,10 +193,11 @@ class HybridCache:
                                                          **kw)
             for spec in compressor_specs(cfg, layer):
                 shape = (num_slots, spec.state_rows, spec.state_width)
+                sdt = spec.state_dtype
                 self.states[(layer, spec.name)] = CompressorState(
                     spec,
-                    torch.zeros(shape, dtype=torch.float32, device=self.device),
-                    torch.full(shape, float("-inf"), dtype=torch.float32, device=self.device))
+                    torch.zeros(shape, dtype=sdt, device=self.device),
+                    torch.full(shape, float("-inf"), dtype=sdt, device=self.device))
 
     # ------------------------------------------------------------------ construction / sizing
     @classmethod
@@ -206,13 +240,13 @@ class HybridCache:
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                        layers: Iterable[int] | None = None) -> int:
-        """Bytes of one request's fixed-size state (window rings + fp32 compressor rows)."""
+        """Bytes of one request's fixed-size state (window rings + compressor carry-over)."""
         window_row = HybridCache._row_bytes(cfg, dtype)[0]
         total = 0
         for layer in (range(cfg.n_layers) if layers is None else layers):
             total += cfg.window_size * window_row
             for spec in compressor_specs(cfg, layer):
-                total += 2 * spec.state_rows * spec.state_width * 4
+                total += spec.state_bytes
         if cfg.is_v41 and cfg.engram_layer_ids:
             total += (cfg.engram_max_ngram_size - 1) * 8
         return total

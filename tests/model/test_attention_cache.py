@@ -26,7 +26,10 @@ def test_pool_and_state_shapes() -> None:
     assert csa.kv.shape == (3, 8, 2 * hd) and csa.kv.dtype == torch.float32
     assert cache.compressor_state(1, "index").kv.shape == (3, 8, 2 * dI)
     hca = cache.compressor_state(2, "attn")
-    assert hca.score.shape == (3, 128, hd) and torch.isinf(hca.score).all()
+    # The C128 state: one float64 pseudo-row per slot (the compact form), empty at first.
+    assert hca.spec.compact and hca.score.shape == (3, 1, hd)
+    assert hca.kv.dtype == hca.score.dtype == torch.float64
+    assert torch.isneginf(hca.score).all() and (hca.kv == 0).all()
     with pytest.raises(ValueError, match="no 'index'"):
         cache.compressor_state(2, "index")
     with pytest.raises(ValueError, match="compressed pool"):
@@ -48,6 +51,33 @@ def test_sizing_matches_allocation() -> None:
     assert HybridCache.bytes_per_page(cfg, 256, torch.bfloat16) == (64 * 256 + 2 * 128) * 2
 
 
+def test_compact_state_rule_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compact: non-overlapping compressors of ratio >= COMPACT_STATE_MIN_RATIO (V4's C128),
+    unless DSV4_COMPACT_STATE=0 (the module flag); the sizes follow the allocation."""
+    import dsv4.cache.tensors as tensors
+    from dsv4.cache.tensors import CompressorSpec
+
+    assert tensors.COMPACT_STATE and tensors.COMPACT_STATE_MIN_RATIO == 8
+    hca, csa = CompressorSpec("attn", 128, 512, False), CompressorSpec("attn", 4, 512, True)
+    v41, r8 = CompressorSpec("attn", 2, 512, False), CompressorSpec("attn", 8, 64, False)
+    assert hca.compact and r8.compact and not csa.compact and not v41.compact
+    assert (hca.state_rows, hca.state_dtype, hca.state_bytes) == (1, torch.float64, 8192)
+    assert (csa.state_rows, csa.state_dtype, csa.state_bytes) == (8, torch.float32, 65536)
+    assert v41.state_bytes == 2 * 2 * 512 * 4
+    cfg = tiny_config()
+    compact_slot = HybridCache.bytes_per_slot(cfg, torch.float32)
+    monkeypatch.setattr(tensors, "COMPACT_STATE", False)
+    assert not hca.compact and (hca.state_rows, hca.state_bytes) == (128, 2 * 128 * 512 * 4)
+    cache = HybridCache.allocate(cfg, 2, 3, 256, torch.float32)
+    raw = cache.compressor_state(2, "attn")
+    assert raw.kv.shape == (3, 128, cfg.head_dim) and raw.kv.dtype == torch.float32
+    raw_slot = HybridCache.bytes_per_slot(cfg, torch.float32)
+    assert cache.memory_bytes() == 2 * HybridCache.bytes_per_page(cfg, 256, torch.float32) \
+        + 3 * raw_slot
+    # The tiny HCA layer (d 128): 2·128·128·4 raw bytes against 2·1·128·8 compact ones.
+    assert raw_slot - compact_slot == 2 * 128 * cfg.head_dim * 4 - 2 * cfg.head_dim * 8
+
+
 def test_page_size_must_hold_whole_groups() -> None:
     with pytest.raises(ValueError, match="multiple of every compression ratio"):
         HybridCache.allocate(tiny_config(), 2, 1, page_size=64)
@@ -58,12 +88,15 @@ def test_page_size_must_hold_whole_groups() -> None:
 def test_reset_slots_clears_only_those_slots() -> None:
     cache = HybridCache.allocate(tiny_config(), 2, 3, 128, torch.float32)
     st = cache.compressor_state(1, "attn")
-    st.kv.fill_(1.0)
-    st.score.fill_(2.0)
+    hca = cache.compressor_state(2, "attn")            # the compact (float64) form
+    for t in (st, hca):
+        t.kv.fill_(1.0)
+        t.score.fill_(2.0)
     cache.window_ring(0).fill_(3.0)
     cache.reset_slots([0, 2])
-    assert torch.equal(st.kv[1], torch.ones_like(st.kv[1]))
-    assert (st.kv[[0, 2]] == 0).all() and torch.isneginf(st.score[[0, 2]]).all()
+    for t in (st, hca):
+        assert torch.equal(t.kv[1], torch.ones_like(t.kv[1]))
+        assert (t.kv[[0, 2]] == 0).all() and torch.isneginf(t.score[[0, 2]]).all()
     assert (cache.window_ring(0)[[0, 2]] == 0).all() and (cache.window_ring(0)[1] == 3).all()
     with pytest.raises(ValueError, match="slot ids"):
         cache.reset_slots([3])
