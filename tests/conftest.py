@@ -26,6 +26,7 @@ _SLOW_FILES = {
     "test_glue_plans.py": 150, "test_triton_compress.py": 105, "test_dense_prefill_interp.py": 80,
     "test_tp_static_decode.py": 60, "test_engine_tiny.py": 47, "test_triton_topk.py": 46,
     "test_static_shapes.py": 44, "test_fp8_gemv.py": 42, "test_tp_bench.py": 39,
+    "test_compress_compact.py": 45,
 }
 
 

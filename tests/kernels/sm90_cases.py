@@ -859,19 +859,22 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _compress(ratio: int, overlap: bool, d: int, rope: bool) -> None:
+def _compress(ratio: int, overlap: bool, d: int, rope: bool, compact: bool = False) -> None:
     """The compressor's two kernels (dsv4.ops.triton_compress): finished entries (pool, norm,
     RoPE, bf16 out; both plans) and the carry-over state update, for a decode step (one token,
     one entry, a static-shape valid mask) and a prefill (2048 tokens); V4's at decode also with
     the fused ``ape`` add (HAS_APE; DSV4_UNVERIFIED_KERNELS=1 makes the wrappers fuse it until
-    APE_FUSED_VERIFIED)."""
+    APE_FUSED_VERIFIED).  ``compact``: the C128 state in its compact form (one float64
+    pseudo-row a slot: the kernels' COMPACT, run with DSV4_UNVERIFIED_KERNELS=1 until
+    COMPACT_KERNELS_VERIFIED)."""
     import torch
     tc = importlib.import_module("dsv4.ops.triton_compress")
     f32, i64 = torch.float32, torch.int64
     coff = 2 if overlap else 1
     W = coff * d
-    state_kv = _empty(64, coff * ratio, W, dtype=f32)
-    state_score = _empty(64, coff * ratio, W, dtype=f32)
+    rows, sdt = (1, torch.float64) if compact else (coff * ratio, f32)
+    state_kv = _empty(64, rows, W, dtype=sdt)
+    state_score = _empty(64, rows, W, dtype=sdt)
     ape = _empty(ratio, W, dtype=f32)
     for T, valid in ((1, True), (PREFILL_T, False)):
         E = max(1, T // ratio)
@@ -902,6 +905,8 @@ for _r, _ov, _d, _rope in ((4, True, 512, True), (128, False, 512, True), (4, Tr
                            (2, False, 512, True), (1, False, 512, True)):
     scenario(f"compress/r{_r}{'_overlap' if _ov else ''}_d{_d}")(
         lambda r=_r, ov=_ov, d=_d, rp=_rope: _compress(r, ov, d, rp))
+# V4's C128 compressor with the compact carry-over (the cache's default form for it).
+scenario("compress/r128_d512_compact")(lambda: _compress(128, False, 512, True, compact=True))
 
 
 def _moe_glue(m: ModelDims) -> None:

@@ -4,7 +4,9 @@ V4-Flash compressors' shapes, static decode steps of E = 1, 16, 64 entries (all 
 masked, mixed), against the torch twin; NaN-poisoned output memory (every element written),
 the arrival counters clean after each call, CUDA-graph replays with fresh inputs; the fused
 ``ape`` add (HAS_APE) of every plan and of the state update against scores biased in torch
-before the call: bit-equal.  Skipped without CUDA (the CPU coverage is
+before the call: bit-equal; the compact C128 state (float64 pseudo-rows) at decode sizes, in
+driven sequences and in graph replays: the raw state's entries bit for bit, the twin's
+pseudo-rows to float64 rounding.  Skipped without CUDA (the CPU coverage is
 tests/kernels/test_triton_compress.py's interpreter tests).
 
     python -m pytest -q tests/kernels/test_compress_decode.py
@@ -224,3 +226,136 @@ def test_gpu_prefill_ape_fused(plan: str, ratio: int, overlap: bool, d: int,
     tri.compress_update_state(case.kv, case.score, skv, ssc, *geo, ape=ape)
     twin.compress_update_state(biased.kv, biased.score, case.state_kv, case.state_score, *geo)
     assert torch.equal(skv, case.state_kv) and torch.equal(ssc, case.state_score)
+
+
+# ------------------------------------------------------------------ the compact C128 state
+def _compact_args(args: tuple) -> tuple:
+    """compress_entries arguments with the raw state replaced by its compact form (float64
+    pseudo-rows of each request's open group before its start)."""
+    from tests.kernels.test_compress_compact import compact_of
+
+    a = list(args)
+    a[2], a[3] = compact_of(a[2], a[3], a[7], a[9], a[10])
+    return tuple(a)
+
+
+def _states_close(got: tuple, want: tuple, slots: torch.Tensor) -> None:
+    """Pseudo-rows to float64 rounding (the kernel's reductions add in another order)."""
+    for g, w in zip(got, want):
+        g, w = g[slots], w[slots]
+        assert g.dtype == w.dtype == torch.float64
+        assert torch.equal(torch.isneginf(g), torch.isneginf(w))
+        torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-13)
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan,tile", PLANS, ids=[p if t is None else f"{p}-{t}"
+                                                  for p, t in PLANS])
+@pytest.mark.parametrize("E", [1, 16, 64])
+@pytest.mark.parametrize("fused_ape", [False, True], ids=["no-ape", "ape"])
+def test_gpu_compact_decode_sizes(plan: str, tile: str | None, E: int, fused_ape: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """V4-Flash's C128 compressor (ratio 128, d 512) with the compact state at decode sizes:
+    entries bit-equal to the raw-state kernels' (the same pooled fp32 bits), the twin's within
+    tolerance, NaN-poisoned outputs fully written, counters clean; the state update's
+    pseudo-rows the twin's to float64 rounding."""
+    from dsv4.ops import triton_compress as tri
+
+    ratio, overlap, d = 128, False, 512
+    _set_plan(monkeypatch, plan, tile)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    assert tri.compact_kernels()
+    _skip_spilling_tile(ratio, overlap, d, tile)
+    gen = torch.Generator().manual_seed(11 * E)
+    for k, (mode, dtype) in enumerate([("live", torch.bfloat16), ("mixed", torch.bfloat16),
+                                       ("masked", torch.bfloat16), ("mixed", torch.float32)]):
+        raw = _decode_args(ratio, overlap, d, E, mode, seed=900 + 100 * E + k, out_dtype=dtype)
+        comp = _compact_args(raw)
+        ape = (torch.randn(ratio, d, generator=gen) * 3).cuda() if fused_ape else None
+        want = tri.compress_entries(*raw, ape=ape)
+        torch.full((E, d), float("nan"), dtype=dtype, device="cuda")
+        got = tri.compress_entries(*comp, ape=ape)
+        assert torch.equal(got, want), "compact state: not the raw state's entries"
+        _check(got, twin.compress_entries(*comp, ape=ape), raw[6])
+        _counters_clean()
+        geo = (raw[7], raw[8], raw[9], ratio, overlap)
+        st = (comp[2].clone(), comp[3].clone())
+        tri.compress_update_state(raw[0], raw[1], *st, *geo, ape=ape)
+        ref = (comp[2].clone(), comp[3].clone())
+        twin.compress_update_state(raw[0], raw[1], *ref, *geo, ape=ape)
+        _states_close(st, ref, raw[9])
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["loop", "split"])
+def test_gpu_compact_sequences(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences at V4-Flash's C128 shape (d 512, rope 64) driven through prefill chunks,
+    decode rows and batched steps (tests/kernels/test_compress_compact.py's schedules), with
+    the fused ape: the compact-state kernels store the raw-state kernels' entries, bit for
+    bit, and the compact twin's within tolerance; final pseudo-rows the twin's."""
+    from types import SimpleNamespace
+
+    from dsv4.ops import triton_compress as tri
+    from tests.kernels.test_compress_compact import (TWIN, drive, make_seqs, schedules,
+                                                     seq_lengths)
+
+    _set_plan(monkeypatch, plan, None)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    ops = SimpleNamespace(compress_entries=tri.compress_entries,
+                          compress_update_state=tri.compress_update_state)
+    r, n, d = 128, 3 * 128 + 40, 512
+    seqs = make_seqs(4, seq_lengths(r, n), d, seed=2, device="cuda")
+    ape = (torch.randn(r, d, generator=torch.Generator().manual_seed(3)) * 3).cuda()
+    scheds = schedules(r, n)
+    for name in ("odd", "batched", "prefill+decode"):
+        for dtype in (torch.bfloat16, torch.float32):
+            raw, _ = drive(ops, seqs, scheds[name], r, False, ape, dtype, rope=64)
+            comp, state = drive(ops, seqs, scheds[name], r, True, ape, dtype, rope=64)
+            keys = sorted(raw)
+            assert comp.keys() == raw.keys()
+            g = torch.stack([comp[k] for k in keys])
+            assert torch.equal(g, torch.stack([raw[k] for k in keys])), (name, dtype)
+            ref, ref_state = drive(TWIN, seqs, scheds[name], r, True, ape, dtype, rope=64)
+            w = torch.stack([ref[k] for k in keys])
+            if dtype == torch.float32:
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            else:
+                assert_within_ulp(g, w)
+            _states_close(state, ref_state, torch.arange(state[0].shape[0], device="cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["loop", "split"])
+def test_gpu_compact_graph_replays(plan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA graph of a static decode step's entries + state update on the compact state,
+    replayed with fresh inputs: the twin's entries and pseudo-rows each time."""
+    from dsv4.ops import triton_compress as tri
+
+    _set_plan(monkeypatch, plan, None)
+    monkeypatch.setenv("DSV4_UNVERIFIED_KERNELS", "1")
+    E, ratio = 16, 128
+    args = list(_compact_args(_decode_args(ratio, False, 512, E, "mixed", seed=1,
+                                           out_dtype=torch.bfloat16)))
+    geo = (args[7], args[8], args[9], ratio, False)
+    tri.compress_entries(*args)                         # warm-up: compiles, sizes counters
+    tri.compress_update_state(args[0], args[1], args[2].clone(), args[3].clone(), *geo)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.compress_entries(*args)
+        tri.compress_update_state(args[0], args[1], args[2], args[3], *geo)
+    for seed in (2, 3):
+        fresh = _compact_args(_decode_args(ratio, False, 512, E, "mixed", seed=seed,
+                                           out_dtype=torch.bfloat16))
+        for dst, src in zip(args, fresh):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        before = (args[2].clone(), args[3].clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = twin.compress_entries(*args[:2], *before, *args[4:])
+        _check(out, want, args[6])
+        _counters_clean()
+        ref = (before[0].clone(), before[1].clone())
+        twin.compress_update_state(args[0], args[1], *ref, *geo)
+        _states_close((args[2], args[3]), ref, args[9])

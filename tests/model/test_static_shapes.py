@@ -200,6 +200,37 @@ def test_padding_rows_touch_only_the_scratch_slot_and_page(tiny_paths, variant) 
             assert bool(t[NUM_PAGES].isfinite().all()), name   # masked entries: no NaN
 
 
+@pytest.mark.parametrize("records", [False, True], ids=["fp32-cache", "fp8-records"])
+def test_compact_c128_state_gives_the_raw_state_logits(tiny_paths, records,
+                                                       monkeypatch) -> None:
+    """The tiny V4's ratio-128 layers with the compact carry-over (the default) against raw
+    rows (DSV4_COMPACT_STATE=0): prefills ending mid-group and decode steps, dynamic and static,
+    that complete groups from the carry-over (127 -> 128, 255 -> 256): the same logits and the
+    same pools, bit for bit."""
+    import dsv4.cache.tensors as tensors
+    from dsv4.cache.formats import RECORD_DTYPE
+
+    model = tiny_model(tiny_paths, "v4", "bf16")
+    c128 = [k for k in range(model.cfg.n_layers) if model.cfg.compressor_ratio(k) == 128]
+    assert c128, "the tiny V4 has ratio-128 layers"
+    dtype = RECORD_DTYPE if records else torch.float32
+    runs = {}
+    for compact in (True, False):
+        monkeypatch.setattr(tensors, "COMPACT_STATE", compact)
+        runs[compact] = run_both(model, [37, 300, 127, 255], bucket=4, steps=6,
+                                 cache_dtype=dtype)
+        state = runs[compact][0][1].compressor_state(c128[0], "attn")
+        assert state.kv.dtype == (torch.float64 if compact else torch.float32)
+    for path in (0, 1):                                      # dynamic, static
+        (got, c_got), (want, c_want) = runs[True][path], runs[False][path]
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"path {path} step {k}: max diff {(a - b).abs().max()}"
+        t_got, t_want = cache_tensors(c_got), cache_tensors(c_want)
+        for name, t in t_want.items():
+            if not name.startswith(("kv", "score")):
+                assert torch.equal(t_got[name], t), name
+
+
 # ---------------------------------------------------------------------------- graph semantics
 def _static_moe(x, topk_ids, topk_weights, experts, swiglu_limit):
     """A routed-expert op without data-dependent shapes (every expert over every token, weight
