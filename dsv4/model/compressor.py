@@ -5,7 +5,9 @@ a request pools group j (positions ``j·r .. j·r + r − 1``) with a per-channe
 slots; the overlapping ratio-4 compressor pools 2r slots: the previous group's first ``d``
 channels and the current group's last ``d`` channels.  An entry is produced in the step that
 brings its last token; rows of groups that are still open (and, with overlap, the last complete
-group) are kept in the slot's state for the next step.
+group) are kept in the slot's state for the next step (V4's C128 keeps their one-pseudo-row
+summary instead, the compact form: dsv4/ops/torch_compress.py; this module only passes the
+state tensors to the ops, whichever form the cache holds).
 
 Each entry is computed from exactly the same rows in the same order whatever the split of the
 sequence into steps, so chunked prefill and decode give the entries of a one-shot prefill.
