@@ -282,9 +282,9 @@ def compress_entries(kv: Tensor, score: Tensor, state_kv: Tensor, state_score: T
     given: see the header), state_kv / state_score [slots, coff·r, W] fp32 (or the compact
     form: [slots, 1, W] float64), request / entry [E] int64 (request index, entry id in the
     request), start_pos [R], cu_seqlens [R+1], slots [R] int64; cos / sin [E, rd/2] fp32 at
-    the entries' positions j·r.  ``valid`` [E] bool or None: entries marked False (the candidates of a static-shape step that
-    do not complete) come out as zeros.  Call it before :func:`compress_update_state` of the
-    same step (it reads the old state).
+    the entries' positions j·r.  ``valid`` [E] bool or None: entries marked False (the
+    candidates of a static-shape step that do not complete) come out as zeros.  Call it before
+    :func:`compress_update_state` of the same step (it reads the old state).
     """
     d = check_compress_args("compress_entries", kv, score, state_kv, state_score, start_pos,
                             cu_seqlens, slots, ratio, overlap)
