@@ -40,8 +40,10 @@ ATTN_SPLIT_MIN_ROWS = int(os.environ.get("DSV4_ATTN_SPLIT_MIN_ROWS", "0"))
 # Prefill over fp8 records: the 64-head plan of pick_attn_config from this many tokens.
 RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
 # Prefill over bf16 rows (bf16 queries): the 64-head, 64-row, two-stage plan from this many
-# tokens (a prefill's dense copy of the cache rows, attention.dense_prefill_pays).
-DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "1024"))
+# tokens (a prefill's dense copy of the cache rows, attention.dense_prefill_pays).  H100,
+# V4-Flash CSA shapes (docs/PERFORMANCE.md, twenty-second session): faster than the 16-head
+# plan from 128 tokens on (65 against 90 µs at 128, 233 against 362 at 512).
+DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "128"))
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -354,8 +356,9 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     ``bf16`` (bf16 queries and bf16 rows, no records): from :data:`DENSE_WIDE_MIN_T` tokens all
     64 heads over 64-row steps, two stages (the rows' loads of the next step in flight; its
     shared memory, 2 × 64 KB of rows + 64 KB of queries, fits only in bf16): V4-Flash CSA
-    shapes at 4,096 tokens 1.76 against 2.84 ms (twenty-first session); with 64 heads or more
-    (a tensor-parallel shard of fewer would pad the MMA rows; not measured).
+    shapes at 4,096 tokens 1.76 against 2.84 ms (twenty-first session), and already at 128
+    tokens on an H100 (twenty-second); with 64 heads or more (a tensor-parallel shard of fewer
+    would pad the MMA rows; not measured).
     """
     bh, bn = 16, 64
     programs = T * triton.cdiv(H, bh)

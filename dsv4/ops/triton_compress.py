@@ -31,8 +31,9 @@ the torch twin ``dsv4/ops/torch_compress.py`` (read its header for where a group
   first position before the step to the slot's row (its other positions are empty), the pooling
   tile then holds [pseudo-row, step rows] in float64 as before; the state update reduces its
   tile of the group's rows over the slots (float64 max, exp, sum, log) into the new pseudo-row.
-  GPU-gated by :data:`COMPACT_KERNELS_VERIFIED` (:func:`compact_kernels`): until its GPU checks
-  the wrappers run the twin for a compact state unless ``DSV4_UNVERIFIED_KERNELS=1``.
+  GPU-gated by :data:`COMPACT_KERNELS_VERIFIED` (:func:`compact_kernels`; True since its GPU
+  checks): when False the wrappers run the twin for a compact state unless
+  ``DSV4_UNVERIFIED_KERNELS=1``.
 * ``ape`` (both ops, optional): the position bias ``ape[pos % r]`` added in fp32 to the scores
   read from the step's rows (``HAS_APE``), which saves the model its gather and add launches
   per compressor call (twin header: the same bits as scores biased before the call).  A step
@@ -451,11 +452,13 @@ SPLIT_PLAN_VERIFIED = True
 # DSV4_UNVERIFIED_KERNELS=1.
 APE_FUSED_VERIFIED = True
 # The COMPACT form of the three kernels (the float64 pseudo-row carry-over of V4's C128
-# compressors, dsv4.cache.tensors.CompressorSpec.compact): interpreter- and sm_90-compile-
-# checked, GPU checks not run yet (tests/kernels/test_compress_decode.py's compact cases).
-# Until then a compact state runs the torch twin on the GPU (same results, more launches)
-# unless DSV4_UNVERIFIED_KERNELS=1.
-COMPACT_KERNELS_VERIFIED = False
+# compressors, dsv4.cache.tensors.CompressorSpec.compact) passed its GPU checks
+# (tests/kernels/test_compress_decode.py -k compact: 22 passed, entries bit-equal to the
+# raw-state kernels' at V4-Flash's C128 shape, graph replays; the model's lanes bits test: 5;
+# H100, 2026-12-06, bench/sessions/gpu_session_s22b.sh).  Set False for a new form: a compact
+# state then runs the torch twin on the GPU (same results, more launches) unless
+# DSV4_UNVERIFIED_KERNELS=1.
+COMPACT_KERNELS_VERIFIED = True
 
 
 def compact_kernels() -> bool:

@@ -144,5 +144,7 @@ def test_dense_prefill_plan_rule() -> None:
     assert tri.pick_attn_config(n, 64, 512, 640, cpu, bf16=True) == wide
     assert tri.pick_attn_config(n - 1, 64, 512, 640, cpu, bf16=True).BH == 16
     assert tri.pick_attn_config(n, 64, 512, 640, cpu).BH == 16
-    assert tri.pick_attn_config(n, 64, 512, 640, cpu, records=True, bf16=True).BN == 32
+    for t in (n, tri.RECORD_WIDE_MIN_T):   # records: their own rule, whatever bf16 says
+        assert (tri.pick_attn_config(t, 64, 512, 640, cpu, records=True, bf16=True)
+                == tri.pick_attn_config(t, 64, 512, 640, cpu, records=True))
     assert tri.pick_attn_config(n, 8, 512, 640, cpu, bf16=True).BH == 16   # a TP-8 shard
