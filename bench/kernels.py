@@ -201,7 +201,9 @@ def bench_attn(T: int, Ka: int, Kb: int, sweep: bool, records: bool = False
                      dict(BH=64, BN=32, num_warps=8, num_stages=2),
                      dict(BH=64, BN=32, num_warps=8, num_stages=3),
                      dict(BH=64, BN=64, num_warps=8, num_stages=2),
-                     dict(BH=64, BN=16, num_warps=8, num_stages=3)]
+                     dict(BH=64, BN=16, num_warps=8, num_stages=3),
+                     # Both sources in one loop (22nd session: no spills; bf16 rows only).
+                     dict(BH=64, BN=64, num_warps=8, num_stages=2, one_loop=True)]
             if T <= 64:
                 plans += [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=2)]
         for plan in plans:

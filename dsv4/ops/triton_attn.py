@@ -44,6 +44,10 @@ RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
 # V4-Flash CSA shapes (docs/PERFORMANCE.md, twenty-second session): faster than the 16-head
 # plan from 128 tokens on (65 against 90 µs at 128, 233 against 362 at 512).
 DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "128"))
+# 1: that plan walks its two sources in one loop (AttnConfig.one_loop, _attn_two_sources; the
+# same bits).  Written without a GPU (twenty-second session; ptxas: no spills where two loops
+# spill 152 bytes): off until timed (bench/kernels.py --only sparse_attn --sweep).
+ATTN_ONE_LOOP = os.environ.get("DSV4_ATTN_ONE_LOOP", "0") == "1"
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -217,6 +221,41 @@ def _attn_source(q, m_i, l_i, acc, kv_ptr, stride_kv, idx_ptr, n_idx, rd, d_mask
 
 
 @triton.jit
+def _attn_two_sources(q, m_i, l_i, acc, kva_ptr, stride_a, idxa_ptr, n_a, kvb_ptr, stride_b,
+                      idxb_ptr, n_b, rd, d_mask, qk_scale, BN: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
+    """Both dense sources in ONE loop (:attr:`AttnConfig.one_loop`): the steps of source a
+    (its list padded to whole BN steps), then those of source b, each picking its source's
+    row pointer, stride and index list by a scalar select.  The same steps, rows, masks and
+    arithmetic in the same order as two :func:`_attn_source` loops (the same bits), but one
+    loop body for the compiler to pipeline: the first rows of b are in flight during a's last
+    step, and the loop's state is not kept twice (ptxas, sm_90, the 64-head plan over two
+    sources: 152 bytes of spill with two loops)."""
+    na = tl.cdiv(n_a, BN) * BN
+    for start in range(0, na + n_b, BN):
+        in_a = start < na
+        off = tl.where(in_a, start, start - na)
+        n = tl.where(in_a, n_a, n_b)
+        rj = off + tl.arange(0, BN)
+        rows = tl.load(tl.where(in_a, idxa_ptr, idxb_ptr) + rj, mask=rj < n, other=-1)
+        valid = rows >= 0
+        stride = tl.where(in_a, stride_a, stride_b)
+        kv = tl.load(tl.where(in_a, kva_ptr, kvb_ptr) + rows.to(tl.int64)[:, None] * stride
+                     + rd[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        s = mma(q, tl.trans(kv), DOT_PREC)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BH, BN]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # bf16 rows: P rounded to bf16 for the tensor-core P·V, as _attn_source does.
+        pv = mma(round_to_bf16(p).to(tl.bfloat16), kv, DOT_PREC)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o_ptr, ml_ptr,
                         T, H, D, Ka, Kb, chunk_a, chunk_b, stride_qt, stride_qh, stride_kva,
                         stride_kvb, stride_ia, stride_ib, stride_ot, stride_oh, qk_scale,
@@ -228,11 +267,12 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
                         FMT_B: tl.constexpr, NQ_B: tl.constexpr, QB_B: tl.constexpr,
                         SCO_B: tl.constexpr, TLO_B: tl.constexpr,
                         CHUNK_A: tl.constexpr = False, CHUNK_B: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        ONE_LOOP: tl.constexpr = False, PDL: tl.constexpr = False):
     """One token × BH heads × BDV value columns × one slice of the index lists.
 
     ``*_A`` / ``*_B``: each source's layout for :func:`load_rows` (dense rows or records);
     ``CHUNK_*``: that source's fp8 records are read by :func:`load_fp8_records_chunked`.
+    ``ONE_LOOP`` (two bf16 row sources, one slice, whole head dim): :func:`_attn_two_sources`.
 
     Not SPLIT_KV: the sink starts the running max (m = sink, l = 1 = exp(sink - m), acc = 0),
     so it enters the denominator only, and o = acc / l is stored in o's dtype.
@@ -265,18 +305,24 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
         l_i = tl.exp2(sink - m_i)
     acc = tl.zeros((BH, BDV), dtype=tl.float32)
     a0 = sp * chunk_a
-    m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva,
-                                 idxa_ptr + t64 * stride_ia + a0,
-                                 tl.minimum(chunk_a, Ka - a0), rd, d_mask, rdv, dv_mask, qk_scale,
-                                 BN, N_DV > 1, P_BF16, DOT_PREC, FMT_A, NQ_A, QB_A, SCO_A, TLO_A,
-                                 CHUNK_A, BD)
-    if HAS_B:
-        b0 = sp * chunk_b
-        m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kvb_ptr, stride_kvb,
-                                     idxb_ptr + t64 * stride_ib + b0,
-                                     tl.minimum(chunk_b, Kb - b0), rd, d_mask, rdv, dv_mask,
-                                     qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC,
-                                     FMT_B, NQ_B, QB_B, SCO_B, TLO_B, CHUNK_B, BD)
+    if ONE_LOOP:
+        m_i, l_i, acc = _attn_two_sources(q, m_i, l_i, acc, kva_ptr, stride_kva,
+                                          idxa_ptr + t64 * stride_ia, Ka, kvb_ptr, stride_kvb,
+                                          idxb_ptr + t64 * stride_ib, Kb, rd, d_mask,
+                                          qk_scale, BN, DOT_PREC)
+    else:
+        m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kva_ptr, stride_kva,
+                                     idxa_ptr + t64 * stride_ia + a0,
+                                     tl.minimum(chunk_a, Ka - a0), rd, d_mask, rdv, dv_mask,
+                                     qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC, FMT_A, NQ_A,
+                                     QB_A, SCO_A, TLO_A, CHUNK_A, BD)
+        if HAS_B:
+            b0 = sp * chunk_b
+            m_i, l_i, acc = _attn_source(q, m_i, l_i, acc, kvb_ptr, stride_kvb,
+                                         idxb_ptr + t64 * stride_ib + b0,
+                                         tl.minimum(chunk_b, Kb - b0), rd, d_mask, rdv,
+                                         dv_mask, qk_scale, BN, N_DV > 1, P_BF16, DOT_PREC,
+                                         FMT_B, NQ_B, QB_B, SCO_B, TLO_B, CHUNK_B, BD)
     hd_mask = h_mask[:, None] & dv_mask[None, :]
     if SPLIT_KV:
         base = (sp * T + t64) * H
@@ -329,7 +375,9 @@ class AttnConfig:
     ``dv`` value columns per program (0: the whole head dim; else the head dim is split and
     each program recomputes the logits, which lets BH grow without spilling registers);
     ``chunked``: read fp8 records by chunks (:func:`load_fp8_records_chunked`) where they allow
-    it (whole rows, ``dv`` 0), else element by element (:func:`load_rows`).
+    it (whole rows, ``dv`` 0), else element by element (:func:`load_rows`); ``one_loop``: two
+    bf16 row sources in one loop (:func:`_attn_two_sources`; unsplit, whole head dim, else
+    ignored).
     """
 
     BH: int = 16
@@ -339,6 +387,7 @@ class AttnConfig:
     split_kv: int = 1
     dv: int = 0
     chunked: bool = True
+    one_loop: bool = False
 
 
 def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
@@ -372,7 +421,7 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     if records and T >= RECORD_WIDE_MIN_T:
         return AttnConfig(BH=64, BN=32, num_warps=8, num_stages=1)
     if bf16 and not records and T >= DENSE_WIDE_MIN_T and H >= 64:
-        return AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2)
+        return AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2, one_loop=ATTN_ONE_LOOP)
     return AttnConfig(BH=bh, BN=bn, num_warps=8 if records else 4, num_stages=2,
                       split_kv=split)
 
@@ -475,6 +524,7 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
         FMT_A=meta_a[0], NQ_A=meta_a[1], QB_A=meta_a[2], SCO_A=meta_a[3], TLO_A=meta_a[4],
         FMT_B=meta_b[0], NQ_B=meta_b[1], QB_B=meta_b[2], SCO_B=meta_b[3], TLO_B=meta_b[4],
         CHUNK_A=chunk_ok(meta_a, kv_a), CHUNK_B=has_b and chunk_ok(meta_b, kv_b),
+        ONE_LOOP=cfg.one_loop and has_b and bf16 and not records and split == 1 and BDV == BD,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
     if split > 1:
         bd_c = min(BD, 128)

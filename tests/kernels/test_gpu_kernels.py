@@ -199,7 +199,8 @@ ATTN_PLANS = [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=8),
               dict(BH=64, BN=64, num_warps=8, num_stages=2, dv=128),
               dict(BH=32, BN=64, num_warps=4, num_stages=2, dv=256),
               dict(BH=64, BN=32, num_warps=8, num_stages=1),
-              dict(BH=64, BN=64, num_warps=8, num_stages=2)]
+              dict(BH=64, BN=64, num_warps=8, num_stages=2),
+              dict(BH=64, BN=64, num_warps=8, num_stages=2, one_loop=True)]
 
 
 @pytest.mark.parametrize("plan", ATTN_PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -220,6 +221,29 @@ def test_sparse_attn_gpu_plans(plan: dict) -> None:
                                     tri.AttnConfig(**plan))
     o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, p_dtype=torch.bfloat16)
     assert _finite(o) and _rel(o, o_ref) < 5e-3
+
+
+def test_sparse_attn_gpu_one_loop() -> None:
+    """The 64-head bf16-row plan with both sources in one loop against the two loops, at
+    V4-Flash CSA shapes (1,024 tokens, 128 + 512 rows, skipped rows, a token whose window
+    list is empty): the same steps in the same order — equal to fp32 rounding (the compiler
+    may schedule the two forms' arithmetic differently), every element written."""
+    from dsv4.ops import triton_attn as tri
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    T, H, d = 1024, 64, 512
+    q = torch.randn(T, H, d, generator=gen, device=DEV).bfloat16()
+    kv_a = torch.randn(4096, d, generator=gen, device=DEV).bfloat16()
+    kv_b = torch.randn(20000, d, generator=gen, device=DEV).bfloat16()
+    idx_a = torch.randint(-1, 4096, (T, 128), generator=gen, device=DEV, dtype=torch.int32)
+    idx_b = torch.randint(-1, 20000, (T, 512), generator=gen, device=DEV, dtype=torch.int32)
+    idx_a[7] = -1
+    sink = torch.randn(H, generator=gen, device=DEV)
+    plans = [tri.AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2, one_loop=f)
+             for f in (False, True)]
+    _poison()
+    two, one = (tri.sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, d ** -0.5, None,
+                                            c) for c in plans)
+    assert _finite(one) and _rel(one, two) < 1e-6
 
 
 FP8_PLANS = [dict(BM=16, BN=32, split_k=8, num_stages=3), dict(BM=16, BN=128, split_k=1),

@@ -107,6 +107,33 @@ def test_sparse_attn_plans_agree(cfg: tri.AttnConfig) -> None:
     assert rel_err(ob.float(), ob_ref.float()) < 4e-3
 
 
+@pytest.mark.parametrize("BN", [16, 64])
+def test_sparse_attn_one_loop_same_bits(BN: int) -> None:
+    """Two bf16 row sources in one loop (AttnConfig.one_loop): the bits of the two loops —
+    lists not multiples of BN (a's padded steps), a token whose source a is all skipped, one
+    source only and fp32 rows (the flag ignored there) — and the twin to bf16."""
+    gen = torch.Generator().manual_seed(BN)
+    T, H, d = 3, 20, 48
+    q = torch.randn(T, H, d, generator=gen).bfloat16()
+    kv_a = torch.randn(30, d, generator=gen).bfloat16()
+    kv_b = torch.randn(25, d, generator=gen).bfloat16()
+    idx_a = random_indices(T, 40, 30, gen, 0.25)
+    idx_b = random_indices(T, 7, 25, gen, 0.25)
+    idx_a[1, :] = -1
+    sink = torch.randn(H, generator=gen)
+    plain = tri.AttnConfig(BH=16, BN=BN, num_warps=4, num_stages=2)
+    one = tri.AttnConfig(BH=16, BN=BN, num_warps=4, num_stages=2, one_loop=True)
+    cases = [(q, kv_a, idx_a, kv_b, idx_b), (q, kv_a, idx_a, None, None),
+             (q.float(), kv_a.float(), idx_a, kv_b.float(), idx_b)]
+    for case in cases:
+        got = tri.sparse_attn_with_config(*case, sink, 0.2, None, one)
+        want = tri.sparse_attn_with_config(*case, sink, 0.2, None, plain)
+        assert torch.equal(got, want)
+    o_ref = ref.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, 0.2, p_dtype=torch.bfloat16)
+    got = tri.sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, 0.2, None, one)
+    assert rel_err(got.float(), o_ref.float()) < 4e-3
+
+
 def test_sparse_attn_split_floor(monkeypatch: pytest.MonkeyPatch) -> None:
     """ATTN_SPLIT_MIN_ROWS (off by default): decode slices of at least that many index rows —
     V4-Flash's window (128 rows) and HCA (192) decode unsplit, the CSA layer's 640 rows in 5;
