@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/glue_count.py                    # Triton op table, B = 1 and 16
     PYTHONPATH=. python bench/glue_count.py --backend torch --batches 1 --json out.json
+    PYTHONPATH=. python bench/glue_count.py --batches --prefill 256   # an eager prefill step
 
 The model has V4-Flash's layer schedule at toy widths (``bench/flash_bench.py --tiny``: FP8
 Linears and MXFP4 experts kept quantized, official numerics, bf16, fp8 cache records) and its
@@ -268,6 +269,46 @@ def count_step(model: Any, batch: int, ctx_len: int, seed: int = 0) -> Tally:
     return tally
 
 
+@torch.no_grad()
+def count_prefill(model: Any, tokens: int, seed: int = 0) -> Tally:
+    """Count one eager prefill step of one request of ``tokens`` tokens from position 0 (what
+    the engine runs for a prompt chunk: no graph), after a warm-up prefill of the same size in
+    another slot (lazy tables)."""
+    from dsv4.cache.formats import RECORD_DTYPE
+    from dsv4.cache.tensors import HybridCache
+    from dsv4.model.context import StepContext, pages_needed
+
+    cfg = model.cfg
+    page = 256
+    ppr = pages_needed(tokens + 4, page)
+    cache = HybridCache.allocate(cfg, num_pages=2 * ppr, num_slots=2, page_size=page,
+                                 dtype=RECORD_DTYPE, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
+
+    def step(slot: int) -> None:
+        table = list(range(slot * ppr, (slot + 1) * ppr))
+        model.compute_logits(model.forward(StepContext.build(ids, [tokens], [0], [slot],
+                                                             [table]), cache))
+
+    tally = Tally()
+    attr = _Attribution(model, layer_kinds(cfg))
+    counter = _Counter(attr, tally)
+    undo = _patch_triton(counter) if os.environ.get("TRITON_INTERPRET") == "1" else None
+    try:
+        with _as_on_gpu(model):
+            step(1)
+            tally.kernels.clear()
+            tally.syncs.clear()
+            with counter:
+                step(0)
+    finally:
+        attr.remove()
+        if undo:
+            undo()
+    return tally
+
+
 def report(tally: Tally, top: int) -> dict[str, Any]:
     """Print the tables; return them as JSON-able data."""
     total = sum(tally.kernels.values())
@@ -311,10 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
     ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="also count one eager prefill step of each of these token counts")
     args = ap.parse_args(argv)
     if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("glue_count: --backend triton needs TRITON_INTERPRET=1 set before "
@@ -327,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== decode step, B={b}, ctx={args.ctx}, backend={args.backend}, "
               f"{args.layers} layers")
         out["batches"][b] = report(count_step(model, b, args.ctx), args.top)
+    out["prefill"] = {}
+    for n in args.prefill:
+        print(f"\n=== eager prefill step, {n} tokens, backend={args.backend}, "
+              f"{args.layers} layers")
+        out["prefill"][n] = report(count_prefill(model, n), args.top)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

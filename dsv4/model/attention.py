@@ -223,13 +223,14 @@ def _dense_entry_rows(ctx: StepContext, ratio: int, page_size: int) -> Tensor:
     return torch.where(rows >= 0, local, -1)
 
 
-def _dense_entries(ctx: StepContext, pool: Tensor, fmt: RecordFormat, ratio: int,
-                   page_size: int, dtype: torch.dtype) -> Tensor:
+def _dense_entries(ops: SimpleNamespace, ctx: StepContext, pool: Tensor, fmt: RecordFormat,
+                   ratio: int, page_size: int, dtype: torch.dtype) -> Tensor:
     """[R·L, d] the entries of the step's requests in the record pool ``pool``, dequantized to
-    ``dtype`` (exact), row ``r·L + j`` = request r's entry j (:func:`_dense_entry_rows`); rows
-    of missing entries hold pool row 0 and are never referenced."""
+    ``dtype`` (exact; ``ops.read_records``), row ``r·L + j`` = request r's entry j
+    (:func:`_dense_entry_rows`); rows of missing entries hold pool row 0 and are never
+    referenced."""
     rows = entry_pool_rows(ctx, ratio, page_size).clamp(min=0).view(-1)
-    return fmt.unpack(pool.view(-1, pool.shape[-1]).index_select(0, rows), dtype)
+    return ops.read_records(pool.view(-1, pool.shape[-1]), rows, fmt, dtype)
 
 
 class Attention(nn.Module):
@@ -352,7 +353,7 @@ class Attention(nn.Module):
         source = torch.cat((ring[ctx.slots].view(-1, width), new_rows), dim=0)
         flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
         if dense_prefill_pays(ctx, fmt, window=self.window):
-            return fmt.unpack(source, dtype), plan["idx"]
+            return self.ops.read_records(source, None, fmt, dtype), plan["idx"]
         return rows_view(source, fmt), plan["idx"]
 
     def _entry_source(self, ctx: StepContext, cache: HybridCache, dtype: torch.dtype
@@ -371,7 +372,8 @@ class Attention(nn.Module):
                  dtype)
         held = ctx.memo.get(_DENSE_ENTRIES_MEMO)
         if held is None or held[0] != owner:
-            held = (owner, _dense_entries(ctx, pool, fmt, self.ratio, cache.page_size, dtype))
+            held = (owner, _dense_entries(self.ops, ctx, pool, fmt, self.ratio,
+                                          cache.page_size, dtype))
             ctx.memo[_DENSE_ENTRIES_MEMO] = held
         return held[1], True
 

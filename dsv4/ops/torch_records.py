@@ -16,7 +16,8 @@ from torch import Tensor
 from dsv4.cache.formats import RecordFormat, encode_rows
 from dsv4.formats import hadamard_transform
 
-__all__ = ["encode_records", "write_records", "check_write_args"]
+__all__ = ["encode_records", "write_records", "check_write_args", "read_records",
+           "check_read_args"]
 
 
 def _check_rows(name: str, rows: Tensor, fmt: RecordFormat | None) -> None:
@@ -77,3 +78,27 @@ def write_records(pool: Tensor, dst: Tensor, rows: Tensor, src: Tensor | None,
     if hadamard:
         picked = hadamard_transform(picked)
     pool.index_copy_(0, dst.long(), encode_rows(picked, fmt, pool.dtype))
+
+
+def check_read_args(pool: Tensor, rows: Tensor | None, fmt: RecordFormat,
+                    dtype: torch.dtype) -> None:
+    """ValueError unless pool is a uint8 [P, fmt.record_bytes] record pool, rows an integer [M]
+    (or None) and dtype a floating dtype."""
+    if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.shape[1] != fmt.record_bytes:
+        raise ValueError(f"read_records: pool must be uint8 [P, {fmt.record_bytes}] ({fmt.name} "
+                         f"records); found {pool.dtype} {tuple(pool.shape)}")
+    if rows is not None and (rows.dim() != 1 or rows.dtype.is_floating_point
+                             or rows.dtype == torch.bool):
+        raise ValueError(f"read_records: rows must be an integer [M] or None; found "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"read_records: dtype must be floating point; found {dtype}")
+
+
+def read_records(pool: Tensor, rows: Tensor | None, fmt: RecordFormat,
+                 dtype: torch.dtype) -> Tensor:
+    """The records ``pool[rows]`` (every row when ``rows`` is None) dequantized to ``dtype``:
+    [M, fmt.dim], exact in bf16 and fp32 (:meth:`RecordFormat.unpack`).  What a prefill's
+    dense copy of a record source is (dsv4.model.attention.dense_prefill_pays)."""
+    check_read_args(pool, rows, fmt, dtype)
+    return fmt.unpack(pool if rows is None else pool.index_select(0, rows), dtype)

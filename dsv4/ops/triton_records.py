@@ -37,11 +37,14 @@ import triton.language as tl
 
 from dsv4.cache.formats import RecordFormat
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
-from dsv4.ops.torch_records import _check_rows, check_write_args
-from dsv4.ops.triton_dense import round_to_bf16, round_to_e4m3, torch_twin_off_gpu
+from dsv4.ops.torch_records import _check_rows, check_read_args, check_write_args
+from dsv4.ops.triton_attn import load_rows, record_meta
+from dsv4.ops.triton_dense import (round_to_bf16, round_to_e4m3, store_rne,
+                                   torch_twin_off_gpu)
 from dsv4.ops.triton_index import _hadamard
 
-__all__ = ["encode_records", "write_records", "record_tile", "record_constexprs"]
+__all__ = ["encode_records", "write_records", "read_records", "record_tile",
+           "record_constexprs"]
 
 # Elements per program tile (rows × padded width).
 _TILE_ELEMS = 4096
@@ -244,3 +247,50 @@ def write_records(pool: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor,
     if not fits:
         return _twin("write_records", pool, dst, rows, src, fmt, hadamard)
     _launch(rows, src, dst, pool, fmt, dst.shape[0], hadamard)
+
+
+# ------------------------------------------------------------------ reading records back
+@triton.jit
+def _read_records_kernel(pool_ptr, rows_ptr, out_ptr, M, D, stride_p, HAS_ROWS: tl.constexpr,
+                         FMT: tl.constexpr, NQ: tl.constexpr, QB: tl.constexpr,
+                         SC_OFF: tl.constexpr, TAIL_OFF: tl.constexpr, BR: tl.constexpr,
+                         BC: tl.constexpr, PDL: tl.constexpr = False):
+    """out[i] = the record pool[rows[i]] (pool[i] without rows) dequantized, BR rows × BC
+    channels a program: the attention kernels' record reads (``triton_attn.load_rows``: exact
+    values), stored in out's dtype (exact in bf16 / fp32)."""
+    grid_dependency_sync(PDL)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    r_mask = r < M
+    if HAS_ROWS:
+        src = tl.load(rows_ptr + r, mask=r_mask, other=0)
+    else:
+        src = r
+    mask = r_mask[:, None] & (c < D)[None, :]
+    val = load_rows(pool_ptr, src.to(tl.int64), c, mask, stride_p, FMT, NQ, QB, SC_OFF,
+                    TAIL_OFF)
+    store_rne(out_ptr + r.to(tl.int64)[:, None] * D + c[None, :], val, mask)
+
+
+@torch_twin_off_gpu("dsv4.ops.torch_records")
+def read_records(pool: torch.Tensor, rows: torch.Tensor | None, fmt: RecordFormat,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The records ``pool[rows]`` dequantized to ``dtype`` (bf16 / fp32; other dtypes run the
+    twin), one launch: a prefill's dense copy of a record source, which the twin builds from
+    ~15 elementwise torch ops.  See the torch twin."""
+    check_read_args(pool, rows, fmt, dtype)
+    M = pool.shape[0] if rows is None else rows.shape[0]
+    if dtype not in (torch.float32, torch.bfloat16) or pool.stride(1) != 1:
+        return _twin("read_records", pool, rows, fmt, dtype)
+    out = torch.empty(M, fmt.dim, dtype=dtype, device=pool.device)
+    if M == 0:
+        return out
+    kind, nq, qb, sc_off, tail_off = record_meta(fmt)
+    BC = min(512, triton.next_power_of_2(fmt.dim))
+    BR = max(1, 8192 // BC)
+    rows_t = _index(rows) if rows is not None else out
+    _read_records_kernel[(triton.cdiv(M, BR), triton.cdiv(fmt.dim, BC))](
+        pool, rows_t, out, M, fmt.dim, pool.stride(0), HAS_ROWS=rows is not None, FMT=kind,
+        NQ=nq, QB=qb, SC_OFF=sc_off, TAIL_OFF=tail_off, BR=BR, BC=BC, num_warps=4,
+        **pdl_args(pool))
+    return out

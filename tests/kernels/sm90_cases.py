@@ -1021,6 +1021,12 @@ def _records(v41: bool) -> None:
         for dt in (bf16, f32):                          # plain rings (kv_cache_dtype "auto")
             tr.write_records(_empty(8192, 512, dtype=dt), idx, _empty(T, 512, dtype=dt), idx,
                              None)
+    # A prefill's dense copies (read_records): whole sources and gathered entries, bf16 / fp32.
+    for fmt in fmts:
+        pool = _empty(8192, fmt.record_bytes, dtype=torch.uint8)
+        for dt in (bf16, f32):
+            tr.read_records(pool, None, fmt, dt)
+            tr.read_records(pool, torch.arange(PREFILL_T, dtype=i64), fmt, dt)
 
 
 scenario("records/v4")(lambda: _records(False))

@@ -143,6 +143,21 @@ def test_triton_ops_run_the_twins_off_gpu() -> None:
     assert torch.equal(a, b)
 
 
+def test_twin_read_records_is_unpack_of_the_rows() -> None:
+    fmt = FORMATS["v4_kv"]
+    pool = fmt.pack(torch.randn(9, 512, generator=torch.Generator().manual_seed(4)))
+    rows = torch.tensor([7, 0, 7, 3])
+    got = torch_records.read_records(pool, rows, fmt, torch.bfloat16)
+    assert torch.equal(got, fmt.unpack(pool[rows], torch.bfloat16))
+    assert torch.equal(torch_records.read_records(pool, None, fmt, torch.float32),
+                       fmt.unpack(pool, torch.float32))
+    for bad in ((pool.float(), rows), (pool[:, :-1], rows), (pool, rows.float()),
+                (pool, rows[:, None])):
+        with pytest.raises(ValueError, match="read_records"):
+            torch_records.read_records(*bad, fmt, torch.float32)
+    assert get_ops("torch").read_records is torch_records.read_records
+
+
 # ---------------------------------------------------------------- interpreter (child process)
 def test_kernels_in_interpreter() -> None:
     """Run this file's interpreter tests with ``TRITON_INTERPRET=1`` in a child."""
@@ -205,6 +220,32 @@ def test_interp_strided_rows_and_random_bits() -> None:
         assert torch.equal(got, fmt.pack(x))
 
 
+def _check_read(fmt: cf.RecordFormat, n_pool: int, rows: torch.Tensor | None, seed: int,
+                device: str = "cpu") -> None:
+    """The kernel's dense copy equals the twin's (``RecordFormat.unpack``) bit for bit, in
+    bf16 and fp32, every element written."""
+    from dsv4.ops import triton_records as tri
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_pool, fmt.dim, generator=gen) * torch.logspace(-3, 2, n_pool)[:, None]
+    pool = fmt.pack(x).to(device)          # valid records over a spread of magnitudes
+    rows = None if rows is None else rows.to(device)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = torch_records.read_records(pool, rows, fmt, dtype)
+        torch.full(want.shape, float("nan"), dtype=dtype, device=device)  # poison the block
+        got = tri.read_records(pool, rows, fmt, dtype)
+        assert torch.equal(got, want), (fmt.name, dtype)
+
+
+@interp_only
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_interp_read_records(name: str) -> None:
+    fmt = FORMATS[name]
+    _check_read(fmt, 11, torch.tensor([10, 0, 3, 3, 7]), 7)
+    _check_read(fmt, 37, None, 8)
+    _check_read(fmt, 5, torch.tensor([], dtype=torch.int64), 9)
+
+
 # ------------------------------------------------------------------ GPU at real shapes
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERP,
                               reason="needs a CUDA GPU (and TRITON_INTERPRET unset)")
@@ -223,3 +264,14 @@ def test_gpu_real_shapes(name: str, row_dtype: torch.dtype) -> None:
     _check_kernel(fmt, fmt.dim, row_dtype, torch.uint8, 2048,
                   torch.randperm(4096, generator=gen)[:2048], None, 2, "cuda")
     _check_kernel(None, fmt.dim, row_dtype, torch.bfloat16, 64, ring_rows, None, 3, "cuda")
+
+
+@gpu_only
+@pytest.mark.parametrize("name", ["v4_kv", "v41_window", "v41_latent", "index_keys"])
+def test_gpu_read_records(name: str) -> None:
+    """A prefill's dense copies at real sizes: 8K window rows read whole, 2,048 entries
+    gathered from a 16K-row pool."""
+    fmt = FORMATS[name]
+    gen = torch.Generator().manual_seed(1)
+    _check_read(fmt, 8192, None, 1, "cuda")
+    _check_read(fmt, 16384, torch.randint(0, 16384, (2048,), generator=gen), 2, "cuda")

@@ -32,6 +32,7 @@ from dsv4.cache.tensors import HybridCache
 from dsv4.model import attention as attn_mod
 from dsv4.model.attention import Attention, dense_prefill_pays
 from dsv4.model.context import StaticShape, StepContext
+from dsv4.ops import get_ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -235,7 +236,7 @@ def test_dense_entry_rows_follow_the_pool_rows() -> None:
     assert torch.equal(local, torch.where(pool_rows >= 0, want, -1))
     fmt = v4_kv_record(128, 64)
     pool = fmt.pack(torch.randn(2, PAGE // 4, 128, generator=torch.Generator().manual_seed(1)))
-    dense = attn_mod._dense_entries(ctx, pool, fmt, 4, PAGE, torch.bfloat16)
+    dense = attn_mod._dense_entries(get_ops("torch"), ctx, pool, fmt, 4, PAGE, torch.bfloat16)
     assert dense.shape == (R * L, 128) and dense.dtype == torch.bfloat16
     have = pool_rows.view(-1) >= 0
     flat = fmt.unpack(pool.view(-1, fmt.record_bytes), torch.float32)
