@@ -45,7 +45,7 @@ if __name__ == "__main__" and (sys.argv[sys.argv.index("--backend") + 1:][:1] if
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,17 +251,24 @@ def count_step(model: Any, batch: int, ctx_len: int, seed: int = 0) -> Tally:
     def step(pos: int) -> None:
         graphs.run(tokens[pos - ctx_len], [pos] * batch, list(range(batch)), tables)
 
+    # warm-up: lazy tables, as the warm-up before a capture
+    return _count(model, lambda: step(ctx_len), lambda: step(ctx_len + 1))
+
+
+def _count(model: Any, warm_up: Callable[[], None], counted: Callable[[], None]) -> Tally:
+    """Run ``warm_up`` uncounted, then count the kernels (and host syncs) of ``counted``, both
+    taking the GPU's launch decisions (:func:`_as_on_gpu`)."""
     tally = Tally()
-    attr = _Attribution(model, layer_kinds(cfg))
+    attr = _Attribution(model, layer_kinds(model.cfg))
     counter = _Counter(attr, tally)
     undo = _patch_triton(counter) if os.environ.get("TRITON_INTERPRET") == "1" else None
     try:
         with _as_on_gpu(model):
-            step(ctx_len)  # warm-up: lazy tables, as the warm-up before a capture
+            warm_up()
             tally.kernels.clear()
             tally.syncs.clear()
             with counter:
-                step(ctx_len + 1)
+                counted()
     finally:
         attr.remove()
         if undo:
@@ -291,22 +298,7 @@ def count_prefill(model: Any, tokens: int, seed: int = 0) -> Tally:
         model.compute_logits(model.forward(StepContext.build(ids, [tokens], [0], [slot],
                                                              [table]), cache))
 
-    tally = Tally()
-    attr = _Attribution(model, layer_kinds(cfg))
-    counter = _Counter(attr, tally)
-    undo = _patch_triton(counter) if os.environ.get("TRITON_INTERPRET") == "1" else None
-    try:
-        with _as_on_gpu(model):
-            step(1)
-            tally.kernels.clear()
-            tally.syncs.clear()
-            with counter:
-                step(0)
-    finally:
-        attr.remove()
-        if undo:
-            undo()
-    return tally
+    return _count(model, lambda: step(1), lambda: step(0))
 
 
 def report(tally: Tally, top: int) -> dict[str, Any]:
