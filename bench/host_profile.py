@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.reps):
                     sync()
                     start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-                    torch.cuda._sleep(int(2e9 * max(wall)))  # ~2× the step at ~1 GHz cycles
+                    torch.cuda._sleep(int(4e9 * max(wall)))  # ~2× the step at ~2 GHz
                     start.record()
                     step()
                     end.record()
