@@ -50,9 +50,9 @@ OP_NAMES = (
 # (V4-Flash gate + 256 experts, eager and graph replays, bit-equal to moe_gate + the experts'
 # own plan; the model's logits bit-equal across lanes).
 # read_records (twenty-second session, 2026-12-06: a prefill's dense copy of a record source
-# in one launch instead of ~15 torch ops) was written when no device time was left: its GPU
-# checks are tests/kernels/test_triton_records.py's test_gpu_read_records.
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"read_records"})
+# in one launch instead of ~15 torch ops) passed tests/kernels/test_triton_records.py's GPU
+# checks on an H100 in bench/sessions/gpu_session_s23a.sh (twenty-third session).
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...)), moe_route(linear_fp32(...)),
 # moe_combine(moe_experts(...)), moe_gate + the experts' plan): without their fused kernel the

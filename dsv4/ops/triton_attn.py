@@ -44,10 +44,11 @@ RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
 # V4-Flash CSA shapes (docs/PERFORMANCE.md, twenty-second session): faster than the 16-head
 # plan from 128 tokens on (65 against 90 µs at 128, 233 against 362 at 512).
 DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "128"))
-# 1: that plan walks its two sources in one loop (AttnConfig.one_loop, _attn_two_sources; the
-# same bits).  Written without a GPU (twenty-second session; ptxas: no spills where two loops
-# spill 152 bytes): off until timed (bench/kernels.py --only sparse_attn --sweep).
-ATTN_ONE_LOOP = os.environ.get("DSV4_ATTN_ONE_LOOP", "0") == "1"
+# That plan walks its two sources in one loop (AttnConfig.one_loop, _attn_two_sources; the
+# same bits; no spills where two loops spill 152 bytes): on since its H100 GPU tests and sweep
+# (twenty-third session: 220 against 234 µs at 512 tokens, 1,733 against 1,787 at 4,096).
+# DSV4_ATTN_ONE_LOOP=0 restores the two loops.
+ATTN_ONE_LOOP = os.environ.get("DSV4_ATTN_ONE_LOOP", "1") == "1"
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3

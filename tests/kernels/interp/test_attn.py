@@ -167,8 +167,9 @@ def test_dense_prefill_plan_rule() -> None:
     plan; fp32 (its shared memory would not fit), records and short steps keep theirs."""
     cpu = torch.device("cpu")
     n = tri.DENSE_WIDE_MIN_T
-    wide = tri.AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2)
+    wide = tri.AttnConfig(BH=64, BN=64, num_warps=8, num_stages=2, one_loop=tri.ATTN_ONE_LOOP)
     assert tri.pick_attn_config(n, 64, 512, 640, cpu, bf16=True) == wide
+    assert tri.ATTN_ONE_LOOP or os.environ.get("DSV4_ATTN_ONE_LOOP") == "0"  # on by default
     assert tri.pick_attn_config(n - 1, 64, 512, 640, cpu, bf16=True).BH == 16
     assert tri.pick_attn_config(n, 64, 512, 640, cpu).BH == 16
     for t in (n, tri.RECORD_WIDE_MIN_T):   # records: their own rule, whatever bf16 says
