@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--stats", default=None, help="dump each length's cProfile stats to "
+                    "STATS.<tokens> (pstats format)")
     args = ap.parse_args(argv)
     fb.DEV = dev = args.device
     cuda = dev == "cuda"
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             step()
             sync()
             prof.disable()
+            if args.stats:
+                prof.dump_stats(f"{args.stats}.{S}")
         for key, title in (("tottime", "own time"), ("cumulative", "cumulative time")):
             buf = io.StringIO()
             st = pstats.Stats(prof, stream=buf).sort_stats(key)
