@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, float]] = []
 
     def row(name: str, fn: Callable[[], Any]) -> None:
-        rows.append((name, per_call(fn, args.calls)))
+        try:
+            rows.append((name, per_call(fn, args.calls)))
+        except Exception as e:  # one broken row must not lose the others
+            print(f"{name}: {e!r}", flush=True)
+            return
         print(f"{rows[-1][1]:8.2f} us  {name}", flush=True)
 
     row("triton, 3 args + 1 constexpr: kernel[grid](...)", lambda: _k4[(1,)](x, y, n, BLOCK=1024))
