@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -453,19 +453,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> Tensor:
         """x [T, D] (the normalized block input) -> [T, D]."""
         T = x.shape[0]
-        if T != ctx.num_tokens:
-            raise ValueError(f"Attention(layer {self.layer_id}): x has {T} rows; the step has "
-                             f"{ctx.num_tokens} tokens")
-        if "checked" not in ctx.memo:
-            cache.check_step(ctx.seqlens_host, ctx.start_pos_host, ctx.slots_host,
-                             ctx.block_tables_host)
-            ctx.memo["checked"] = True
-        H, hd = self.n_heads, self.head_dim
+        self._check_step(x, ctx, cache)
         cos, sin = self._rope(ctx)
 
-        # wq_a and wkv read the same x: one FP8 GEMM on the GPU (column slices of its output).
-        q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
-        qr = self.q_norm(q_lat)
+        q_lat, kv_lat, qr = self._latents(x)
         kv_b = idx_b = kv_a = idx_a = None
         overlap = self.ratio > 0 and not self.cfg.is_v41
         window_on_side = bool(KV_ON_SIDE_LANE) and not self.cfg.is_v41 and self.indexer is None
@@ -479,28 +470,85 @@ class Attention(nn.Module):
                     kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, x.dtype)
                 if window_on_side:
                     kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, x.dtype)
-        # V4: per-head unweighted renorm (in q's dtype); V4.1 has none.  Then RoPE of each head's
-        # tail.  One fused op, in place on wq_b's fresh output.
-        q = self.ops.head_norm_rope(self.wq_b(qr).view(T, H, hd), cos, sin, self.cfg.norm_eps,
-                                    renorm=not self.cfg.is_v41, inplace=True)
+        q = self._queries(qr, cos, sin)
         if not window_on_side:
             kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
         if overlap or window_on_side:
             join_side_lane(x.device)
         elif self.ratio > 0:
             kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
+        o = self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype)
+        return self._output(o, cos, sin, x.dtype)
+
+    # ------------------------------------------------------------------ the step in three parts
+    # A piecewise step (dsv4/engine/prefill_graphs.py) runs the token-local parts — ``project``
+    # and ``output`` — inside CUDA graphs of bucketed token counts and ``attend``, the part
+    # that reads and writes the caches, eagerly between them.  ``forward`` runs the same ops.
+    def project(self, x: Tensor, ctx: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """Token-local first part: x [T, D] -> (q [T, H, hd] normed and rotated, qr [T, q_lora],
+        kv_lat [T, hd]).  ``ctx`` needs only ``positions`` and ``memo``."""
+        cos, sin = self._rope(ctx)
+        _, kv_lat, qr = self._latents(x)
+        return self._queries(qr, cos, sin), qr, kv_lat
+
+    def attend(self, x: Tensor, q: Tensor, qr: Tensor, kv_lat: Tensor, ctx: StepContext,
+               cache: HybridCache) -> Tensor:
+        """The cache part of :meth:`project`'s outputs: writes this step's window rows,
+        compressed entries and index keys, and returns the attention output o [T, H, hd]
+        (before the inverse RoPE of :meth:`output`).  Runs in stream order (no side lanes)."""
+        self._check_step(x, ctx, cache)
+        cos, sin = self._rope(ctx)
+        kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
+        kv_b = idx_b = None
+        if self.ratio > 0:
+            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
+        return self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype)
+
+    def output(self, o: Tensor, ctx: Any, dtype: torch.dtype) -> Tensor:
+        """Token-local last part: o [T, H, hd] -> [T, D] in ``dtype`` (the block input's)."""
+        cos, sin = self._rope(ctx)
+        return self._output(o, cos, sin, dtype)
+
+    def _check_step(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> None:
+        if x.shape[0] != ctx.num_tokens:
+            raise ValueError(f"Attention(layer {self.layer_id}): x has {x.shape[0]} rows; the "
+                             f"step has {ctx.num_tokens} tokens")
+        if "checked" not in ctx.memo:
+            cache.check_step(ctx.seqlens_host, ctx.start_pos_host, ctx.slots_host,
+                             ctx.block_tables_host)
+            ctx.memo["checked"] = True
+
+    def _latents(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(q_lat, kv_lat, qr = q_norm(q_lat)): wq_a and wkv read the same x, one FP8 GEMM on
+        the GPU (column slices of its output)."""
+        q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
+        return q_lat, kv_lat, self.q_norm(q_lat)
+
+    def _queries(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """q [T, H, hd]: wq_b, then (V4) the per-head unweighted renorm in q's dtype (V4.1 has
+        none) and RoPE of each head's tail — one fused op, in place on wq_b's fresh output."""
+        T = qr.shape[0]
+        return self.ops.head_norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim),
+                                       cos, sin, self.cfg.norm_eps, renorm=not self.cfg.is_v41,
+                                       inplace=True)
+
+    def _sparse_attn(self, q: Tensor, kv_a: Tensor | PackedRows, idx_a: Tensor,
+                     kv_b: Tensor | PackedRows | None, idx_b: Tensor | None,
+                     p_dtype: torch.dtype) -> Tensor:
         if self.numerics == "official":
             # bf16 P before P·V, as the reference kernel (spec §3.6.5)
-            o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
-                                     p_dtype=kv_lat.dtype)
-        else:
-            o = self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale)
-        o = self.ops.apply_rope(o, cos, sin, inverse=True)
+            return self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
+                                        p_dtype=p_dtype)
+        return self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale)
 
-        # Grouped low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major.
+    def _output(self, o: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
+        """Inverse RoPE, then the grouped low-rank output: group g = heads g·H/G ..
+        (g+1)·H/G − 1, head-major."""
+        T = o.shape[0]
+        o = self.ops.apply_rope(o, cos, sin, inverse=True)
         G = self.n_groups
         u = self._wo_a(o.reshape(T, G, -1))
-        return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(x.dtype)))
+        return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(dtype)))
 
     def _wo_a_gemv_on(self, device: torch.device) -> bool:
         return (device.type == "cuda"
