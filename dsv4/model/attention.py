@@ -498,10 +498,10 @@ class Attention(nn.Module):
         (before the inverse RoPE of :meth:`output`).  Runs in stream order (no side lanes)."""
         self._check_step(x, ctx, cache)
         cos, sin = self._rope(ctx)
-        kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
         kv_b = idx_b = None
         if self.ratio > 0:
             kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
+        kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
         return self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype)
 
     def output(self, o: Tensor, ctx: Any, dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,244 @@
+"""Piecewise CUDA graphs of eager steps (prefill chunks, mixed prefill + decode steps).
+
+A decode step replays one CUDA graph (``cuda_graphs.DecodeGraphs``); any other step used to
+run eagerly, and below ~2K tokens such a step is bound by the host issuing its ~70 launches a
+layer, not by the GPU (docs/PERFORMANCE.md, twenty-third session).  Most of those launches do
+not touch the caches: they only depend on the step's token count.  So a step of T tokens runs
+at the smallest bucket Tb >= T (:data:`PREFILL_BUCKETS`) as L + 1 graph replays with the
+cache part of each layer's attention eagerly between them:
+
+* segment 0: the embedding, layer 0's mHC pre and its ``Attention.project`` (q, qr, kv_lat);
+* segment i (1..L−1): layer i−1's ``Attention.output`` (inverse RoPE, wo_a, wo_b), its mHC
+  post + pre, the MoE, the mHC post fused with layer i's pre, and layer i's ``project``;
+* segment L: the last layer's tail;
+* between segments i and i+1, eagerly over the T real rows: ``Attention.attend`` (window ring,
+  compressor, indexer, sparse attention), whose output is copied into the next segment's input.
+
+The segments read and write persistent buffers of Tb rows (the token ids and positions, the
+residual streams, the mHC mixes, q / qr / kv_lat / the attention input, the attention output),
+so every replay sees the same addresses; rows T..Tb−1 are padding (token 0 at position 0)
+whose values flow through the token-local ops and are never read by the cache part.  The
+final gather of the wanted rows and the head's collapse run eagerly.
+
+With graphs off (CPU, or ``use_graphs=False``) the same segments run eagerly over the same
+buffers: the CPU tests check that path against ``Transformer.forward``.
+
+Scope: V4 models (V4.1's single-pass blocks are not split), one rank (no tensor / expert
+parallel collectives in the segments).  The mHC comb lane is off inside these steps (its
+Sinkhorn would cross segment boundaries); the side lane of the shared expert stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from dsv4.model.context import StepContext, bucket_for
+from dsv4.model.mhc import expand_streams
+from dsv4.ops.pdl import model_step
+
+log = logging.getLogger("dsv4")
+
+__all__ = ["PrefillGraphs", "PREFILL_BUCKETS", "prefill_buckets"]
+
+# Token counts of the captured steps (each a set of L + 1 graphs); a step runs at the smallest
+# bucket that holds it.  Up to the engine's default step size.
+PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """The buckets up to ``max_tokens`` (the largest step a graph serves)."""
+    if not isinstance(max_tokens, int) or max_tokens < PREFILL_BUCKETS[0]:
+        raise ValueError(f"prefill_buckets: max_tokens must be an integer >= "
+                         f"{PREFILL_BUCKETS[0]}; got {max_tokens!r}")
+    return [b for b in PREFILL_BUCKETS if b <= max_tokens]
+
+
+@dataclass
+class _Tokens:
+    """What the token-local parts read of a step: ids, positions and a memo (RoPE tables)."""
+
+    input_ids: Tensor
+    positions: Tensor
+    memo: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Bucket:
+    tokens: _Tokens
+    bufs: dict[str, Tensor] = field(default_factory=dict)
+    graphs: list[Any] = field(default_factory=list)
+
+
+class PrefillGraphs:
+    """Piecewise graphs of non-decode steps, one set per token bucket.
+
+    Args:
+        model: a V4 ``Transformer`` on one rank.
+        max_tokens: the largest step served (steps of more tokens raise ValueError: callers
+            check :meth:`serves` first).
+        use_graphs: capture and replay (CUDA only); False runs the segments eagerly.
+    """
+
+    def __init__(self, model: Any, max_tokens: int = 2048, *, use_graphs: bool = True) -> None:
+        cfg = model.cfg
+        if cfg.is_v41:
+            raise ValueError("PrefillGraphs: V4.1 models are not supported (their single-pass "
+                             "blocks are not split into segments)")
+        if model.parallel.enabled:
+            raise ValueError("PrefillGraphs: one rank only (tensor / expert parallel steps "
+                             "run eagerly)")
+        device = model.embed.weight.device
+        if use_graphs and device.type != "cuda":
+            raise ValueError(f"PrefillGraphs: CUDA graphs need a CUDA device; got {device}")
+        self.model = model
+        self.device = device
+        self.use_graphs = use_graphs
+        self.buckets = prefill_buckets(max_tokens)
+        self._state: dict[int, _Bucket] = {}
+        self._pool: Any = None
+        self.stats: dict[str, float] = {"steps": 0, "padded_tokens": 0, "capture_s": 0.0,
+                                        "graphs": 0}
+
+    # ------------------------------------------------------------------ public
+    def serves(self, ctx: StepContext) -> bool:
+        """True when this step can run here: at most the largest bucket's tokens and not a
+        static-shape decode step."""
+        return ctx.static is None and ctx.num_tokens <= self.buckets[-1]
+
+    def capture(self, Tb: int) -> None:
+        """Capture bucket ``Tb``'s L + 1 segment graphs (each warmed up first)."""
+        if not self.use_graphs:
+            raise RuntimeError("PrefillGraphs.capture: graphs are off")
+        st = self._bucket(Tb)
+        if st.graphs:
+            return
+        t0 = time.perf_counter()
+        L = len(self.model.layers)
+        torch.cuda.synchronize(self.device)
+        with torch.no_grad(), model_step(Tb):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):   # warm-up: compiles, lazy tables, the buffers
+                for i in range(L + 1):
+                    self._segment(st, i)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            for i in range(L + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._segment(st, i)
+                if self._pool is None:
+                    self._pool = graph.pool()
+                st.graphs.append(graph)
+        torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.stats["capture_s"] += dt
+        self.stats["graphs"] += L + 1
+        log.info("dsv4 engine: captured the %d prefill graphs of %d tokens in %.2f s", L + 1,
+                 Tb, dt)
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (its pool then serves the smaller ones)."""
+        for Tb in sorted(self.buckets, reverse=True):
+            self.capture(Tb)
+
+    @torch.no_grad()
+    def forward(self, ctx: StepContext, cache: Any) -> Tensor:
+        """``Transformer.forward(ctx, cache)`` of a non-decode step: hidden states [N, D] of
+        ``ctx.logits_indices``."""
+        if not self.serves(ctx):
+            raise ValueError(f"PrefillGraphs.forward: a step of {ctx.num_tokens} tokens "
+                             f"(static={ctx.static is not None}); this serves non-static steps "
+                             f"of at most {self.buckets[-1]}")
+        T = ctx.num_tokens
+        Tb = bucket_for(T, self.buckets)
+        assert Tb is not None
+        if self.use_graphs and not self._state.get(Tb, _Bucket(None)).graphs:  # type: ignore
+            self.capture(Tb)
+        st = self._bucket(Tb)
+        ids, pos = st.tokens.input_ids, st.tokens.positions
+        ids[:T].copy_(ctx.input_ids)
+        pos[:T].copy_(ctx.positions)
+        if T < Tb:
+            ids[T:].zero_()
+            pos[T:].zero_()
+        self.stats["steps"] += 1
+        self.stats["padded_tokens"] += Tb - T
+        layers = list(self.model.layers)
+        with model_step(Tb):
+            for i in range(len(layers) + 1):
+                if self.use_graphs:
+                    st.graphs[i].replay()
+                else:
+                    self._segment(st, i)
+                if i < len(layers):
+                    b = st.bufs
+                    o = layers[i].attn.attend(b["y"][:T], b["q"][:T], b["qr"][:T],
+                                              b["kv_lat"][:T], ctx, cache)
+                    b["o"][:T].copy_(o)
+            x = st.bufs["x"][:T]
+            if not ctx.logits_all:
+                x = x[ctx.logits_indices]
+            return self.model.hc_head(x, self.model.norm)
+
+    # ------------------------------------------------------------------ segments
+    def _bucket(self, Tb: int) -> _Bucket:
+        st = self._state.get(Tb)
+        if st is None:
+            z = torch.zeros(Tb, dtype=torch.int64, device=self.device)
+            st = self._state[Tb] = _Bucket(_Tokens(z, z.clone()))
+        return st
+
+    def _put(self, st: _Bucket, name: str, t: Tensor) -> None:
+        """Copy ``t`` into the persistent buffer ``name`` (made on the first, eager run)."""
+        buf = st.bufs.get(name)
+        if buf is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"PrefillGraphs: buffer {name} first seen under capture")
+            buf = st.bufs[name] = torch.zeros_like(t)
+        buf.copy_(t)
+
+    def _segment(self, st: _Bucket, i: int) -> None:
+        """Segment i over bucket ``st``'s buffers (module docstring)."""
+        model, tok, b = self.model, st.tokens, st.bufs
+        layers = list(model.layers)
+        L = len(layers)
+        if i == 0:
+            # The RoPE tables of this step's positions: made here (in segment 0's graph), read
+            # by the later segments through the memo.
+            tok.memo.clear()
+            x = expand_streams(model.embed(tok.input_ids), model.cfg.hc_mult)
+            pre = layers[0].hc_attn.pre(x, layers[0].attn_norm)
+        else:
+            blk = layers[i - 1]
+            y = blk.attn.output(b["o"], tok, b["y"].dtype)
+            x, y, post, comb = blk.hc_attn.post_pre(y, b["x"], b["post"], b["comb"], blk.hc_ffn,
+                                                    blk.ffn_norm)
+            y = blk.ffn(y, tok.input_ids)
+            if i == L:
+                self._put(st, "x", blk.hc_ffn.post(y, x, post, comb))
+                return
+            nxt = layers[i]
+            x, *pre = blk.hc_ffn.post_pre(y, x, post, comb, nxt.hc_attn, nxt.attn_norm)
+        y, post, comb = pre
+        q, qr, kv_lat = layers[i].attn.project(y, tok)
+        for name, t in (("x", x), ("post", post), ("comb", comb), ("y", y), ("q", q),
+                        ("qr", qr), ("kv_lat", kv_lat)):
+            self._put(st, name, t)
+        if "o" not in b:   # the attention output (sparse_attn returns q's dtype)
+            b["o"] = torch.zeros_like(b["q"])
+
+
+def run_step(model: Any, graphs: PrefillGraphs | None) -> Callable[[StepContext, Any], Tensor]:
+    """The forward of non-decode steps: ``graphs.forward`` where it serves, else the model's."""
+    def step(ctx: StepContext, cache: Any) -> Tensor:
+        if graphs is not None and graphs.serves(ctx):
+            return graphs.forward(ctx, cache)
+        return model.forward(ctx, cache)
+    return step

@@ -1,0 +1,154 @@
+"""Piecewise steps (``dsv4.engine.prefill_graphs``) against ``Transformer.forward``.
+
+On a CPU the segments run eagerly over the same persistent buffers a CUDA-graph replay uses,
+padded to the bucket: the logits of every step and the caches after a schedule of prefill
+chunks, mixed prefill + decode steps and decode-only steps must match the model's own forward.
+The GPU test replays the captured graphs against the eager forward at V4-Flash-like widths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.cache.tensors import HybridCache
+from dsv4.engine.prefill_graphs import PrefillGraphs, prefill_buckets, run_step
+from dsv4.model.context import StepContext
+
+PAGE = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory):
+    from dsv4.model.transformer import load_model
+    from dsv4.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("pg") / "v4", variant="v4", seed=0)
+    return load_model(path, device="cpu", dtype=torch.float32, numerics="official")
+
+
+def _cache(model) -> HybridCache:
+    return HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
+                                dtype=torch.float32)
+
+
+def _tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
+    out = {f"window{k}": v for k, v in cache.window.items()}
+    out.update({f"comp{k}": v for k, v in cache.compressed.items()})
+    out.update({f"keys{k}": v for k, v in cache.index_keys.items()})
+    for k, s in cache.states.items():
+        out[f"kv{k}"], out[f"score{k}"] = s.kv, s.score
+    return out
+
+
+# Steps of (request slot, tokens this step) with each request's pages 2·slot, 2·slot + 1: a
+# 40-token prefill (bucket 64, 24 padding rows), a mixed step (the next 64-token chunk of
+# request 0 + a 1-token step of request 1 after its 9-token prefill), decode-only steps, a
+# chunk of exactly a bucket (32 tokens), and a step past a compressor group (ratio 4 / 128).
+SCHEDULE = [[(0, 40)], [(1, 9)], [(0, 64), (1, 1)], [(0, 1), (1, 1)], [(2, 32)],
+            [(0, 100), (2, 1), (1, 3)]]
+
+
+def _run(model, step_fn, seed: int = 0) -> tuple[list[torch.Tensor], HybridCache]:
+    cache = _cache(model)
+    gen = torch.Generator().manual_seed(seed)
+    pos = {0: 0, 1: 0, 2: 0}
+    out = []
+    for step in SCHEDULE:
+        seqlens = [n for _, n in step]
+        ids = torch.randint(0, model.cfg.vocab_size, (sum(seqlens),), generator=gen)
+        ctx = StepContext.build(ids, seqlens, [pos[s] for s, _ in step], [s for s, _ in step],
+                                [[2 * s, 2 * s + 1] for s, _ in step])
+        out.append(model.compute_logits(step_fn(ctx, cache)))
+        for s, n in step:
+            pos[s] += n
+    return out, cache
+
+
+def test_buckets() -> None:
+    assert prefill_buckets(2048)[-1] == 2048 and prefill_buckets(100) == [32, 64]
+    with pytest.raises(ValueError, match="max_tokens"):
+        prefill_buckets(16)
+
+
+def test_piecewise_steps_match_forward(tiny_v4) -> None:
+    """Every step's logits and the final caches: the piecewise path (padding rows included)
+    equals the model's forward to fp32 rounding (a CPU GEMM of the bucket's rows may round a
+    real row differently than one of the step's rows; with no padding the bits are equal)."""
+    model = tiny_v4
+    want, want_cache = _run(model, model.forward)
+    graphs = PrefillGraphs(model, max_tokens=256, use_graphs=False)
+    got, got_cache = _run(model, run_step(model, graphs))
+    assert graphs.stats["steps"] == len(SCHEDULE)
+    assert graphs.stats["padded_tokens"] > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, i
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {i}")
+    got_t = _tensors(got_cache)
+    for name, t in _tensors(want_cache).items():   # padding rows wrote nothing of a request
+        torch.testing.assert_close(got_t[name], t, rtol=1e-5, atol=1e-5, equal_nan=True,
+                                   msg=name)
+
+
+def test_exact_bucket_same_bits(tiny_v4) -> None:
+    """A step of exactly a bucket's tokens has no padding: the same bits as forward."""
+    model = tiny_v4
+    ids = torch.randint(0, model.cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(3))
+
+    def logits(fn) -> torch.Tensor:
+        ctx = StepContext.build(ids, [64], [0], [0], [[0]], logits_indices=list(range(64)))
+        return model.compute_logits(fn(ctx, _cache(model)))
+
+    graphs = PrefillGraphs(model, max_tokens=64, use_graphs=False)
+    assert torch.equal(logits(graphs.forward), logits(model.forward))
+
+
+def test_refusals(tiny_v4) -> None:
+    model = tiny_v4
+    graphs = PrefillGraphs(model, max_tokens=32, use_graphs=False)
+    big = StepContext.build(torch.zeros(33, dtype=torch.int64), [33], [0], [0], [[0]])
+    assert not graphs.serves(big)
+    with pytest.raises(ValueError, match="at most 32"):
+        graphs.forward(big, _cache(model))
+    with pytest.raises(ValueError, match="CUDA"):
+        PrefillGraphs(model, use_graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graph_replays_match_eager() -> None:
+    """V4-Flash's layer kinds at toy widths on the GPU (bench/flash_bench.py --tiny: FP8
+    Linears, MXFP4 experts, fp8 records): captured replays against the eager forward over a
+    schedule of prefill and mixed steps."""
+    from bench.flash_bench import build_model
+    from dsv4.cache.formats import RECORD_DTYPE
+
+    model = build_model(5, tiny=True)
+
+    def run(step_fn) -> tuple[list[torch.Tensor], HybridCache]:
+        cache = HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
+                                     dtype=RECORD_DTYPE, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        pos = {0: 0, 1: 0, 2: 0}
+        out = []
+        for step in SCHEDULE:
+            seqlens = [n for _, n in step]
+            ids = torch.randint(0, model.cfg.vocab_size, (sum(seqlens),), generator=gen,
+                                device="cuda")
+            ctx = StepContext.build(ids, seqlens, [pos[s] for s, _ in step],
+                                    [s for s, _ in step], [[2 * s, 2 * s + 1] for s, _ in step],
+                                    device="cuda")
+            out.append(model.compute_logits(step_fn(ctx, cache)).float())
+            for s, n in step:
+                pos[s] += n
+        return out, cache
+
+    want, _ = run(model.forward)
+    graphs = PrefillGraphs(model, max_tokens=256, use_graphs=True)
+    got, _ = run(run_step(model, graphs))
+    again, _ = run(run_step(model, graphs))   # replays of captured graphs only
+    assert graphs.stats["graphs"] > 0
+    for i, (a, b, c) in enumerate(zip(got, want, again)):
+        assert torch.isfinite(a).all(), i
+        assert torch.equal(a, c), f"step {i}: replays differ"
+        err = float((a - b).norm() / b.norm())
+        assert err < 2e-2, f"step {i}: relative error {err:.2e} against the eager forward"
