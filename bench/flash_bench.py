@@ -458,9 +458,10 @@ def clone_request(cache: HybridCache, src_slot: int, src_pages: list[int], dst_s
 
 # ------------------------------------------------------------------------------ benches
 def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int,
-                  gaps: str | None = None) -> dict:
+                  gaps: str | None = None, graphs: Any = None) -> dict:
     """Median seconds of a prefill of S tokens from position 0 (last-token logits); ``gaps``:
-    append the GPU idle gaps of one more call (``bench/timeline.py`` ``eager_gaps``) there."""
+    append the GPU idle gaps of one more call (``bench/timeline.py`` ``eager_gaps``) there;
+    ``graphs``: a ``PrefillGraphs`` that runs the step where it serves it."""
     cfg = model.cfg
     gen = torch.Generator(device=DEV).manual_seed(S)
     ids = torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=DEV)
@@ -469,9 +470,11 @@ def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int,
     def step() -> torch.Tensor:
         cache.reset_slots([0])
         ctx = StepContext.build(ids, [S], [0], [0], [pages], device=DEV)
+        if graphs is not None and graphs.serves(ctx):
+            return model.compute_logits(graphs.forward(ctx, cache))
         return model.compute_logits(model.forward(ctx, cache))
 
-    logits = step()  # warm-up (kernel compilation)
+    logits = step()  # warm-up (kernel compilation; the graphs' capture)
     finite = bool(torch.isfinite(logits).all())
     secs = statistics.median(sync_time(step, reps))
     if gaps and DEV == "cuda":
@@ -741,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed eager decode steps")
     ap.add_argument("--reps", type=int, default=3, help="timed prefill repetitions")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--prefill-graphs", type=int, default=0, metavar="MAX_TOKENS",
+                    help="prefills of at most MAX_TOKENS run as piecewise CUDA graphs "
+                    "(dsv4.engine.prefill_graphs; 0: eager)")
     ap.add_argument("--launch-ab", action="store_true",
                     help="also time each decode graph captured under every LAUNCH_VARIANTS "
                          "entry (interleaved replays) and compare their logits")
@@ -846,12 +852,18 @@ def main(argv: list[str] | None = None) -> int:
             profile_steps(model, cache, args.ctx, args.profile, log)
         except Exception:
             results["errors"].append(f"profile: {traceback.format_exc()[-1500:]}")
+    prefill_graphs = None
+    if args.prefill_graphs:
+        from dsv4.engine.prefill_graphs import PrefillGraphs
+        prefill_graphs = PrefillGraphs(model, args.prefill_graphs,
+                                       use_graphs=DEV == "cuda" and not args.no_graphs)
+    results["prefill_graphs"] = args.prefill_graphs
     for S in prefills:
         if time.time() - t_start > args.budget:
             log(f"budget reached: prefill {S} skipped")
             break
         try:
-            r = bench_prefill(model, cache, S, args.reps, args.gaps)
+            r = bench_prefill(model, cache, S, args.reps, args.gaps, prefill_graphs)
             results["prefill"].append(r)
             log(f"prefill S={S}: {r['seconds'] * 1e3:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
                 f"floor {r['floor_s'] * 1e3:.2f} ms (x{r['ratio']:.2f}), finite={r['finite']}")
