@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-fp8-codes", action=argparse.BooleanOptionalAction, default=None,
                    help="keep an FP8 re-encoding of the MXFP4 experts on the GPU: faster large "
                         "prefill steps for about twice the experts' MXFP4 bytes (default off)")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="run prefill and mixed steps of up to --max-num-batched-tokens as "
+                        "piecewise CUDA graphs (one GPU, V4 models; default off)")
     p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the host has read the previous one's "
                         "tokens (default on with CUDA graphs)")
@@ -53,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_batched_tokens", "max_model_len", "seed", "tensor_parallel_size",
              "expert_parallel", "gpu_memory_utilization", "enforce_eager",
              "cuda_graph_max_batch", "cuda_graph_capture", "cuda_graphs_under_tp",
-             "pipeline_decode", "moe_fp8_codes")
+             "pipeline_decode", "moe_fp8_codes", "prefill_graphs")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -76,6 +76,11 @@ class EngineOptions:
     pipeline.  Each step computes what the unpipelined engine computes, except that the step
     after a sequence stops still carries its row (a larger batch bucket may round other rows
     differently, as any change of batch does).
+    ``prefill_graphs`` (default False; one rank, V4 models): prefill and mixed steps of up to
+    ``max_num_batched_tokens`` tokens (at most 2,048) run as piecewise CUDA graphs of bucketed
+    token counts (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections,
+    mHC, MoE) replay from graphs and only the attention's cache part runs eagerly, so short
+    prompts no longer wait on the host issuing every launch; captured with the decode graphs.
     ``moe_fp8_codes`` (default False; MXFP4 experts under ``numerics="official"``, whose large
     prefill steps run the FP8-MMA expert path): keep an FP8 re-encoding of the routed experts on
     the GPU next to them (lossless; about twice the MXFP4 stacks' bytes, counted as weights in the
@@ -110,6 +115,7 @@ class EngineOptions:
     cuda_graphs_under_tp: bool = True
     pipeline_decode: bool | None = None
     moe_fp8_codes: bool = False
+    prefill_graphs: bool = False
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
@@ -133,6 +139,9 @@ class EngineOptions:
         if self.pipeline_decode not in (None, True, False):
             raise ValueError(f"engine option pipeline_decode={self.pipeline_decode!r} is "
                              "invalid; allowed: None, True, False")
+        if not isinstance(self.prefill_graphs, bool):
+            raise ValueError(f"engine option prefill_graphs={self.prefill_graphs!r} is invalid; "
+                             "allowed: True, False")
         if not isinstance(self.moe_fp8_codes, bool):
             raise ValueError(f"engine option moe_fp8_codes={self.moe_fp8_codes!r} is invalid; "
                              "allowed: True, False")
@@ -292,11 +301,27 @@ class LLMEngine:
         use_graphs = device.type == "cuda" and not opts.enforce_eager and (
             not self.parallel.enabled or opts.cuda_graphs_under_tp)
         graph_batch = opts.cuda_graph_max_batch or opts.max_num_seqs
-        if use_graphs:
+        if opts.prefill_graphs and (self.parallel.enabled or cfg.is_v41):
+            raise ValueError("engine option prefill_graphs=True needs one GPU and a V4 model "
+                             "(V4.1 and tensor / expert parallel prefill steps run eagerly)")
+        prefill_tokens = min(opts.max_num_batched_tokens, max_model_len)
+        prefill_pool = opts.prefill_graphs and device.type == "cuda" and not opts.enforce_eager
+        if use_graphs or prefill_pool:
             def graph_pool() -> int:
-                return profile_decode_graph_bytes(
-                    self.model, cfg, device=device, cache_dtype=cache_dtype,
-                    page_size=opts.page_size, max_model_len=max_model_len, max_batch=graph_batch)
+                total = 0
+                if use_graphs:
+                    total += profile_decode_graph_bytes(
+                        self.model, cfg, device=device, cache_dtype=cache_dtype,
+                        page_size=opts.page_size, max_model_len=max_model_len,
+                        max_batch=graph_batch)
+                if prefill_pool:
+                    # The segments' pool and buffers: bounded by an eager step's peak at the
+                    # largest bucket (its activations, which the segments hold at most once).
+                    total += profile_peak_bytes(
+                        self.model, cfg, device=device, cache_dtype=cache_dtype,
+                        page_size=opts.page_size, num_tokens=min(prefill_tokens, 2048),
+                        num_logits=opts.max_num_seqs)
+                return total
         if device.type == "cuda":
             def profile() -> int:
                 return profile_peak_bytes(
@@ -322,7 +347,9 @@ class LLMEngine:
                                   parallel=self.parallel, max_model_len=max_model_len,
                                   enforce_eager=opts.enforce_eager,
                                   cuda_graph_max_batch=graph_batch,
-                                  graphs_under_tp=opts.cuda_graphs_under_tp)
+                                  graphs_under_tp=opts.cuda_graphs_under_tp,
+                                  prefill_graphs=opts.prefill_graphs,
+                                  prefill_max_tokens=prefill_tokens)
         if opts.cuda_graph_capture == "startup":
             # Every rank captures here, in the same order (the graphs hold the collectives).
             self.runner.capture_graphs()

@@ -111,10 +111,25 @@ class PrefillGraphs:
         static-shape decode step."""
         return ctx.static is None and ctx.num_tokens <= self.buckets[-1]
 
+    def bucket(self, num_tokens: int) -> int:
+        """The bucket of a step of ``num_tokens`` tokens (ValueError past the largest)."""
+        Tb = bucket_for(num_tokens, self.buckets)
+        if Tb is None or num_tokens <= 0:
+            raise ValueError(f"PrefillGraphs: a step of {num_tokens} tokens; this serves 1.."
+                             f"{self.buckets[-1]}")
+        return Tb
+
+    def captured(self, num_tokens: int) -> bool:
+        """Whether the bucket of ``num_tokens`` has its graphs."""
+        st = self._state.get(self.bucket(num_tokens))
+        return st is not None and bool(st.graphs)
+
     def capture(self, Tb: int) -> None:
         """Capture bucket ``Tb``'s L + 1 segment graphs (each warmed up first)."""
         if not self.use_graphs:
             raise RuntimeError("PrefillGraphs.capture: graphs are off")
+        if Tb not in self.buckets:
+            raise ValueError(f"PrefillGraphs.capture: {Tb} is not a bucket ({self.buckets})")
         st = self._bucket(Tb)
         if st.graphs:
             return
@@ -129,13 +144,15 @@ class PrefillGraphs:
                     self._segment(st, i)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
+            graphs = []   # all or none: a capture that fails leaves the bucket without
             for i in range(L + 1):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
                     self._segment(st, i)
                 if self._pool is None:
                     self._pool = graph.pool()
-                st.graphs.append(graph)
+                graphs.append(graph)
+            st.graphs = graphs
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         self.stats["capture_s"] += dt
@@ -157,9 +174,8 @@ class PrefillGraphs:
                              f"(static={ctx.static is not None}); this serves non-static steps "
                              f"of at most {self.buckets[-1]}")
         T = ctx.num_tokens
-        Tb = bucket_for(T, self.buckets)
-        assert Tb is not None
-        if self.use_graphs and not self._state.get(Tb, _Bucket(None)).graphs:  # type: ignore
+        Tb = self.bucket(T)
+        if self.use_graphs and not self.captured(T):
             self.capture(Tb)
         st = self._bucket(Tb)
         ids, pos = st.tokens.input_ids, st.tokens.positions

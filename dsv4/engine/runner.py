@@ -8,7 +8,9 @@ The scheduler and the cache manager above it never see a tensor.
 Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
-``enforce_eager`` run eagerly.  Under tensor / expert parallelism graphs need
+``enforce_eager`` run eagerly — with ``prefill_graphs`` (one rank, V4), prefill and mixed
+steps of up to ``max_num_batched_tokens`` run as piecewise CUDA graphs
+(``dsv4.engine.prefill_graphs``: the token-local ops replayed, the caches' part eager).  Under tensor / expert parallelism graphs need
 ``graphs_under_tp``: the driver announces a static step on the step channel
 (``Parallel.send_static``), its filled input buffers are broadcast into the workers', and every
 rank captures / replays the same bucket's graph, so the NCCL collectives inside the graphs
@@ -34,6 +36,7 @@ from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.engine.cuda_graphs import DecodeGraphs
+from dsv4.engine.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
 from dsv4.engine.sampler import (RowLogprobs, Sampler, SamplingRow, logprob_rows,
                                  logprob_tensors)
 from dsv4.engine.scheduler import SchedulerOutput
@@ -221,6 +224,9 @@ class ModelRunner:
     ``cuda_graph_max_batch`` (default ``num_slots``) is the largest bucket; graphs are captured
     by :meth:`capture_graphs` (the engine calls it at start), else lazily, on the first decode
     step of each bucket (on every rank at the same step).
+    ``prefill_graphs`` (one rank, V4 models): non-decode steps of up to ``prefill_max_tokens``
+    tokens run piecewise (:class:`PrefillGraphs`; CUDA graphs unless ``enforce_eager`` or on a
+    CPU, where the same segments run eagerly), captured by :meth:`capture_graphs` or lazily.
     Every rank of a parallel launch must be built with the same options.
     """
 
@@ -228,7 +234,8 @@ class ModelRunner:
                  cache_dtype: torch.dtype, num_pages: int, num_slots: int, page_size: int,
                  seed: int = 0, parallel: Parallel = SINGLE, max_model_len: int | None = None,
                  enforce_eager: bool = False, cuda_graph_max_batch: int | None = None,
-                 static_decode: bool | None = None, graphs_under_tp: bool = False) -> None:
+                 static_decode: bool | None = None, graphs_under_tp: bool = False,
+                 prefill_graphs: bool = False, prefill_max_tokens: int = 2048) -> None:
         self.model = model
         self.cfg = cfg
         # Under tensor / expert parallelism the driver (rank 0) broadcasts each StepPlan before
@@ -265,6 +272,15 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 model, self.cache, static, max_batch, device=device, use_graphs=use_graphs,
                 with_token_types=cfg.is_v41, with_logits=parallel.is_driver)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if prefill_graphs:
+            if parallel.enabled or cfg.is_v41:
+                raise ValueError("ModelRunner: prefill_graphs needs one rank and a V4 model "
+                                 "(V4.1 and tensor / expert parallel steps run eagerly)")
+            if prefill_max_tokens >= PREFILL_BUCKETS[0]:
+                self.prefill_graphs = PrefillGraphs(
+                    model, prefill_max_tokens,
+                    use_graphs=device.type == "cuda" and not enforce_eager)
 
     # ------------------------------------------------------------------ per-sequence state
     def generator_for(self, seq: Sequence) -> torch.Generator | None:
@@ -355,7 +371,17 @@ class ModelRunner:
             self.parallel.send(plan)
         if plan.reset_slots:
             self.cache.reset_slots(plan.reset_slots)
-        return self.model.forward(self.context(plan), self.cache)
+        ctx = self.context(plan)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.serves(ctx):
+            if graphs.use_graphs and not graphs.captured(ctx.num_tokens):
+                try:   # before the step touches the cache: a failure falls back to eager
+                    graphs.capture(graphs.bucket(ctx.num_tokens))
+                except Exception as e:  # noqa: BLE001 - logged; the step runs eagerly
+                    self._prefill_graphs_off(e)
+                    return self.model.forward(ctx, self.cache)
+            return graphs.forward(ctx, self.cache)
+        return self.model.forward(ctx, self.cache)
 
     @torch.no_grad()
     def run_worker_step(self, plan: StepPlan) -> None:
@@ -461,6 +487,15 @@ class ModelRunner:
 
         A failure on any rank (agreed over the control group) turns graphs off on all of them:
         decode then runs eagerly, as after a failed lazy capture."""
+        pg = self.prefill_graphs
+        if pg is not None and pg.use_graphs:
+            t0 = time.perf_counter()
+            try:
+                pg.capture_all()
+                log.info("dsv4 engine: captured the prefill graphs of %s tokens in %.1f s",
+                         pg.buckets, time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - logged; prefill steps run eagerly
+                self._prefill_graphs_off(e)
         graphs = self.decode_graphs
         if graphs is None or not graphs.use_graphs:
             return
@@ -479,6 +514,13 @@ class ModelRunner:
             return
         log.info("dsv4 engine: captured %d decode graphs (batch %s) in %.1f s",
                  len(graphs.buckets), graphs.buckets, time.perf_counter() - t0)
+
+    def _prefill_graphs_off(self, e: BaseException) -> None:
+        log.error("dsv4 engine: prefill CUDA-graph capture failed (%s: %s); prefill steps run "
+                  "eagerly from now", type(e).__name__, e, exc_info=e)
+        self.graphs_disabled_reason = f"prefill: {type(e).__name__}: {e}"
+        self.prefill_graphs = None
+        torch.cuda.synchronize(self.device)
 
     def _graphs_off(self, e: BaseException) -> None:
         log.error("dsv4 engine: CUDA-graph capture failed (%s: %s); decode runs eagerly from "

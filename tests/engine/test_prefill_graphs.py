@@ -152,3 +152,31 @@ def test_gpu_graph_replays_match_eager() -> None:
         assert torch.equal(a, c), f"step {i}: replays differ"
         err = float((a - b).norm() / b.norm())
         assert err < 2e-2, f"step {i}: relative error {err:.2e} against the eager forward"
+
+
+def test_engine_with_prefill_graphs(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer) -> None:
+    """The engine with ``prefill_graphs`` (its piecewise path runs eagerly on a CPU): greedy
+    tokens and logprobs of mixed, chunked and decode steps equal the un-batched forward's."""
+    import random
+
+    from test_engine_tiny import assert_matches_reference, engine, greedy, rand_prompt, run
+
+    rng = random.Random(7)
+    eng = engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, prefill_graphs=True,
+                 max_num_batched_tokens=48)
+    assert eng.runner.prefill_graphs is not None
+    assert eng.runner.prefill_graphs.buckets == [32]
+    prompts = {f"r{i}": rand_prompt(rng, rng.randrange(1, 70)) for i in range(8)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(rng.randrange(2, 6), logprobs=1))
+    outs = run(eng)
+    assert eng.runner.prefill_graphs.stats["steps"] > 0
+    for rid, p in prompts.items():
+        assert_matches_reference(tiny_v4_model, p, outs[rid])
+
+
+def test_engine_option_checked(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer) -> None:
+    from test_engine_tiny import engine
+
+    with pytest.raises(ValueError, match="prefill_graphs"):
+        engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, prefill_graphs="yes")
