@@ -37,8 +37,10 @@ _LOG2E = 1.4426950408889634
 # launch.  Not measured yet (bench/flash_bench.py --launch-ab, "pdl, unsplit short
 # attention"): 0, the swept default; DSV4_ATTN_SPLIT_MIN_ROWS overrides it.
 ATTN_SPLIT_MIN_ROWS = int(os.environ.get("DSV4_ATTN_SPLIT_MIN_ROWS", "0"))
-# Prefill over fp8 records: the 64-head plan of pick_attn_config from this many tokens.
-RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "1024"))
+# Prefill over fp8 records: the 64-head plan of pick_attn_config from this many tokens (H100,
+# V4-Flash CSA shapes, twenty-third session: 124.9 against the 16-head plan's 228.4 µs at 128
+# tokens, 234.8 / 450.0 at 256, 459.2 / 870.5 at 512; 1,024 before).
+RECORD_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_RECORD_WIDE_MIN_T", "128"))
 # Prefill over bf16 rows (bf16 queries): the 64-head, 64-row, two-stage plan from this many
 # tokens (a prefill's dense copy of the cache rows, attention.dense_prefill_pays).  H100,
 # V4-Flash CSA shapes (docs/PERFORMANCE.md, twenty-second session): faster than the 16-head
@@ -402,7 +404,8 @@ def pick_attn_config(T: int, H: int, D: int, K: int, device: torch.device,
     dequantized [64, 512] tile out of local memory (ptxas: 4 warps spill); from
     :data:`RECORD_WIDE_MIN_T` tokens all 64 heads in one program over 32-row steps, one stage
     (each row is gathered and dequantized once a token, not once per 16 heads): H200, V4-Flash
-    CSA shapes at 4,096 tokens, 3.61 against 7.33 ms (docs/PERFORMANCE.md, twentieth session).
+    CSA shapes at 4,096 tokens, 3.61 against 7.33 ms (docs/PERFORMANCE.md, twentieth session),
+    and 1.8-1.9× at 128-512 tokens on an H100 (twenty-third).
     ``bf16`` (bf16 queries and bf16 rows, no records): from :data:`DENSE_WIDE_MIN_T` tokens all
     64 heads over 64-row steps, two stages (the rows' loads of the next step in flight; its
     shared memory, 2 × 64 KB of rows + 64 KB of queries, fits only in bf16): V4-Flash CSA
