@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     h = torch.randn(256, 4096, device=dev, dtype=torch.bfloat16)
     w = torch.ones(4096, device=dev)
     row("dsv4 ops.rms_norm [256, 4096] bf16", lambda: ops.rms_norm(h, w, 1e-6))
-    row("dsv4 ops.act_quant [256, 4096]", lambda: ops.act_quant(h, 128))
+    from dsv4.ops import triton_dense
+    row("dsv4 triton_dense.act_quant [256, 4096]", lambda: triton_dense.act_quant(h, 128))
     from bench.flash_bench import build_model
     try:
         model = build_model(1)
