@@ -29,6 +29,7 @@ from dsv4.cache.manager import CacheManager
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from dsv4.engine.prefill_graphs import ENGINE_MAX_TOKENS
 from dsv4.engine.runner import (InFlight, ModelRunner, StepResult, profile_decode_graph_bytes,
                                profile_peak_bytes, resolve_cache_dtype, size_cache)
 from dsv4.engine.sampler import RowLogprobs
@@ -77,7 +78,8 @@ class EngineOptions:
     after a sequence stops still carries its row (a larger batch bucket may round other rows
     differently, as any change of batch does).
     ``prefill_graphs`` (default False; one rank, V4 models): prefill and mixed steps of up to
-    ``max_num_batched_tokens`` tokens (at most 2,048) run as piecewise CUDA graphs of bucketed
+    ``max_num_batched_tokens`` tokens (at most 1,024: larger steps are GPU-bound and run
+    eagerly) run as piecewise CUDA graphs of bucketed
     token counts (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections,
     mHC, MoE) replay from graphs and only the attention's cache part runs eagerly, so short
     prompts no longer wait on the host issuing every launch; captured with the decode graphs.
@@ -319,7 +321,8 @@ class LLMEngine:
                     # largest bucket (its activations, which the segments hold at most once).
                     total += profile_peak_bytes(
                         self.model, cfg, device=device, cache_dtype=cache_dtype,
-                        page_size=opts.page_size, num_tokens=min(prefill_tokens, 2048),
+                        page_size=opts.page_size,
+                        num_tokens=min(prefill_tokens, ENGINE_MAX_TOKENS),
                         num_logits=opts.max_num_seqs)
                 return total
         if device.type == "cuda":

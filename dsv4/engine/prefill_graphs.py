@@ -44,11 +44,16 @@ from dsv4.ops.pdl import model_step
 
 log = logging.getLogger("dsv4")
 
-__all__ = ["PrefillGraphs", "PREFILL_BUCKETS", "prefill_buckets"]
+__all__ = ["PrefillGraphs", "PREFILL_BUCKETS", "ENGINE_MAX_TOKENS", "prefill_buckets"]
 
 # Token counts of the captured steps (each a set of L + 1 graphs); a step runs at the smallest
 # bucket that holds it.  Up to the engine's default step size.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+# The engine's largest piecewise step.  Below ~1K tokens an eager step waits on the host and
+# padding to a bucket is free; above, the step is GPU-bound and padding costs (H100, 4 V4-Flash
+# layers: 1,024 tokens 15.7 ms piecewise against 17.7 eager, 2,048 tokens 23.7 against 24.2 —
+# so a 1,100-token step padded to 2,048 would be slower than eager).
+ENGINE_MAX_TOKENS = 1024
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:

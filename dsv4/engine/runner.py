@@ -9,7 +9,7 @@ Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
 ``enforce_eager`` run eagerly — with ``prefill_graphs`` (one rank, V4), prefill and mixed
-steps of up to ``max_num_batched_tokens`` run as piecewise CUDA graphs
+steps of up to 1,024 tokens run as piecewise CUDA graphs
 (``dsv4.engine.prefill_graphs``: the token-local ops replayed, the caches' part eager).  Under tensor / expert parallelism graphs need
 ``graphs_under_tp``: the driver announces a static step on the step channel
 (``Parallel.send_static``), its filled input buffers are broadcast into the workers', and every
@@ -36,7 +36,7 @@ from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
 from dsv4.dist.parallel import SINGLE, Parallel
 from dsv4.engine.cuda_graphs import DecodeGraphs
-from dsv4.engine.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
+from dsv4.engine.prefill_graphs import ENGINE_MAX_TOKENS, PREFILL_BUCKETS, PrefillGraphs
 from dsv4.engine.sampler import (RowLogprobs, Sampler, SamplingRow, logprob_rows,
                                  logprob_tensors)
 from dsv4.engine.scheduler import SchedulerOutput
@@ -225,7 +225,7 @@ class ModelRunner:
     by :meth:`capture_graphs` (the engine calls it at start), else lazily, on the first decode
     step of each bucket (on every rank at the same step).
     ``prefill_graphs`` (one rank, V4 models): non-decode steps of up to ``prefill_max_tokens``
-    tokens run piecewise (:class:`PrefillGraphs`; CUDA graphs unless ``enforce_eager`` or on a
+    tokens (at most :data:`ENGINE_MAX_TOKENS`) run piecewise (:class:`PrefillGraphs`; CUDA graphs unless ``enforce_eager`` or on a
     CPU, where the same segments run eagerly), captured by :meth:`capture_graphs` or lazily.
     Every rank of a parallel launch must be built with the same options.
     """
@@ -277,6 +277,7 @@ class ModelRunner:
             if parallel.enabled or cfg.is_v41:
                 raise ValueError("ModelRunner: prefill_graphs needs one rank and a V4 model "
                                  "(V4.1 and tensor / expert parallel steps run eagerly)")
+            prefill_max_tokens = min(prefill_max_tokens, ENGINE_MAX_TOKENS)
             if prefill_max_tokens >= PREFILL_BUCKETS[0]:
                 self.prefill_graphs = PrefillGraphs(
                     model, prefill_max_tokens,
