@@ -15,8 +15,9 @@ cache part of each layer's attention eagerly between them:
   compressor, indexer, sparse attention), whose output is copied into the next segment's input.
 
 The segments read and write persistent buffers of Tb rows (the token ids and positions, the
-residual streams, the mHC mixes, q / qr / kv_lat / the attention input, the attention output),
-so every replay sees the same addresses; rows T..Tb−1 are padding (token 0 at position 0)
+residual streams, the mHC mixes, q / qr / kv_lat / the attention input, the attention output:
+the first rows of buffers of the largest bucket, shared by all), so every replay sees the same
+addresses; rows T..Tb−1 are padding (token 0 at position 0)
 whose values flow through the token-local ops and are never read by the cache part.  The
 final gather of the wanted rows and the head's collapse run eagerly.
 
@@ -106,6 +107,7 @@ class PrefillGraphs:
         self.use_graphs = use_graphs
         self.buckets = prefill_buckets(max_tokens)
         self._state: dict[int, _Bucket] = {}
+        self._shared: dict[str, Tensor] = {}
         self._pool: Any = None
         self.stats: dict[str, float] = {"steps": 0, "padded_tokens": 0, "capture_s": 0.0,
                                         "graphs": 0}
@@ -216,14 +218,28 @@ class PrefillGraphs:
             st = self._state[Tb] = _Bucket(_Tokens(z, z.clone()))
         return st
 
-    def _put(self, st: _Bucket, name: str, t: Tensor) -> None:
-        """Copy ``t`` into the persistent buffer ``name`` (made on the first, eager run)."""
+    def _buffer(self, st: _Bucket, name: str, like: Tensor) -> Tensor:
+        """Bucket ``st``'s persistent buffer ``name`` shaped as ``like`` [Tb, ...]: the first
+        Tb rows of one buffer of the largest bucket's rows that every bucket shares (steps run
+        one at a time), made on the first, eager run."""
         buf = st.bufs.get(name)
         if buf is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"PrefillGraphs: buffer {name} first seen under capture")
-            buf = st.bufs[name] = torch.zeros_like(t)
-        buf.copy_(t)
+            full = self._shared.get(name)
+            if full is None:
+                full = self._shared[name] = torch.zeros(
+                    (self.buckets[-1], *like.shape[1:]), dtype=like.dtype, device=like.device)
+            if full.shape[1:] != like.shape[1:] or full.dtype != like.dtype:
+                raise RuntimeError(f"PrefillGraphs: buffer {name} is {full.dtype} "
+                                   f"{tuple(full.shape[1:])} per row; a segment made "
+                                   f"{like.dtype} {tuple(like.shape[1:])}")
+            buf = st.bufs[name] = full[:like.shape[0]]
+        return buf
+
+    def _put(self, st: _Bucket, name: str, t: Tensor) -> None:
+        """Copy ``t`` into the persistent buffer ``name``."""
+        self._buffer(st, name, t).copy_(t)
 
     def _segment(self, st: _Bucket, i: int) -> None:
         """Segment i over bucket ``st``'s buffers (module docstring)."""
@@ -252,8 +268,7 @@ class PrefillGraphs:
         for name, t in (("x", x), ("post", post), ("comb", comb), ("y", y), ("q", q),
                         ("qr", qr), ("kv_lat", kv_lat)):
             self._put(st, name, t)
-        if "o" not in b:   # the attention output (sparse_attn returns q's dtype)
-            b["o"] = torch.zeros_like(b["q"])
+        self._buffer(st, "o", b["q"])   # the attention output (sparse_attn returns q's dtype)
 
 
 def run_step(model: Any, graphs: PrefillGraphs | None) -> Callable[[StepContext, Any], Tensor]:

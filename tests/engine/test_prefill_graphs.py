@@ -81,6 +81,12 @@ def test_piecewise_steps_match_forward(tiny_v4) -> None:
     got, got_cache = _run(model, run_step(model, graphs))
     assert graphs.stats["steps"] == len(SCHEDULE)
     assert graphs.stats["padded_tokens"] > 0
+    # Every bucket's buffers are the first rows of one shared buffer per name.
+    used = [st for st in graphs._state.values() if st.bufs]
+    assert len(used) >= 2
+    for st in used:
+        for name, buf in st.bufs.items():
+            assert buf.data_ptr() == graphs._shared[name].data_ptr(), name
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == b.shape, i
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {i}")
