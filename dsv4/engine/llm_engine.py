@@ -79,10 +79,10 @@ class EngineOptions:
     differently, as any change of batch does).
     ``prefill_graphs`` (default False; one rank, V4 models): prefill and mixed steps of up to
     ``max_num_batched_tokens`` tokens (at most 1,024: larger steps are GPU-bound and run
-    eagerly) run as piecewise CUDA graphs of bucketed
-    token counts (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections,
-    mHC, MoE) replay from graphs and only the attention's cache part runs eagerly, so short
-    prompts no longer wait on the host issuing every launch; captured with the decode graphs.
+    eagerly) run as piecewise CUDA graphs of bucketed token counts
+    (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections, mHC, MoE)
+    replay from graphs and only the attention's cache part runs eagerly, so short prompts no
+    longer wait on the host issuing every launch; captured with the decode graphs.
     ``moe_fp8_codes`` (default False; MXFP4 experts under ``numerics="official"``, whose large
     prefill steps run the FP8-MMA expert path): keep an FP8 re-encoding of the routed experts on
     the GPU next to them (lossless; about twice the MXFP4 stacks' bytes, counted as weights in the

@@ -9,8 +9,8 @@ Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
 ``enforce_eager`` run eagerly — with ``prefill_graphs`` (one rank, V4), prefill and mixed
-steps of up to 1,024 tokens run as piecewise CUDA graphs
-(``dsv4.engine.prefill_graphs``: the token-local ops replayed, the caches' part eager).  Under tensor / expert parallelism graphs need
+steps of up to 1,024 tokens run as piecewise CUDA graphs (``dsv4.engine.prefill_graphs``: the
+token-local ops replayed, the caches' part eager).  Under tensor / expert parallelism graphs need
 ``graphs_under_tp``: the driver announces a static step on the step channel
 (``Parallel.send_static``), its filled input buffers are broadcast into the workers', and every
 rank captures / replays the same bucket's graph, so the NCCL collectives inside the graphs
@@ -225,8 +225,9 @@ class ModelRunner:
     by :meth:`capture_graphs` (the engine calls it at start), else lazily, on the first decode
     step of each bucket (on every rank at the same step).
     ``prefill_graphs`` (one rank, V4 models): non-decode steps of up to ``prefill_max_tokens``
-    tokens (at most :data:`ENGINE_MAX_TOKENS`) run piecewise (:class:`PrefillGraphs`; CUDA graphs unless ``enforce_eager`` or on a
-    CPU, where the same segments run eagerly), captured by :meth:`capture_graphs` or lazily.
+    tokens (at most :data:`ENGINE_MAX_TOKENS`) run piecewise (:class:`PrefillGraphs`; CUDA
+    graphs unless ``enforce_eager`` or on a CPU, where the same segments run eagerly), captured
+    by :meth:`capture_graphs` or lazily; a failed capture leaves them eager.
     Every rank of a parallel launch must be built with the same options.
     """
 
