@@ -77,12 +77,13 @@ class EngineOptions:
     pipeline.  Each step computes what the unpipelined engine computes, except that the step
     after a sequence stops still carries its row (a larger batch bucket may round other rows
     differently, as any change of batch does).
-    ``prefill_graphs`` (default False; one rank, V4 models): prefill and mixed steps of up to
+    ``prefill_graphs`` (default False; V4 models): prefill and mixed steps of up to
     ``max_num_batched_tokens`` tokens (at most 1,024: larger steps are GPU-bound and run
     eagerly) run as piecewise CUDA graphs of bucketed token counts
     (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections, mHC, MoE)
     replay from graphs and only the attention's cache part runs eagerly, so short prompts no
-    longer wait on the host issuing every launch; captured with the decode graphs.
+    longer wait on the host issuing every launch; captured with the decode graphs (under
+    tensor / expert parallelism on every rank, with ``cuda_graphs_under_tp``).
     ``moe_fp8_codes`` (default False; MXFP4 experts under ``numerics="official"``, whose large
     prefill steps run the FP8-MMA expert path): keep an FP8 re-encoding of the routed experts on
     the GPU next to them (lossless; about twice the MXFP4 stacks' bytes, counted as weights in the
@@ -303,11 +304,11 @@ class LLMEngine:
         use_graphs = device.type == "cuda" and not opts.enforce_eager and (
             not self.parallel.enabled or opts.cuda_graphs_under_tp)
         graph_batch = opts.cuda_graph_max_batch or opts.max_num_seqs
-        if opts.prefill_graphs and (self.parallel.enabled or cfg.is_v41):
-            raise ValueError("engine option prefill_graphs=True needs one GPU and a V4 model "
-                             "(V4.1 and tensor / expert parallel prefill steps run eagerly)")
+        if opts.prefill_graphs and cfg.is_v41:
+            raise ValueError("engine option prefill_graphs=True needs a V4 model (V4.1 "
+                             "prefill steps run eagerly)")
         prefill_tokens = min(opts.max_num_batched_tokens, max_model_len)
-        prefill_pool = opts.prefill_graphs and device.type == "cuda" and not opts.enforce_eager
+        prefill_pool = opts.prefill_graphs and use_graphs
         if use_graphs or prefill_pool:
             def graph_pool() -> int:
                 total = 0

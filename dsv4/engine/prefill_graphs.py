@@ -24,9 +24,12 @@ final gather of the wanted rows and the head's collapse run eagerly.
 With graphs off (CPU, or ``use_graphs=False``) the same segments run eagerly over the same
 buffers: the CPU tests check that path against ``Transformer.forward``.
 
-Scope: V4 models (V4.1's single-pass blocks are not split), one rank (no tensor / expert
-parallel collectives in the segments).  The mHC comb lane is off inside these steps (its
-Sinkhorn would cross segment boundaries); the side lane of the shared expert stays.
+Scope: V4 models (V4.1's single-pass blocks are not split).  Under tensor / expert parallelism
+every rank runs the same plans, so each captures and replays the same segments in the same
+order, the all-reduces inside them (attention output, MoE) included, as the decode graphs do
+(``graphs_under_tp``); the runner has the ranks agree on every capture.  The mHC comb lane is
+off inside these steps (its Sinkhorn would cross segment boundaries); the side lane of the
+shared expert stays.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class PrefillGraphs:
     """Piecewise graphs of non-decode steps, one set per token bucket.
 
     Args:
-        model: a V4 ``Transformer`` on one rank.
+        model: a V4 ``Transformer`` (this rank's shard under tensor / expert parallelism).
         max_tokens: the largest step served (steps of more tokens raise ValueError: callers
             check :meth:`serves` first).
         use_graphs: capture and replay (CUDA only); False runs the segments eagerly.
@@ -96,9 +99,6 @@ class PrefillGraphs:
         if cfg.is_v41:
             raise ValueError("PrefillGraphs: V4.1 models are not supported (their single-pass "
                              "blocks are not split into segments)")
-        if model.parallel.enabled:
-            raise ValueError("PrefillGraphs: one rank only (tensor / expert parallel steps "
-                             "run eagerly)")
         device = model.embed.weight.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"PrefillGraphs: CUDA graphs need a CUDA device; got {device}")

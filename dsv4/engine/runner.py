@@ -8,7 +8,7 @@ The scheduler and the cache manager above it never see a tensor.
 Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
-``enforce_eager`` run eagerly — with ``prefill_graphs`` (one rank, V4), prefill and mixed
+``enforce_eager`` run eagerly — with ``prefill_graphs`` (V4 models), prefill and mixed
 steps of up to 1,024 tokens run as piecewise CUDA graphs (``dsv4.engine.prefill_graphs``: the
 token-local ops replayed, the caches' part eager).  Under tensor / expert parallelism graphs need
 ``graphs_under_tp``: the driver announces a static step on the step channel
@@ -224,7 +224,7 @@ class ModelRunner:
     ``cuda_graph_max_batch`` (default ``num_slots``) is the largest bucket; graphs are captured
     by :meth:`capture_graphs` (the engine calls it at start), else lazily, on the first decode
     step of each bucket (on every rank at the same step).
-    ``prefill_graphs`` (one rank, V4 models): non-decode steps of up to ``prefill_max_tokens``
+    ``prefill_graphs`` (V4 models): non-decode steps of up to ``prefill_max_tokens``
     tokens (at most :data:`ENGINE_MAX_TOKENS`) run piecewise (:class:`PrefillGraphs`; CUDA
     graphs unless ``enforce_eager`` or on a CPU, where the same segments run eagerly), captured
     by :meth:`capture_graphs` or lazily; a failed capture leaves them eager.
@@ -275,14 +275,15 @@ class ModelRunner:
                 with_token_types=cfg.is_v41, with_logits=parallel.is_driver)
         self.prefill_graphs: PrefillGraphs | None = None
         if prefill_graphs:
-            if parallel.enabled or cfg.is_v41:
-                raise ValueError("ModelRunner: prefill_graphs needs one rank and a V4 model "
-                                 "(V4.1 and tensor / expert parallel steps run eagerly)")
+            if cfg.is_v41:
+                raise ValueError("ModelRunner: prefill_graphs needs a V4 model (V4.1 steps run "
+                                 "eagerly)")
             prefill_max_tokens = min(prefill_max_tokens, ENGINE_MAX_TOKENS)
-            if prefill_max_tokens >= PREFILL_BUCKETS[0]:
-                self.prefill_graphs = PrefillGraphs(
-                    model, prefill_max_tokens,
-                    use_graphs=device.type == "cuda" and not enforce_eager)
+            # On a CPU the segments run eagerly (what the tests check); on a GPU without graphs
+            # (enforce_eager, or parallel without graphs_under_tp) they would gain nothing.
+            if prefill_max_tokens >= PREFILL_BUCKETS[0] and (device.type != "cuda" or use_graphs):
+                self.prefill_graphs = PrefillGraphs(model, prefill_max_tokens,
+                                                    use_graphs=use_graphs)
 
     # ------------------------------------------------------------------ per-sequence state
     def generator_for(self, seq: Sequence) -> torch.Generator | None:
@@ -376,14 +377,39 @@ class ModelRunner:
         ctx = self.context(plan)
         graphs = self.prefill_graphs
         if graphs is not None and graphs.serves(ctx):
-            if graphs.use_graphs and not graphs.captured(ctx.num_tokens):
-                try:   # before the step touches the cache: a failure falls back to eager
-                    graphs.capture(graphs.bucket(ctx.num_tokens))
-                except Exception as e:  # noqa: BLE001 - logged; the step runs eagerly
-                    self._prefill_graphs_off(e)
-                    return self.model.forward(ctx, self.cache)
-            return graphs.forward(ctx, self.cache)
+            # A missing bucket is captured first, before the step touches the cache (every rank
+            # runs this plan: they capture at the same step); a failure runs it eagerly.
+            if (not graphs.use_graphs or graphs.captured(ctx.num_tokens)
+                    or self._capture_prefill(graphs.bucket(ctx.num_tokens))):
+                return graphs.forward(ctx, self.cache)
         return self.model.forward(ctx, self.cache)
+
+    def _capture_prefill(self, bucket: int | None = None) -> bool:
+        """Capture one prefill bucket (None: every bucket) on this rank; under parallelism
+        the ranks agree over the control group.  False (prefill graphs turned off on every
+        rank) when any capture failed."""
+        graphs = self.prefill_graphs
+        assert graphs is not None
+        error: Exception | None = None
+        t0 = time.perf_counter()
+        try:
+            if bucket is None:
+                graphs.capture_all()
+            else:
+                graphs.capture(bucket)
+        except Exception as e:  # noqa: BLE001 - reported below, on every rank
+            error = e
+        ok = 0 if error is not None else 1
+        if self.parallel.enabled:
+            ok = self.parallel.min_int(ok)
+        if not ok:
+            self._prefill_graphs_off(error or RuntimeError("the prefill CUDA-graph capture "
+                                                           "failed on another rank"))
+            return False
+        if bucket is None:
+            log.info("dsv4 engine: captured the prefill graphs of %s tokens in %.1f s",
+                     graphs.buckets, time.perf_counter() - t0)
+        return True
 
     @torch.no_grad()
     def run_worker_step(self, plan: StepPlan) -> None:
@@ -491,13 +517,7 @@ class ModelRunner:
         decode then runs eagerly, as after a failed lazy capture."""
         pg = self.prefill_graphs
         if pg is not None and pg.use_graphs:
-            t0 = time.perf_counter()
-            try:
-                pg.capture_all()
-                log.info("dsv4 engine: captured the prefill graphs of %s tokens in %.1f s",
-                         pg.buckets, time.perf_counter() - t0)
-            except Exception as e:  # noqa: BLE001 - logged; prefill steps run eagerly
-                self._prefill_graphs_off(e)
+            self._capture_prefill()
         graphs = self.decode_graphs
         if graphs is None or not graphs.use_graphs:
             return

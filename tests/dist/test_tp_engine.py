@@ -115,6 +115,19 @@ def test_tp_and_ep_match_one_process(tiny_paths: dict[str, str], tmp_path) -> No
     assert cli[0]["token_ids"] == list(ref[0].outputs[0].token_ids)
 
 
+def test_tp_and_ep_with_prefill_graphs(tiny_paths: dict[str, str], tmp_path) -> None:
+    """The engine option ``prefill_graphs`` under TP=2 and TP=2 + EP (the piecewise segments,
+    their all-reduces inside, run eagerly on CPUs): one process's tokens and logprobs."""
+    spec = _spec()
+    (tmp_path / "prompts.json").write_text(json.dumps(spec))
+    _torchrun(str(tmp_path), tiny_paths, ("v4:tppg", "v4:eppg"))
+    want = _single_process(tiny_paths["v4"], spec)
+    for mode in ("tppg", "eppg"):
+        result = json.loads((tmp_path / f"v4-{mode}.json").read_text())
+        assert result["shapes"]["local_heads"] * 2 == result["shapes"]["heads"]
+        _compare(result["outputs"], want, f"v4 {mode}")
+
+
 def test_tensor_parallel_needs_a_launch(tiny_paths: dict[str, str], monkeypatch) -> None:
     from dsv4.engine.llm import LLM
 
