@@ -542,7 +542,8 @@ class ModelRunner:
                   "eagerly from now", type(e).__name__, e, exc_info=e)
         self.graphs_disabled_reason = f"prefill: {type(e).__name__}: {e}"
         self.prefill_graphs = None
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":   # let a broken capture's queued work finish first
+            torch.cuda.synchronize(self.device)
 
     def _graphs_off(self, e: BaseException) -> None:
         log.error("dsv4 engine: CUDA-graph capture failed (%s: %s); decode runs eagerly from "

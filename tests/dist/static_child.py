@@ -5,7 +5,8 @@ Every rank builds an ``LLMEngine`` on the tiny checkpoint with ``tensor_parallel
 ``--mode static`` runs decode steps as the static-shape steps of the CUDA graphs, eagerly (the
 CPU stand-in of the graphs), ``--mode graphs`` as CUDA graphs (``cuda_graphs_under_tp``), and
 ``--mode eager`` dynamically; ``--mode failcapture`` pretends that rank 1's graph capture
-fails.  Rank 0 runs a greedy workload and writes ``<tag>-rank0.json``
+fails; ``pggraphs`` / ``pgeager`` / ``pgfail``: prefill graphs replayed, run eagerly, or
+failing to capture on rank 1.  Rank 0 runs a greedy workload and writes ``<tag>-rank0.json``
 (tokens, logprobs, decode-path counters); the worker writes ``<tag>-rank1.json`` (its counters)
 after rank 0 shut it down.
 """
@@ -42,11 +43,29 @@ def force_static_decode(eng: LLMEngine) -> None:
 
 def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    graphs_on = mode in ("graphs", "graphspipe", "pggraphs", "pgeager")
     eng = LLMEngine(path, device=device, dtype=dtype, tensor_parallel_size=world,
                     expert_parallel=ep, max_model_len=256, max_num_seqs=4,
                     max_num_batched_tokens=32, num_pages=8,
-                    enforce_eager=mode not in ("graphs", "graphspipe"),
-                    cuda_graphs_under_tp=mode in ("graphs", "graphspipe"))
+                    enforce_eager=not graphs_on, cuda_graphs_under_tp=graphs_on,
+                    prefill_graphs=mode.startswith("pg"))
+    if mode.startswith("pg"):
+        # Prefill graphs: "pggraphs" replays them, "pgeager" runs the same segments eagerly
+        # (both with decode graphs, unpipelined); "pgfail" pretends rank 1's capture fails.
+        from dsv4.engine.prefill_graphs import PrefillGraphs
+
+        eng.pipeline_decode = False
+        if mode == "pgeager":
+            eng.runner.prefill_graphs = PrefillGraphs(eng.model, 32, use_graphs=False)
+        if mode == "pgfail":
+            pg = eng.runner.prefill_graphs
+            pg.use_graphs = True
+
+            def capture_pg(Tb: int) -> None:
+                if eng.parallel.rank == 1:
+                    raise RuntimeError("prefill capture failure on rank 1 (test)")
+
+            pg.capture = capture_pg
     if mode in ("static", "failcapture", "failstartup", "pipeline"):
         force_static_decode(eng)
     if mode == "pipeline":
@@ -92,7 +111,9 @@ def workload(eng: LLMEngine, logprobs: bool = True) -> dict[str, list]:
 
 def stats(eng: LLMEngine) -> dict:
     graphs = eng.runner.decode_graphs
+    pg = eng.runner.prefill_graphs
     return {"stats": dict(graphs.stats) if graphs is not None else None,
+            "prefill_stats": dict(pg.stats) if pg is not None else None,
             "buckets": sorted(graphs.graphs) if graphs is not None else [],
             "disabled": eng.runner.graphs_disabled_reason,
             "pipelined": getattr(eng, "_pipelined_launches", 0)}
@@ -105,8 +126,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--tag", required=True)
-    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture, failstartup, pipeline or graphspipe "
-                    "(graphs, pipelined: no logprobs asked) (one engine each)")
+    ap.add_argument("modes", nargs="+", help="static, graphs, eager, failcapture, failstartup, "
+                    "pipeline or graphspipe (graphs, pipelined: no logprobs asked), pggraphs, "
+                    "pgeager, pgfail (prefill graphs) (one engine each)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])

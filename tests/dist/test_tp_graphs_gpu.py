@@ -57,6 +57,22 @@ def test_pipelined_graphs_under_tp(tiny_paths: dict[str, str], tmp_path, ep: boo
         r: t for r, (t, _) in want["outputs"].items()}
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_prefill_graphs_under_tp(tiny_paths: dict[str, str], tmp_path, ep: bool) -> None:
+    """Prefill graphs replayed on both ranks (NCCL all-reduces inside): the tokens and
+    logprobs of the same segments run eagerly (same kernels and shapes)."""
+    tag = "v4ep" if ep else "v4"
+    torchrun(os.path.join(HERE, "static_child.py"),
+             ["--out", str(tmp_path), "--path", tiny_paths["v4"], "--device", "cuda", "--tag",
+              tag, "pggraphs", "pgeager"] + (["--ep"] if ep else []), timeout=600)
+    got = json.loads((tmp_path / f"{tag}-pggraphs-rank0.json").read_text())
+    want = json.loads((tmp_path / f"{tag}-pgeager-rank0.json").read_text())
+    worker = json.loads((tmp_path / f"{tag}-pggraphs-rank1.json").read_text())
+    assert got["disabled"] is None and worker["disabled"] is None
+    assert got["prefill_stats"]["steps"] == worker["prefill_stats"]["steps"] > 0
+    assert got["outputs"] == want["outputs"]
+
+
 def test_tp_bench_tiny_on_two_gpus_with_graphs(tmp_path) -> None:
     out = tmp_path / "tp.json"
     torchrun(os.path.join(ROOT, "bench", "tp_bench.py"),

@@ -113,6 +113,22 @@ def test_a_capture_failing_on_one_rank_turns_graphs_off_on_every_rank(
     _compare(driver["outputs"], want, "v4 after a failed capture")
 
 
+def test_a_prefill_capture_failing_on_one_rank_turns_them_off_on_every_rank(
+        tiny_paths: dict[str, str], tmp_path) -> None:
+    """Prefill graphs under TP (a pretend capture that fails on rank 1 only): every rank turns
+    them off at the same step (no hang) and the steps run eagerly, with one process's tokens."""
+    path = tiny_paths["v4"]
+    torchrun(os.path.join(HERE, "static_child.py"),
+             ["--out", str(tmp_path), "--path", path, "--tag", "v4", "pgfail"])
+    driver = json.loads((tmp_path / f"v4-pgfail-rank0.json").read_text())
+    worker = json.loads((tmp_path / f"v4-pgfail-rank1.json").read_text())
+    assert "another rank" in driver["disabled"], driver["disabled"]
+    assert "prefill capture failure on rank 1" in worker["disabled"], worker["disabled"]
+    assert driver["prefill_stats"] is None and worker["prefill_stats"] is None
+    want, _ = _one_process(path, False)
+    _compare(driver["outputs"], want, "v4 after a failed prefill capture")
+
+
 def test_static_plan_on_a_worker_without_graphs_is_an_error() -> None:
     from dsv4.dist.parallel import Parallel
     from dsv4.engine.runner import ModelRunner
