@@ -77,7 +77,7 @@ class EngineOptions:
     pipeline.  Each step computes what the unpipelined engine computes, except that the step
     after a sequence stops still carries its row (a larger batch bucket may round other rows
     differently, as any change of batch does).
-    ``prefill_graphs`` (default False; V4 models): prefill and mixed steps of up to
+    ``prefill_graphs`` (default False): prefill and mixed steps of up to
     ``max_num_batched_tokens`` tokens (at most 1,024: larger steps are GPU-bound and run
     eagerly) run as piecewise CUDA graphs of bucketed token counts
     (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections, mHC, MoE)
@@ -304,9 +304,6 @@ class LLMEngine:
         use_graphs = device.type == "cuda" and not opts.enforce_eager and (
             not self.parallel.enabled or opts.cuda_graphs_under_tp)
         graph_batch = opts.cuda_graph_max_batch or opts.max_num_seqs
-        if opts.prefill_graphs and cfg.is_v41:
-            raise ValueError("engine option prefill_graphs=True needs a V4 model (V4.1 "
-                             "prefill steps run eagerly)")
         prefill_tokens = min(opts.max_num_batched_tokens, max_model_len)
         prefill_pool = opts.prefill_graphs and use_graphs
         if use_graphs or prefill_pool:

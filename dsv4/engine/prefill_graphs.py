@@ -17,19 +17,22 @@ cache part of each layer's attention eagerly between them:
 The segments read and write persistent buffers of Tb rows (the token ids and positions, the
 residual streams, the mHC mixes, q / qr / kv_lat / the attention input, the attention output:
 the first rows of buffers of the largest bucket, shared by all), so every replay sees the same
-addresses; rows T..Tb−1 are padding (token 0 at position 0)
-whose values flow through the token-local ops and are never read by the cache part.  The
-final gather of the wanted rows and the head's collapse run eagerly.
+addresses; rows T..Tb−1 are padding (token 0 at position 0, text) whose values flow through the
+token-local ops and are never read by the cache part.  The final gather of the wanted rows and
+the head's collapse run eagerly.
 
 With graphs off (CPU, or ``use_graphs=False``) the same segments run eagerly over the same
 buffers: the CPU tests check that path against ``Transformer.forward``.
 
-Scope: V4 models (V4.1's single-pass blocks are not split).  Under tensor / expert parallelism
-every rank runs the same plans, so each captures and replays the same segments in the same
-order, the all-reduces inside them (attention output, MoE) included, as the decode graphs do
-(``graphs_under_tp``); the runner has the ranks agree on every capture.  The mHC comb lane is
-off inside these steps (its Sinkhorn would cross segment boundaries); the side lane of the
-shared expert stays.
+V4.1's single-pass blocks split the same way: segment i holds block i−1's tail (``output``,
+its mHC post, the FFN mixes, the MoE, their post) and block i's head (its Engram, the attention
+mixes, the collapse with the carried pre-mix, attn_norm, ``project``); the Engram row ids
+(which advance the slots' lookback) are computed eagerly before segment 0, and the final
+collapse after the last.  Under tensor / expert parallelism every rank runs the same plans,
+so each captures and replays the same segments in the same order, the all-reduces inside
+them (attention output, MoE) included, as the decode graphs do (``graphs_under_tp``); the
+runner has the ranks agree on every capture.  The mHC comb lane is off inside these steps
+(its Sinkhorn would cross segment boundaries); the side lane of the shared expert stays.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from torch import Tensor
 
 from dsv4.model.context import StepContext, bucket_for
 from dsv4.model.mhc import expand_streams
+from dsv4.model.v41 import hc_collapse, hc_final_collapse, hc_mixes, identity_pre_mix
 from dsv4.ops.pdl import model_step
 
 log = logging.getLogger("dsv4")
@@ -74,6 +78,7 @@ class _Tokens:
 
     input_ids: Tensor
     positions: Tensor
+    token_types: Tensor      # V4.1 image marks (−1 text; padding rows text)
     memo: dict = field(default_factory=dict)
 
 
@@ -88,17 +93,15 @@ class PrefillGraphs:
     """Piecewise graphs of non-decode steps, one set per token bucket.
 
     Args:
-        model: a V4 ``Transformer`` (this rank's shard under tensor / expert parallelism).
+        model: a V4 or V4.1 ``Transformer`` (this rank's shard under tensor / expert
+            parallelism).
         max_tokens: the largest step served (steps of more tokens raise ValueError: callers
             check :meth:`serves` first).
         use_graphs: capture and replay (CUDA only); False runs the segments eagerly.
     """
 
     def __init__(self, model: Any, max_tokens: int = 2048, *, use_graphs: bool = True) -> None:
-        cfg = model.cfg
-        if cfg.is_v41:
-            raise ValueError("PrefillGraphs: V4.1 models are not supported (their single-pass "
-                             "blocks are not split into segments)")
+        self.v41 = bool(model.cfg.is_v41)
         device = model.embed.weight.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"PrefillGraphs: CUDA graphs need a CUDA device; got {device}")
@@ -191,6 +194,22 @@ class PrefillGraphs:
         if T < Tb:
             ids[T:].zero_()
             pos[T:].zero_()
+        if self.v41:
+            types = st.tokens.token_types
+            if ctx.token_types is not None:
+                types[:T].copy_(ctx.token_types)
+                types[T:].fill_(-1)
+            else:
+                types.fill_(-1)
+            # The Engram row ids read (and advance) the slots' lookback state: eagerly, on the
+            # step's rows; padding rows look up row 0 (their values are never read).
+            token_mask = None if ctx.token_types is None else ctx.token_types < 0
+            rows = self.model._engram_rows(ctx, cache, token_mask)
+            if rows is not None:
+                buf = self._buffer(st, "engram_rows", rows.new_zeros((Tb, *rows.shape[1:])))
+                buf[:T].copy_(rows)
+                if T < Tb:
+                    buf[T:].zero_()
         self.stats["steps"] += 1
         self.stats["padded_tokens"] += Tb - T
         layers = list(self.model.layers)
@@ -206,6 +225,11 @@ class PrefillGraphs:
                                               b["kv_lat"][:T], ctx, cache)
                     b["o"][:T].copy_(o)
             x = st.bufs["x"][:T]
+            if self.v41:
+                pre_mix = st.bufs["pre_mix"][:T]
+                if not ctx.logits_all:
+                    x, pre_mix = x[ctx.logits_indices], pre_mix[ctx.logits_indices]
+                return self.model.norm(hc_final_collapse(x, pre_mix))
             if not ctx.logits_all:
                 x = x[ctx.logits_indices]
             return self.model.hc_head(x, self.model.norm)
@@ -215,7 +239,7 @@ class PrefillGraphs:
         st = self._state.get(Tb)
         if st is None:
             z = torch.zeros(Tb, dtype=torch.int64, device=self.device)
-            st = self._state[Tb] = _Bucket(_Tokens(z, z.clone()))
+            st = self._state[Tb] = _Bucket(_Tokens(z, z.clone(), torch.full_like(z, -1)))
         return st
 
     def _buffer(self, st: _Bucket, name: str, like: Tensor) -> Tensor:
@@ -243,6 +267,9 @@ class PrefillGraphs:
 
     def _segment(self, st: _Bucket, i: int) -> None:
         """Segment i over bucket ``st``'s buffers (module docstring)."""
+        if self.v41:
+            _segment_v41(self, st, i)
+            return
         model, tok, b = self.model, st.tokens, st.bufs
         layers = list(model.layers)
         L = len(layers)
@@ -278,3 +305,51 @@ def run_step(model: Any, graphs: PrefillGraphs | None) -> Callable[[StepContext,
             return graphs.forward(ctx, cache)
         return model.forward(ctx, cache)
     return step
+
+
+def _v41_block_head(pg: PrefillGraphs, st: _Bucket, blk: Any, x: Tensor, pre_mix: Tensor
+                    ) -> None:
+    """A V4.1 block up to its attention's ``project`` (spec §4.6): its Engram, the attention
+    mixes, the collapse with the carried pre-mix, attn_norm; the results into the buffers."""
+    cfg, tok, b = pg.model.cfg, st.tokens, st.bufs
+    if blk.engram is not None:
+        x = blk.engram(x, b["engram_rows"][:, blk.engram.index], tok.token_types < 0)
+    hc = blk.hc_attn
+    a_pre, a_post, a_comb = hc_mixes(x, hc.fn, hc.scale, hc.base, cfg.norm_eps, cfg.hc_eps,
+                                     cfg.hc_sinkhorn_iters)
+    y = blk.attn_norm(hc_collapse(x, pre_mix))
+    q, qr, kv_lat = blk.attn.project(y, tok)
+    for name, t in (("x", x), ("a_pre", a_pre), ("a_post", a_post), ("a_comb", a_comb),
+                    ("y", y), ("q", q), ("qr", qr), ("kv_lat", kv_lat)):
+        pg._put(st, name, t)
+    pg._buffer(st, "o", b["q"])
+
+
+def _v41_block_tail(pg: PrefillGraphs, st: _Bucket, blk: Any) -> tuple[Tensor, Tensor]:
+    """A V4.1 block after its attention's cache part: ``output``, the post, the FFN mixes, the
+    MoE and its post; returns (x, the pre-mix for the next block)."""
+    cfg, tok, b = pg.model.cfg, st.tokens, st.bufs
+    out = blk.attn.output(b["o"], tok, b["y"].dtype)
+    x = blk.ops.hc_post(out, b["x"], b["a_post"], b["a_comb"])
+    hc = blk.hc_ffn
+    f_pre, f_post, f_comb = hc_mixes(x, hc.fn, hc.scale, hc.base, cfg.norm_eps, cfg.hc_eps,
+                                     cfg.hc_sinkhorn_iters)
+    y = blk.ffn(blk.ffn_norm(hc_collapse(x, b["a_pre"])), tok.input_ids, tok.token_types >= 0)
+    return blk.ops.hc_post(y, x, f_post, f_comb), f_pre
+
+
+def _segment_v41(pg: PrefillGraphs, st: _Bucket, i: int) -> None:
+    """Segment i of a V4.1 model: block i−1's tail, then block i's head (module docstring)."""
+    model, tok = pg.model, st.tokens
+    layers = list(model.layers)
+    if i == 0:
+        tok.memo.clear()   # the RoPE tables of this step, as in V4's segment 0
+        x = expand_streams(model.embed(tok.input_ids), model.cfg.hc_mult)
+        pre_mix = identity_pre_mix(model.cfg.hc_mult, x.shape[0], device=x.device)
+    else:
+        x, pre_mix = _v41_block_tail(pg, st, layers[i - 1])
+    if i == len(layers):
+        pg._put(st, "x", x)
+        pg._put(st, "pre_mix", pre_mix)
+        return
+    _v41_block_head(pg, st, layers[i], x, pre_mix)

@@ -8,7 +8,7 @@ The scheduler and the cache manager above it never see a tensor.
 Decode steps (every scheduled sequence brings one token and samples) of at most
 ``cuda_graph_max_batch`` sequences run as static-shape steps replayed from CUDA graphs
 (``dsv4.engine.cuda_graphs``); prefill and mixed steps, larger batches, CPU runs and
-``enforce_eager`` run eagerly — with ``prefill_graphs`` (V4 models), prefill and mixed
+``enforce_eager`` run eagerly — with ``prefill_graphs``, prefill and mixed
 steps of up to 1,024 tokens run as piecewise CUDA graphs (``dsv4.engine.prefill_graphs``: the
 token-local ops replayed, the caches' part eager).  Under tensor / expert parallelism graphs need
 ``graphs_under_tp``: the driver announces a static step on the step channel
@@ -224,7 +224,7 @@ class ModelRunner:
     ``cuda_graph_max_batch`` (default ``num_slots``) is the largest bucket; graphs are captured
     by :meth:`capture_graphs` (the engine calls it at start), else lazily, on the first decode
     step of each bucket (on every rank at the same step).
-    ``prefill_graphs`` (V4 models): non-decode steps of up to ``prefill_max_tokens``
+    ``prefill_graphs``: non-decode steps of up to ``prefill_max_tokens``
     tokens (at most :data:`ENGINE_MAX_TOKENS`) run piecewise (:class:`PrefillGraphs`; CUDA
     graphs unless ``enforce_eager`` or on a CPU, where the same segments run eagerly), captured
     by :meth:`capture_graphs` or lazily; a failed capture leaves them eager.
@@ -275,9 +275,6 @@ class ModelRunner:
                 with_token_types=cfg.is_v41, with_logits=parallel.is_driver)
         self.prefill_graphs: PrefillGraphs | None = None
         if prefill_graphs:
-            if cfg.is_v41:
-                raise ValueError("ModelRunner: prefill_graphs needs a V4 model (V4.1 steps run "
-                                 "eagerly)")
             prefill_max_tokens = min(prefill_max_tokens, ENGINE_MAX_TOKENS)
             # On a CPU the segments run eagerly (what the tests check); on a GPU without graphs
             # (enforce_eager, or parallel without graphs_under_tp) they would gain nothing.

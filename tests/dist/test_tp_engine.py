@@ -116,16 +116,18 @@ def test_tp_and_ep_match_one_process(tiny_paths: dict[str, str], tmp_path) -> No
 
 
 def test_tp_and_ep_with_prefill_graphs(tiny_paths: dict[str, str], tmp_path) -> None:
-    """The engine option ``prefill_graphs`` under TP=2 and TP=2 + EP (the piecewise segments,
-    their all-reduces inside, run eagerly on CPUs): one process's tokens and logprobs."""
+    """The engine option ``prefill_graphs`` under TP=2 and TP=2 + EP, V4 and V4.1 (the
+    piecewise segments, their all-reduces inside, run eagerly on CPUs): one process's tokens
+    and logprobs."""
     spec = _spec()
     (tmp_path / "prompts.json").write_text(json.dumps(spec))
-    _torchrun(str(tmp_path), tiny_paths, ("v4:tppg", "v4:eppg"))
-    want = _single_process(tiny_paths["v4"], spec)
-    for mode in ("tppg", "eppg"):
-        result = json.loads((tmp_path / f"v4-{mode}.json").read_text())
+    runs = (("v4", "tppg"), ("v4", "eppg"), ("v41", "eppg"))
+    _torchrun(str(tmp_path), tiny_paths, tuple(f"{v}:{m}" for v, m in runs))
+    for variant, mode in runs:
+        want = _single_process(tiny_paths[variant], spec)
+        result = json.loads((tmp_path / f"{variant}-{mode}.json").read_text())
         assert result["shapes"]["local_heads"] * 2 == result["shapes"]["heads"]
-        _compare(result["outputs"], want, f"v4 {mode}")
+        _compare(result["outputs"], want, f"{variant} {mode}")
 
 
 def test_tensor_parallel_needs_a_launch(tiny_paths: dict[str, str], monkeypatch) -> None:

@@ -14,17 +14,34 @@ import torch
 from dsv4.cache.tensors import HybridCache
 from dsv4.engine.prefill_graphs import PrefillGraphs, prefill_buckets, run_step
 from dsv4.model.context import StepContext
+from test_engine_tiny import tiny_v41  # noqa: F401  (the V4.1 engine fixture)
 
 PAGE = 256
 
 
-@pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory: pytest.TempPathFactory):
+_MODELS: dict[str, object] = {}
+
+
+def _tiny(tmp_path_factory: pytest.TempPathFactory, variant: str):
     from dsv4.model.transformer import load_model
     from dsv4.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("pg") / "v4", variant="v4", seed=0)
-    return load_model(path, device="cpu", dtype=torch.float32, numerics="official")
+    if variant not in _MODELS:
+        path = make_tiny_checkpoint(tmp_path_factory.mktemp("pg") / variant, variant=variant,
+                                    seed=0)
+        _MODELS[variant] = load_model(path, device="cpu", dtype=torch.float32,
+                                      numerics="official")
+    return _MODELS[variant]
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory):
+    return _tiny(tmp_path_factory, "v4")
+
+
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def tiny_any(request, tmp_path_factory: pytest.TempPathFactory):
+    return _tiny(tmp_path_factory, request.param)
 
 
 def _cache(model) -> HybridCache:
@@ -38,6 +55,8 @@ def _tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
     out.update({f"keys{k}": v for k, v in cache.index_keys.items()})
     for k, s in cache.states.items():
         out[f"kv{k}"], out[f"score{k}"] = s.kv, s.score
+    if cache.engram_lookback is not None:
+        out["engram"] = cache.engram_lookback
     return out
 
 
@@ -54,11 +73,15 @@ def _run(model, step_fn, seed: int = 0) -> tuple[list[torch.Tensor], HybridCache
     gen = torch.Generator().manual_seed(seed)
     pos = {0: 0, 1: 0, 2: 0}
     out = []
-    for step in SCHEDULE:
+    for k, step in enumerate(SCHEDULE):
         seqlens = [n for _, n in step]
         ids = torch.randint(0, model.cfg.vocab_size, (sum(seqlens),), generator=gen)
+        types = None
+        if model.cfg.is_v41 and k == 4:   # V4.1: an image span in one step
+            types = torch.full((sum(seqlens),), -1, dtype=torch.int64)
+            types[5:20] = 0
         ctx = StepContext.build(ids, seqlens, [pos[s] for s, _ in step], [s for s, _ in step],
-                                [[2 * s, 2 * s + 1] for s, _ in step])
+                                [[2 * s, 2 * s + 1] for s, _ in step], token_types=types)
         out.append(model.compute_logits(step_fn(ctx, cache)))
         for s, n in step:
             pos[s] += n
@@ -71,11 +94,12 @@ def test_buckets() -> None:
         prefill_buckets(16)
 
 
-def test_piecewise_steps_match_forward(tiny_v4) -> None:
-    """Every step's logits and the final caches: the piecewise path (padding rows included)
+def test_piecewise_steps_match_forward(tiny_any) -> None:
+    """V4 and V4.1 (its Engram, single-pass blocks and an image span included): every step's
+    logits and the final caches: the piecewise path (padding rows included)
     equals the model's forward to fp32 rounding (a CPU GEMM of the bucket's rows may round a
     real row differently than one of the step's rows; with no padding the bits are equal)."""
-    model = tiny_v4
+    model = tiny_any
     want, want_cache = _run(model, model.forward)
     graphs = PrefillGraphs(model, max_tokens=256, use_graphs=False)
     got, got_cache = _run(model, run_step(model, graphs))
@@ -220,3 +244,25 @@ def test_gpu_engine_prefill_graphs(tmp_path) -> None:
     eager = LLMEngine(path, **kw)
     eager.runner.prefill_graphs = PrefillGraphs(model, 128, use_graphs=False)
     assert got == run_greedy(eager, reqs)
+
+
+def test_engine_v41_with_prefill_graphs(tiny_v41) -> None:
+    """V4.1 through the engine's piecewise steps (Engram lookback across chunks, single-pass
+    blocks): the un-batched forward's greedy tokens and logprobs."""
+    import random
+
+    from dsv4.engine.llm_engine import LLMEngine
+    from test_engine_tiny import assert_matches_reference, greedy, rand_prompt, run
+
+    path, model = tiny_v41
+    rng = random.Random(13)
+    eng = LLMEngine(path, device="cpu", model=model, max_model_len=128, page_size=16,
+                    max_num_batched_tokens=40, prefill_graphs=True)
+    assert eng.runner.prefill_graphs is not None
+    prompts = {f"v{i}": rand_prompt(rng, n) for i, n in enumerate((70, 3, 17))}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(5, logprobs=0))
+    outs = run(eng)
+    assert eng.runner.prefill_graphs.stats["steps"] > 0
+    for rid, p in prompts.items():
+        assert_matches_reference(model, p, outs[rid])
