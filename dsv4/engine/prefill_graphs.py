@@ -206,7 +206,7 @@ class PrefillGraphs:
             token_mask = None if ctx.token_types is None else ctx.token_types < 0
             rows = self.model._engram_rows(ctx, cache, token_mask)
             if rows is not None:
-                buf = self._buffer(st, "engram_rows", rows.new_zeros((Tb, *rows.shape[1:])))
+                buf = _engram_rows_buffer(self, st)
                 buf[:T].copy_(rows)
                 if T < Tb:
                     buf[T:].zero_()
@@ -307,13 +307,28 @@ def run_step(model: Any, graphs: PrefillGraphs | None) -> Callable[[StepContext,
     return step
 
 
+def _engram_rows_buffer(pg: PrefillGraphs, st: _Bucket) -> Tensor:
+    """Bucket ``st``'s Engram row ids [Tb, n_engram_layers, (m−1)·n_heads] int64 (the step
+    fills it eagerly; made by the first, eager run of a segment or of a step)."""
+    buf = st.bufs.get("engram_rows")
+    if buf is not None:
+        return buf
+    h = pg.model.engram_hasher
+    if h is None:
+        raise ValueError("PrefillGraphs: the V4.1 model's Engram token map is not set")
+    like = torch.zeros((st.tokens.input_ids.shape[0], len(h.layer_ids),
+                        h.lookback_len * h.n_heads), dtype=torch.int64, device=pg.device)
+    return pg._buffer(st, "engram_rows", like)
+
+
 def _v41_block_head(pg: PrefillGraphs, st: _Bucket, blk: Any, x: Tensor, pre_mix: Tensor
                     ) -> None:
     """A V4.1 block up to its attention's ``project`` (spec §4.6): its Engram, the attention
     mixes, the collapse with the carried pre-mix, attn_norm; the results into the buffers."""
-    cfg, tok, b = pg.model.cfg, st.tokens, st.bufs
+    cfg, tok = pg.model.cfg, st.tokens
     if blk.engram is not None:
-        x = blk.engram(x, b["engram_rows"][:, blk.engram.index], tok.token_types < 0)
+        rows = _engram_rows_buffer(pg, st)
+        x = blk.engram(x, rows[:, blk.engram.index], tok.token_types < 0)
     hc = blk.hc_attn
     a_pre, a_post, a_comb = hc_mixes(x, hc.fn, hc.scale, hc.base, cfg.norm_eps, cfg.hc_eps,
                                      cfg.hc_sinkhorn_iters)
@@ -322,7 +337,7 @@ def _v41_block_head(pg: PrefillGraphs, st: _Bucket, blk: Any, x: Tensor, pre_mix
     for name, t in (("x", x), ("a_pre", a_pre), ("a_post", a_post), ("a_comb", a_comb),
                     ("y", y), ("q", q), ("qr", qr), ("kv_lat", kv_lat)):
         pg._put(st, name, t)
-    pg._buffer(st, "o", b["q"])
+    pg._buffer(st, "o", st.bufs["q"])
 
 
 def _v41_block_tail(pg: PrefillGraphs, st: _Bucket, blk: Any) -> tuple[Tensor, Tensor]:
