@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/glue_count.py                    # Triton op table, B = 1 and 16
     PYTHONPATH=. python bench/glue_count.py --backend torch --batches 1 --json out.json
     PYTHONPATH=. python bench/glue_count.py --batches --prefill 256   # an eager prefill step
+    PYTHONPATH=. python bench/glue_count.py --batches --prefill 128 --piecewise   # what stays eager
 
 The model has V4-Flash's layer schedule at toy widths (``bench/flash_bench.py --tiny``: FP8
 Linears and MXFP4 experts kept quantized, official numerics, bf16, fp8 cache records) and its
@@ -255,13 +256,25 @@ def count_step(model: Any, batch: int, ctx_len: int, seed: int = 0) -> Tally:
     return _count(model, lambda: step(ctx_len), lambda: step(ctx_len + 1))
 
 
-def _count(model: Any, warm_up: Callable[[], None], counted: Callable[[], None]) -> Tally:
+def _count(model: Any, warm_up: Callable[[], None], counted: Callable[[], None],
+           graphed: Any = None) -> Tally:
     """Run ``warm_up`` uncounted, then count the kernels (and host syncs) of ``counted``, both
-    taking the GPU's launch decisions (:func:`_as_on_gpu`)."""
+    taking the GPU's launch decisions (:func:`_as_on_gpu`).  ``graphed``: a ``PrefillGraphs``
+    whose segments are not counted (a graph replay launches them, not the host)."""
     tally = Tally()
     attr = _Attribution(model, layer_kinds(model.cfg))
     counter = _Counter(attr, tally)
     undo = _patch_triton(counter) if os.environ.get("TRITON_INTERPRET") == "1" else None
+    if graphed is not None:
+        segment = graphed._segment
+
+        def uncounted(*args: Any) -> None:
+            counter.in_triton += 1      # the counter's "not counted" depth
+            try:
+                segment(*args)
+            finally:
+                counter.in_triton -= 1
+        graphed._segment = uncounted
     try:
         with _as_on_gpu(model):
             warm_up()
@@ -277,10 +290,12 @@ def _count(model: Any, warm_up: Callable[[], None], counted: Callable[[], None])
 
 
 @torch.no_grad()
-def count_prefill(model: Any, tokens: int, seed: int = 0) -> Tally:
+def count_prefill(model: Any, tokens: int, seed: int = 0, piecewise: bool = False) -> Tally:
     """Count one eager prefill step of one request of ``tokens`` tokens from position 0 (what
-    the engine runs for a prompt chunk: no graph), after a warm-up prefill of the same size in
-    another slot (lazy tables)."""
+    the engine runs for a prompt chunk without prefill graphs), after a warm-up prefill of the
+    same size in another slot (lazy tables).  ``piecewise``: the step as the engine's
+    ``prefill_graphs`` runs it, counting only what stays eager (the attention's cache part,
+    the step's plans and the head), not the graph segments."""
     from dsv4.cache.formats import RECORD_DTYPE
     from dsv4.cache.tensors import HybridCache
     from dsv4.model.context import StepContext, pages_needed
@@ -293,12 +308,20 @@ def count_prefill(model: Any, tokens: int, seed: int = 0) -> Tally:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
 
+    graphs = None
+    forward = model.forward
+    if piecewise:
+        from dsv4.engine.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
+        graphs = PrefillGraphs(model, next(b for b in PREFILL_BUCKETS if b >= tokens),
+                               use_graphs=False)
+        forward = graphs.forward
+
     def step(slot: int) -> None:
         table = list(range(slot * ppr, (slot + 1) * ppr))
-        model.compute_logits(model.forward(StepContext.build(ids, [tokens], [0], [slot],
-                                                             [table]), cache))
+        model.compute_logits(forward(StepContext.build(ids, [tokens], [0], [slot], [table]),
+                                     cache))
 
-    return _count(model, lambda: step(1), lambda: step(0))
+    return _count(model, lambda: step(1), lambda: step(0), graphs)
 
 
 def report(tally: Tally, top: int) -> dict[str, Any]:
@@ -350,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="also count one eager prefill step of each of these token counts")
+    ap.add_argument("--piecewise", action="store_true",
+                    help="count the prefill steps as prefill graphs run them: only the "
+                    "launches that stay eager (dsv4.engine.prefill_graphs)")
     args = ap.parse_args(argv)
     if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("glue_count: --backend triton needs TRITON_INTERPRET=1 set before "
@@ -364,9 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         out["batches"][b] = report(count_step(model, b, args.ctx), args.top)
     out["prefill"] = {}
     for n in args.prefill:
-        print(f"\n=== eager prefill step, {n} tokens, backend={args.backend}, "
+        what = "piecewise (eager launches only)" if args.piecewise else "eager"
+        print(f"\n=== {what} prefill step, {n} tokens, backend={args.backend}, "
               f"{args.layers} layers")
-        out["prefill"][n] = report(count_prefill(model, n), args.top)
+        out["prefill"][n] = report(count_prefill(model, n, piecewise=args.piecewise),
+                                   args.top)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -219,6 +219,12 @@ class PrefillGraphs:
                     st.graphs[i].replay()
                 else:
                     self._segment(st, i)
+                if i == 0:
+                    # The attention's cache part uses the RoPE tables segment 0 made (row-wise
+                    # the same values) instead of making them again.
+                    for key, (cos, sin) in st.tokens.memo.items():
+                        if key[0] == "rope":
+                            ctx.memo.setdefault(key, (cos[:T], sin[:T]))
                 if i < len(layers):
                     b = st.bufs
                     o = layers[i].attn.attend(b["y"][:T], b["q"][:T], b["qr"][:T],
