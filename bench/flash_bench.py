@@ -857,6 +857,25 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4.engine.prefill_graphs import PrefillGraphs
         prefill_graphs = PrefillGraphs(model, args.prefill_graphs,
                                        use_graphs=DEV == "cuda" and not args.no_graphs)
+        if prefill_graphs.use_graphs:
+            # Every bucket up front, as the engine does at start: its time and graph memory.
+            torch.cuda.synchronize()
+            reserved0 = torch.cuda.memory_reserved()
+            try:
+                prefill_graphs.capture_all()
+                cap = {"buckets": prefill_graphs.buckets,
+                       "graphs": int(prefill_graphs.stats["graphs"]),
+                       "capture_s": prefill_graphs.stats["capture_s"],
+                       "reserved_GB": (torch.cuda.memory_reserved() - reserved0) / 1e9}
+                results["prefill_graphs_capture"] = cap
+                log(f"prefill graphs: {cap['graphs']} graphs of buckets {cap['buckets']} "
+                    f"captured in {cap['capture_s']:.1f} s, {cap['reserved_GB']:.2f} GB more "
+                    f"reserved")
+            except Exception as e:
+                results["errors"].append(
+                    f"prefill graphs capture: {traceback.format_exc()[-1500:]}")
+                log(f"prefill graphs capture failed: {e}")
+                prefill_graphs = None
     results["prefill_graphs"] = args.prefill_graphs
     for S in prefills:
         if time.time() - t_start > args.budget:
