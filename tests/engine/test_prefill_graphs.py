@@ -2,8 +2,10 @@
 
 On a CPU the segments run eagerly over the same persistent buffers a CUDA-graph replay uses,
 padded to the bucket: the logits of every step and the caches after a schedule of prefill
-chunks, mixed prefill + decode steps and decode-only steps must match the model's own forward.
-The GPU test replays the captured graphs against the eager forward at V4-Flash-like widths.
+chunks, mixed prefill + decode steps and decode-only steps must match the model's own forward
+(V4 and V4.1), and the engine with the option the un-batched forward.  The GPU tests replay
+the captured graphs against the eager forward (V4-Flash's layer kinds at toy widths) and
+against the same segments run eagerly (the engine; V4.1).
 """
 
 from __future__ import annotations
