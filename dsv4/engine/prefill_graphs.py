@@ -52,7 +52,7 @@ from dsv4.ops.pdl import model_step
 
 log = logging.getLogger("dsv4")
 
-__all__ = ["PrefillGraphs", "PREFILL_BUCKETS", "ENGINE_MAX_TOKENS", "prefill_buckets"]
+__all__ = ["PrefillGraphs", "PREFILL_BUCKETS", "ENGINE_MAX_TOKENS", "prefill_buckets", "run_step"]
 
 # Token counts of the captured steps (each a set of L + 1 graphs); a step runs at the smallest
 # bucket that holds it.  Up to the engine's default step size.
