@@ -387,21 +387,12 @@ class ModelRunner:
         rank) when any capture failed."""
         graphs = self.prefill_graphs
         assert graphs is not None
-        error: Exception | None = None
         t0 = time.perf_counter()
-        try:
-            if bucket is None:
-                graphs.capture_all()
-            else:
-                graphs.capture(bucket)
-        except Exception as e:  # noqa: BLE001 - reported below, on every rank
-            error = e
-        ok = 0 if error is not None else 1
-        if self.parallel.enabled:
-            ok = self.parallel.min_int(ok)
-        if not ok:
-            self._prefill_graphs_off(error or RuntimeError("the prefill CUDA-graph capture "
-                                                           "failed on another rank"))
+        error = self._agreed_capture(
+            graphs.capture_all if bucket is None else lambda: graphs.capture(bucket),
+            "the prefill CUDA-graph capture")
+        if error is not None:
+            self._prefill_graphs_off(error)
             return False
         if bucket is None:
             log.info("dsv4 engine: captured the prefill graphs of %s tokens in %.1f s",
@@ -486,14 +477,9 @@ class ModelRunner:
         if graphs.use_graphs and B not in graphs.graphs:
             # Capture first (padding rows only: nothing of the step is touched), agree, then
             # run the step: a failed capture on any rank leaves the step to the dynamic rerun.
-            error: Exception | None = None
-            try:
-                graphs.capture(B)
-            except Exception as e:  # noqa: BLE001 - reported below, on every rank
-                error = e
-            if par.min_int(0 if error is not None else 1) == 0:
-                self._graphs_off(error or RuntimeError(
-                    "the CUDA-graph capture failed on another rank"))
+            error = self._agreed_capture(lambda: graphs.capture(B), "the CUDA-graph capture")
+            if error is not None:
+                self._graphs_off(error)
                 return None
         if resets:
             self.cache.reset_slots(resets)
@@ -518,21 +504,29 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is None or not graphs.use_graphs:
             return
-        error: Exception | None = None
         t0 = time.perf_counter()
+        error = self._agreed_capture(graphs.capture_all, "the CUDA-graph capture")
+        if error is not None:
+            self._graphs_off(error)
+            return
+        log.info("dsv4 engine: captured %d decode graphs (batch %s) in %.1f s",
+                 len(graphs.buckets), graphs.buckets, time.perf_counter() - t0)
+
+    def _agreed_capture(self, capture: Callable[[], None], what: str) -> Exception | None:
+        """Run ``capture`` on this rank; under parallelism every rank's outcome is agreed over
+        the control group.  None when it succeeded everywhere, else this rank's error (or
+        "``what`` failed on another rank")."""
+        error: Exception | None = None
         try:
-            graphs.capture_all()
-        except Exception as e:  # noqa: BLE001 - reported below, on every rank
+            capture()
+        except Exception as e:  # noqa: BLE001 - reported to the caller, on every rank
             error = e
         ok = 0 if error is not None else 1
         if self.parallel.enabled:
             ok = self.parallel.min_int(ok)
-        if not ok:
-            self._graphs_off(error or RuntimeError("the CUDA-graph capture failed on another "
-                                                   "rank"))
-            return
-        log.info("dsv4 engine: captured %d decode graphs (batch %s) in %.1f s",
-                 len(graphs.buckets), graphs.buckets, time.perf_counter() - t0)
+        if ok:
+            return None
+        return error or RuntimeError(f"{what} failed on another rank")
 
     def _prefill_graphs_off(self, e: BaseException) -> None:
         log.error("dsv4 engine: prefill CUDA-graph capture failed (%s: %s); prefill steps run "
