@@ -859,7 +859,10 @@ def main(argv: list[str] | None = None) -> int:
                                        use_graphs=DEV == "cuda" and not args.no_graphs)
         if prefill_graphs.use_graphs:
             # Every bucket up front, as the engine does at start: its time and graph memory.
+            # (A capture empties the allocator's cache first: start from an empty one so the
+            # difference is the graphs' pool and buffers, not the cache it dropped.)
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             reserved0 = torch.cuda.memory_reserved()
             try:
                 prefill_graphs.capture_all()

@@ -44,7 +44,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prefill steps for about twice the experts' MXFP4 bytes (default off)")
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run prefill and mixed steps of up to 1,024 tokens as piecewise CUDA "
-                        "graphs (default off)")
+                        "graphs (default on with CUDA graphs on one GPU)")
     p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the host has read the previous one's "
                         "tokens (default on with CUDA graphs)")

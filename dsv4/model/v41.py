@@ -211,7 +211,7 @@ def identity_pre_mix(n_hc: int, num_tokens: int | None = None,
     if n_hc <= 0:
         raise ValueError(f"identity_pre_mix: n_hc must be positive, got {n_hc}")
     pre = torch.zeros(n_hc, dtype=torch.float32, device=device)
-    pre[0] = 1.0
+    pre[:1].fill_(1.0)   # a fill kernel, not a host-to-device copy: CUDA-graph capturable
     return pre if num_tokens is None else pre.expand(num_tokens, n_hc).contiguous()
 
 

@@ -212,6 +212,8 @@ def test_engine_option_checked(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer) -
 
     with pytest.raises(ValueError, match="prefill_graphs"):
         engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, prefill_graphs="yes")
+    # The default follows the decode graphs: none on a CPU, so no piecewise steps either.
+    assert engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer).runner.prefill_graphs is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -236,14 +238,15 @@ def test_gpu_engine_prefill_graphs(tmp_path) -> None:
              rng.randrange(4, 16)) for _ in range(6)]
     kw = dict(model=model, tokenizer=tok, device="cuda", max_model_len=512, max_num_seqs=8,
               num_pages=64, max_num_batched_tokens=128, pipeline_decode=False)
-    eng = LLMEngine(path, prefill_graphs=True, **kw)
+    eng = LLMEngine(path, **kw)   # on by default with CUDA graphs on one GPU
     pg = eng.runner.prefill_graphs
     assert pg is not None and pg.use_graphs and pg.buckets == [32, 64, 128]
     assert all(pg.captured(b) for b in pg.buckets)
     capture_s = pg.stats["capture_s"]
     got = run_greedy(eng, reqs)
     assert pg.stats["capture_s"] == capture_s and pg.stats["steps"] > 0
-    eager = LLMEngine(path, **kw)
+    eager = LLMEngine(path, prefill_graphs=False, **kw)
+    assert eager.runner.prefill_graphs is None
     eager.runner.prefill_graphs = PrefillGraphs(model, 128, use_graphs=False)
     assert got == run_greedy(eager, reqs)
 
