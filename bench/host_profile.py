@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python bench/host_profile.py --layers 4 --tokens 256 [--top 40]
     PYTHONPATH=. python bench/host_profile.py --tiny --device cpu --tokens 64   # smoke test
+    PYTHONPATH=. python bench/host_profile.py --layers 43 --experts 64 --tokens 128 \
+        --prefill-graphs 1024        # what stays on the host in a piecewise step
 
 For each prompt length it times one eager prefill step (``bench/flash_bench.py``'s model and
 step: V4-Flash widths, random weights, fp8 cache) three ways: the wall time with a sync at the
@@ -40,12 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts a layer (43 layers fit one GPU with fewer)")
+    ap.add_argument("--prefill-graphs", type=int, default=0, metavar="MAX_TOKENS",
+                    help="run steps of up to MAX_TOKENS as piecewise CUDA graphs "
+                         "(dsv4.engine.prefill_graphs; eager segments on a CPU)")
     ap.add_argument("--stats", default=None, help="dump each length's cProfile stats to "
                     "STATS.<tokens> (pstats format)")
     args = ap.parse_args(argv)
     fb.DEV = dev = args.device
     cuda = dev == "cuda"
-    model = fb.build_model(args.layers, args.tiny)
+    model = fb.build_model(args.layers, args.tiny, experts=args.experts)
     lengths = [int(s) for s in args.tokens.split(",") if s]
     cache = HybridCache.allocate(model.cfg, num_pages=pages_needed(max(lengths), fb.PAGE),
                                  num_slots=1, page_size=fb.PAGE, dtype=RECORD_DTYPE, device=dev)
@@ -54,6 +61,21 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
+    pg = None
+    if args.prefill_graphs:
+        from dsv4.engine.prefill_graphs import PrefillGraphs
+        pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()   # a capture empties it anyway: count from an empty one
+            reserved0 = torch.cuda.memory_reserved()
+            with torch.no_grad():
+                pg.capture_all()
+            print(f"captured {int(pg.stats['graphs'])} prefill graphs of buckets {pg.buckets} "
+                  f"in {pg.stats['capture_s']:.1f} s, "
+                  f"{(torch.cuda.memory_reserved() - reserved0) / 1e9:.2f} GB more reserved",
+                  flush=True)
+
     for S in lengths:
         ids = torch.randint(0, model.cfg.vocab_size, (S,), device=dev)
         pages = list(range(pages_needed(S, fb.PAGE)))
@@ -61,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         def step() -> torch.Tensor:
             cache.reset_slots([0])
             ctx = StepContext.build(ids, [S], [0], [0], [pages], device=dev)
+            if pg is not None and pg.serves(ctx):
+                return model.compute_logits(pg.forward(ctx, cache))
             return model.compute_logits(model.forward(ctx, cache))
 
         with torch.no_grad():
@@ -85,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                     sync()
                     busy.append(start.elapsed_time(end) / 1e3)
             med = statistics.median
-            print(f"\n## prefill {S} tokens, {args.layers} layers: wall {med(wall) * 1e3:.2f} ms, "
+            print(f"\n## prefill {S} tokens, {args.layers} layers"
+                  + (", piecewise graphs" if pg is not None and S <= pg.buckets[-1] else "")
+                  + f": wall {med(wall) * 1e3:.2f} ms, "
                   f"host issue {med(issue) * 1e3:.2f} ms, GPU busy "
                   + (f"{med(busy) * 1e3:.2f} ms" if busy else "n/a"), flush=True)
             prof = cProfile.Profile()
