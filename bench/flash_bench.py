@@ -856,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_graphs:
         from dsv4.engine.prefill_graphs import PrefillGraphs
         prefill_graphs = PrefillGraphs(model, args.prefill_graphs,
-                                       use_graphs=DEV == "cuda" and not args.no_graphs)
+                                       use_graphs=DEV == "cuda" and not args.no_graphs,
+                                       cache=cache)
         if prefill_graphs.use_graphs:
             # Every bucket up front, as the engine does at start: its time and graph memory.
             # (A capture empties the allocator's cache first: start from an empty one so the

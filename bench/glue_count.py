@@ -313,7 +313,7 @@ def count_prefill(model: Any, tokens: int, seed: int = 0, piecewise: bool = Fals
     if piecewise:
         from dsv4.engine.prefill_graphs import PREFILL_BUCKETS, PrefillGraphs
         graphs = PrefillGraphs(model, next(b for b in PREFILL_BUCKETS if b >= tokens),
-                               use_graphs=False)
+                               use_graphs=False, cache=cache)
         forward = graphs.forward
 
     def step(slot: int) -> None:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     pg = None
     if args.prefill_graphs:
         from dsv4.engine.prefill_graphs import PrefillGraphs
-        pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda)
+        pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda, cache=cache)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()   # a capture empties it anyway: count from an empty one

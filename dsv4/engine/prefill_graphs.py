@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from dsv4.model.attention import PreworkFormats
 from dsv4.model.context import StepContext, bucket_for
 from dsv4.model.mhc import expand_streams
 from dsv4.model.v41 import hc_collapse, hc_final_collapse, hc_mixes, identity_pre_mix
@@ -87,6 +88,8 @@ class _Bucket:
     tokens: _Tokens
     bufs: dict[str, Tensor] = field(default_factory=dict)
     graphs: list[Any] = field(default_factory=list)
+    # Layer i's ``Attention.prework`` outputs: their names -> the buffers that hold them.
+    prework: dict[int, dict[str, str]] = field(default_factory=dict)
 
 
 class PrefillGraphs:
@@ -98,9 +101,14 @@ class PrefillGraphs:
         max_tokens: the largest step served (steps of more tokens raise ValueError: callers
             check :meth:`serves` first).
         use_graphs: capture and replay (CUDA only); False runs the segments eagerly.
+        cache: the cache the steps will run on.  With it the segments also make the
+            token-local inputs of each layer's cache part (``Attention.prework``: the window
+            kv and its encoded rows, the compressors' rows, the indexer's queries), which
+            depend on its record formats; steps must then run on a cache of the same formats.
     """
 
-    def __init__(self, model: Any, max_tokens: int = 2048, *, use_graphs: bool = True) -> None:
+    def __init__(self, model: Any, max_tokens: int = 2048, *, use_graphs: bool = True,
+                 cache: Any = None) -> None:
         self.v41 = bool(model.cfg.is_v41)
         device = model.embed.weight.device
         if use_graphs and device.type != "cuda":
@@ -109,6 +117,7 @@ class PrefillGraphs:
         self.device = device
         self.use_graphs = use_graphs
         self.buckets = prefill_buckets(max_tokens)
+        self.formats = None if cache is None else PreworkFormats.of(cache)
         self._state: dict[int, _Bucket] = {}
         self._shared: dict[str, Tensor] = {}
         self._pool: Any = None
@@ -183,6 +192,9 @@ class PrefillGraphs:
             raise ValueError(f"PrefillGraphs.forward: a step of {ctx.num_tokens} tokens "
                              f"(static={ctx.static is not None}); this serves non-static steps "
                              f"of at most {self.buckets[-1]}")
+        if self.formats is not None and PreworkFormats.of(cache) != self.formats:
+            raise ValueError(f"PrefillGraphs.forward: the cache's formats {PreworkFormats.of(cache)}"
+                             f" are not the ones the segments were made for ({self.formats})")
         T = ctx.num_tokens
         Tb = self.bucket(T)
         if self.use_graphs and not self.captured(T):
@@ -227,8 +239,10 @@ class PrefillGraphs:
                             ctx.memo.setdefault(key, (cos[:T], sin[:T]))
                 if i < len(layers):
                     b = st.bufs
+                    pre = ({name: b[buf][:T] for name, buf in st.prework[i].items()}
+                           if self.formats is not None else None)
                     o = layers[i].attn.attend(b["y"][:T], b["q"][:T], b["qr"][:T],
-                                              b["kv_lat"][:T], ctx, cache)
+                                              b["kv_lat"][:T], ctx, cache, pre)
                     b["o"][:T].copy_(o)
             x = st.bufs["x"][:T]
             if self.v41:
@@ -271,6 +285,18 @@ class PrefillGraphs:
         """Copy ``t`` into the persistent buffer ``name``."""
         self._buffer(st, name, t).copy_(t)
 
+    def _prework(self, st: _Bucket, i: int, y: Tensor, qr: Tensor, kv_lat: Tensor) -> None:
+        """Layer i's ``Attention.prework`` (with a cache's formats) into persistent buffers,
+        one per name and row shape (layers of other kinds make other widths)."""
+        if self.formats is None:
+            return
+        attn = self.model.layers[i].attn
+        names = st.prework.setdefault(i, {})
+        for name, t in attn.prework(y, qr, kv_lat, st.tokens, self.formats).items():
+            buf = names.setdefault(name, "pre." + name + "." + "x".join(map(str, t.shape[1:]))
+                                   + "." + str(t.dtype))
+            self._put(st, buf, t)
+
     def _segment(self, st: _Bucket, i: int) -> None:
         """Segment i over bucket ``st``'s buffers (module docstring)."""
         if self.v41:
@@ -301,6 +327,7 @@ class PrefillGraphs:
         for name, t in (("x", x), ("post", post), ("comb", comb), ("y", y), ("q", q),
                         ("qr", qr), ("kv_lat", kv_lat)):
             self._put(st, name, t)
+        self._prework(st, i, y, qr, kv_lat)
         self._buffer(st, "o", b["q"])   # the attention output (sparse_attn returns q's dtype)
 
 
@@ -327,11 +354,12 @@ def _engram_rows_buffer(pg: PrefillGraphs, st: _Bucket) -> Tensor:
     return pg._buffer(st, "engram_rows", like)
 
 
-def _v41_block_head(pg: PrefillGraphs, st: _Bucket, blk: Any, x: Tensor, pre_mix: Tensor
+def _v41_block_head(pg: PrefillGraphs, st: _Bucket, i: int, x: Tensor, pre_mix: Tensor
                     ) -> None:
     """A V4.1 block up to its attention's ``project`` (spec §4.6): its Engram, the attention
     mixes, the collapse with the carried pre-mix, attn_norm; the results into the buffers."""
     cfg, tok = pg.model.cfg, st.tokens
+    blk = pg.model.layers[i]
     if blk.engram is not None:
         rows = _engram_rows_buffer(pg, st)
         x = blk.engram(x, rows[:, blk.engram.index], tok.token_types < 0)
@@ -343,6 +371,7 @@ def _v41_block_head(pg: PrefillGraphs, st: _Bucket, blk: Any, x: Tensor, pre_mix
     for name, t in (("x", x), ("a_pre", a_pre), ("a_post", a_post), ("a_comb", a_comb),
                     ("y", y), ("q", q), ("qr", qr), ("kv_lat", kv_lat)):
         pg._put(st, name, t)
+    pg._prework(st, i, y, qr, kv_lat)
     pg._buffer(st, "o", st.bufs["q"])
 
 
@@ -373,4 +402,4 @@ def _segment_v41(pg: PrefillGraphs, st: _Bucket, i: int) -> None:
         pg._put(st, "x", x)
         pg._put(st, "pre_mix", pre_mix)
         return
-    _v41_block_head(pg, st, layers[i], x, pre_mix)
+    _v41_block_head(pg, st, i, x, pre_mix)

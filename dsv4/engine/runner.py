@@ -280,7 +280,7 @@ class ModelRunner:
             # (enforce_eager, or parallel without graphs_under_tp) they would gain nothing.
             if prefill_max_tokens >= PREFILL_BUCKETS[0] and (device.type != "cuda" or use_graphs):
                 self.prefill_graphs = PrefillGraphs(model, prefill_max_tokens,
-                                                    use_graphs=use_graphs)
+                                                    use_graphs=use_graphs, cache=self.cache)
 
     # ------------------------------------------------------------------ per-sequence state
     def generator_for(self, seq: Sequence) -> torch.Generator | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,7 +54,8 @@ from dsv4.model.v41 import quant_compressed_latent, quant_window_kv
 from dsv4.ops.streams import (branch_lane, branch_mark, join_branch_lane, join_side_lane,
                               side_lane)
 
-__all__ = ["Attention", "window_plan", "dense_prefill_pays", "DENSE_PREFILL_MIN_TOKENS"]
+__all__ = ["Attention", "PreworkFormats", "window_plan", "dense_prefill_pays",
+           "DENSE_PREFILL_MIN_TOKENS"]
 
 # V4 official numerics: FP8 fake quant of the window KV's nope channels, per 64 (spec §3.6.2).
 _WINDOW_NOPE_FP8_BLOCK = 64
@@ -233,6 +235,27 @@ def _dense_entries(ops: SimpleNamespace, ctx: StepContext, pool: Tensor, fmt: Re
     return ops.read_records(pool.view(-1, pool.shape[-1]), rows, fmt, dtype)
 
 
+def _rows_of(pre: dict[str, Tensor] | None, name: str) -> tuple[Tensor, Tensor] | None:
+    """The compressor ``name``'s (kv, score) rows of :meth:`Attention.prework`, if made."""
+    return None if pre is None else (pre[f"{name}_kv"], pre[f"{name}_score"])
+
+
+@dataclass(frozen=True)
+class PreworkFormats:
+    """What :meth:`Attention.prework` needs to know of the cache: the window rings' record
+    format and element type, and the index-key pools' format."""
+
+    window: RecordFormat | None
+    window_dtype: torch.dtype
+    index_keys: RecordFormat | None
+
+    @classmethod
+    def of(cls, cache: HybridCache) -> "PreworkFormats":
+        return cls(cache.window_format,
+                   torch.uint8 if cache.window_format is not None else cache.dtype,
+                   cache.index_key_format)
+
+
 class Attention(nn.Module):
     """One attention layer; parameter paths equal the official names under ``attn.``."""
 
@@ -316,28 +339,39 @@ class Attention(nn.Module):
         return ctx.memo[key]
 
     def _window_branch(self, kv_lat: Tensor, ctx: StepContext, cache: HybridCache, cos: Tensor,
-                       sin: Tensor, dtype: torch.dtype) -> tuple[Tensor | PackedRows, Tensor]:
+                       sin: Tensor, dtype: torch.dtype, pre: dict[str, Tensor] | None = None
+                       ) -> tuple[Tensor | PackedRows, Tensor]:
         """kv = kv_norm(kv_lat) with RoPE on its tail (spec §3.6), stored into the window ring:
-        (kv_a, idx_a) of :meth:`_window_source`."""
+        (kv_a, idx_a) of :meth:`_window_source`.  ``pre``: :meth:`prework`'s outputs."""
+        if pre is not None:
+            return self._window_source(pre["window_kv"], ctx, cache, dtype, pre["window_rows"])
+        kv = self._window_kv(kv_lat, cos, sin, cache.window_format)
+        return self._window_source(kv, ctx, cache, dtype)
+
+    def _window_kv(self, kv_lat: Tensor, cos: Tensor, sin: Tensor, fmt: RecordFormat | None
+                   ) -> Tensor:
+        """The window kv of this step's tokens for a ring of record format ``fmt``."""
         # Record rings quantize on write exactly as the fake quant would: only tensor rings in
         # official numerics fake-quantize here (V4: the nope channels per 64, fused; V4.1: all
         # channels per 32).
-        fake_quant = cache.window_format is None and self.numerics == "official"
+        fake_quant = fmt is None and self.numerics == "official"
         kv = self.ops.norm_rope(kv_lat, self.kv_norm.weight, cos, sin, self.kv_norm.eps,
                                 fp8_block=_WINDOW_NOPE_FP8_BLOCK
                                 if fake_quant and not self.cfg.is_v41 else 0)
         if fake_quant and self.cfg.is_v41:
             kv = quant_window_kv(kv, self.numerics)
-        return self._window_source(kv, ctx, cache, dtype)
+        return kv
 
     def _window_source(self, kv: Tensor, ctx: StepContext, cache: HybridCache,
-                       dtype: torch.dtype) -> tuple[Tensor | PackedRows, Tensor]:
+                       dtype: torch.dtype, new_rows: Tensor | None = None
+                       ) -> tuple[Tensor | PackedRows, Tensor]:
         """(kv_a, idx_a) of the window branch; stores the newest W rows into the ring.
 
         With record pools this step's rows are packed once and read back through the same
         records as the ring's, so prefill and decode see the same values; when
         :func:`dense_prefill_pays`, the step's source (ring rows + new rows) is dequantized once
-        into ``dtype`` and the op reads those rows (same indices)."""
+        into ``dtype`` and the op reads those rows (same indices).  ``new_rows``: kv encoded
+        for the ring already (:meth:`prework`)."""
         ring = cache.window_ring(self.layer_id)
         fmt = cache.window_format
         width = ring.shape[-1]
@@ -349,7 +383,8 @@ class Attention(nn.Module):
             # to the ring.
             self.ops.write_records(flat, plan["ring_rows"], kv, plan["ring_tokens"], fmt)
             return rows_view(flat, fmt), plan["idx"]
-        new_rows = self.ops.encode_records(kv, fmt, ring.dtype)
+        if new_rows is None:
+            new_rows = self.ops.encode_records(kv, fmt, ring.dtype)
         source = torch.cat((ring[ctx.slots].view(-1, width), new_rows), dim=0)
         flat.index_copy_(0, plan["ring_rows"], new_rows[plan["ring_tokens"]])
         if dense_prefill_pays(ctx, fmt, window=self.window):
@@ -378,10 +413,11 @@ class Attention(nn.Module):
         return held[1], True
 
     def _compressed_source(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
-                           cos: Tensor, sin: Tensor, dtype: torch.dtype
+                           cos: Tensor, sin: Tensor, dtype: torch.dtype,
+                           pre: dict[str, Tensor] | None = None
                            ) -> tuple[Tensor | PackedRows, Tensor]:
         """(kv_b, idx_b): the compressed entries (:meth:`_entry_source`) and the rows of them
-        each token attends to."""
+        each token attends to.  ``pre``: :meth:`prework`'s outputs (V4)."""
         if self.cfg.is_v41:
             return self._compressed_source_v41(x, qr, ctx, cache, cos, sin, dtype)
         pool = cache.compressed_pool(self.layer_id)
@@ -395,18 +431,20 @@ class Attention(nn.Module):
             # this lane next to the indexer (dsv4.ops.streams).
             self.indexer.prepare(ctx, cache)
             if not INDEX_KEYS_ON_BRANCH:
-                self.indexer.write_keys(x, ctx, cache)
+                self.indexer.write_keys(x, ctx, cache, _rows_of(pre, "index"))
         # (Without an indexer, as in HCA layers, nothing would run beside it: no branch.)
         with (branch_lane(x.device, x.shape[0]) if self.indexer is not None
               else contextlib.nullcontext()):
             if self.indexer is not None and INDEX_KEYS_ON_BRANCH:
-                self.indexer.write_keys(x, ctx, cache)
+                self.indexer.write_keys(x, ctx, cache, _rows_of(pre, "index"))
                 keys_written = branch_mark(x.device)
             if self.compressor is not None:
                 self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool,
-                                fmt)
+                                fmt, rows=_rows_of(pre, "attn"))
         if self.indexer is not None:
-            ids = self.indexer.pick(x, qr, ctx, cache, cos, sin, keys_written)  # [T, k]
+            queries = None if pre is None else (pre["index_q"], pre["index_w"])
+            ids = self.indexer.pick(x, qr, ctx, cache, cos, sin, keys_written,  # [T, k]
+                                    queries=queries)
         join_branch_lane(x.device)
         kv_b, dense = self._entry_source(ctx, cache, dtype)
         if ids is not None:
@@ -491,17 +529,39 @@ class Attention(nn.Module):
         _, kv_lat, qr = self._latents(x)
         return self._queries(qr, cos, sin), qr, kv_lat
 
+    def prework(self, x: Tensor, qr: Tensor, kv_lat: Tensor, ctx: Any,
+                formats: PreworkFormats) -> dict[str, Tensor]:
+        """The token-local inputs of :meth:`attend`, made ahead (in a piecewise step's graph):
+        the window kv (normed, rotated) and its rows encoded for the ring; for V4 also the
+        compressors' fp32 rows and the indexer's queries and head weights.  ``formats``: the
+        cache's (:meth:`PreworkFormats.of`), which some of them depend on.  Same ops and
+        values as :meth:`attend` computes without them."""
+        cos, sin = self._rope(ctx)
+        kv = self._window_kv(kv_lat, cos, sin, formats.window)
+        pre = {"window_kv": kv,
+               "window_rows": self.ops.encode_records(kv, formats.window, formats.window_dtype)}
+        if self.cfg.is_v41 or self.ratio == 0:
+            return pre
+        if self.compressor is not None:
+            pre["attn_kv"], pre["attn_score"] = self.compressor.rows(x, ctx)
+        if self.indexer is not None:
+            pre["index_kv"], pre["index_score"] = self.indexer.compressor.rows(x, ctx)
+            pre["index_q"], pre["index_w"] = self.indexer.queries(
+                x, qr, cos, sin, hadamard=self.indexer.rotates(formats.index_keys))
+        return pre
+
     def attend(self, x: Tensor, q: Tensor, qr: Tensor, kv_lat: Tensor, ctx: StepContext,
-               cache: HybridCache) -> Tensor:
+               cache: HybridCache, pre: dict[str, Tensor] | None = None) -> Tensor:
         """The cache part of :meth:`project`'s outputs: writes this step's window rows,
         compressed entries and index keys, and returns the attention output o [T, H, hd]
-        (before the inverse RoPE of :meth:`output`).  Runs in stream order (no side lanes)."""
+        (before the inverse RoPE of :meth:`output`).  Runs in stream order (no side lanes).
+        ``pre``: :meth:`prework`'s outputs for this cache's formats (None: made here)."""
         self._check_step(x, ctx, cache)
         cos, sin = self._rope(ctx)
         kv_b = idx_b = None
         if self.ratio > 0:
-            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
-        kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
+            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype, pre)
+        kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype, pre)
         return self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype)
 
     def output(self, o: Tensor, ctx: Any, dtype: torch.dtype) -> Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -297,19 +298,27 @@ class Compressor(nn.Module):
         return kv, score + self.ape[ctx.memo[key]]
 
     # ------------------------------------------------------------------ entries
+    def rows(self, x: Tensor, ctx: Any) -> tuple[Tensor, Tensor]:
+        """The step's fp32 (kv, score) rows as :meth:`forward` takes them: token-local (a
+        piecewise step makes them inside its graphs).  ``ctx`` needs ``positions`` and
+        ``memo``."""
+        # ape goes into the ops' own score reads where they fuse it (bit-identical to adding it
+        # here: one fp32 add of the same values); else the two-launch add of _rows.
+        return self._rows(x, ctx, biased=not ops_fuse_ape(self.ops))
+
     def forward(self, x: Tensor, ctx: StepContext, state: CompressorState, pool: Tensor,
-                fmt: RecordFormat | None = None) -> EntryPlan:
+                fmt: RecordFormat | None = None,
+                rows: tuple[Tensor, Tensor] | None = None) -> EntryPlan:
         """Pool, normalize, rotate (RoPE at j·r) and store this step's entries into ``pool``
         (``fmt``: the pool's record format, None for a pool of rows), then update the state.
+        ``rows``: :meth:`rows` of x, made already.
 
         The pooling, norm and RoPE of all entries are one op (``compress_entries``), the state
         update another; what ``pool`` + ``finish`` compute, to the bit on the torch backend.
         """
         self._check_state(state)
-        # ape goes into the ops' own score reads where they fuse it (bit-identical to adding it
-        # here: one fp32 add of the same values); else the two-launch add of _rows.
         fused = ops_fuse_ape(self.ops)
-        kv, score = self._rows(x, ctx, biased=not fused)
+        kv, score = self.rows(x, ctx) if rows is None else rows
         plan = entry_plan(ctx, self.spec.ratio)
         rope = entry_rope(ctx, self.cfg, self.layer_id, plan) if plan.num_entries else None
         plan, entries = compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype,

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-from dsv4.cache.formats import V4_INDEX_BLOCK, V41_INDEX_BLOCK, rows_view
+from dsv4.cache.formats import V4_INDEX_BLOCK, V41_INDEX_BLOCK, RecordFormat, rows_view
 from dsv4.cache.tensors import CompressorSpec, HybridCache
 from dsv4.config import ModelConfig
 from dsv4.model.compressor import Compressor, entry_plan, entry_pool_rows
@@ -113,10 +113,19 @@ class Indexer(_IndexScorer):
         self.write_keys(x, ctx, cache)
         return self.pick(x, qr, ctx, cache, cos, sin)
 
-    def write_keys(self, x: Tensor, ctx: StepContext, cache: HybridCache) -> None:
-        """Compress this step's new index keys into the layer's key pool."""
+    def write_keys(self, x: Tensor, ctx: StepContext, cache: HybridCache,
+                   rows: tuple[Tensor, Tensor] | None = None) -> None:
+        """Compress this step's new index keys into the layer's key pool (``rows``: the
+        compressor's rows of x, made already)."""
         self.compressor(x, ctx, cache.compressor_state(self.layer_id, "index"),
-                        cache.index_key_pool(self.layer_id), cache.index_key_format)
+                        cache.index_key_pool(self.layer_id), cache.index_key_format, rows=rows)
+
+    def rotates(self, key_fmt: RecordFormat | None) -> bool:
+        """Whether the queries get the Hadamard rotation against keys of ``key_fmt``."""
+        # Official numerics rotate (Hadamard) then FP4-quantize the queries.  fp4 record keys
+        # are stored Hadamard-rotated in every numerics: the queries are rotated alike then (an
+        # orthogonal rotation of both leaves q·k unchanged).
+        return self.numerics == "official" or key_fmt is not None
 
     def prepare(self, ctx: StepContext, cache: HybridCache) -> None:
         """Make the step's shared index plans now (ctx.memo: the entry plan, the requests' and
@@ -127,18 +136,18 @@ class Indexer(_IndexScorer):
         token_key_rows(ctx, self.ratio, cache.page_size)
 
     def pick(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
-             cos: Tensor, sin: Tensor, keys_written: torch.cuda.Event | None = None) -> Tensor:
+             cos: Tensor, sin: Tensor, keys_written: torch.cuda.Event | None = None,
+             queries: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """The top-k entry ids of every token against the key pool (after :meth:`write_keys`).
 
         ``keys_written``: :meth:`write_keys` ran on another stream (the branch lane) up to this
-        event; the queries, which do not read the keys, are issued before the wait for it."""
+        event; the queries, which do not read the keys, are issued before the wait for it.
+        ``queries``: (q, w) of :meth:`queries` with :meth:`rotates` of the pool's format, made
+        already."""
         keys = cache.index_key_pool(self.layer_id)
         key_fmt = cache.index_key_format
-        # Official numerics rotate (Hadamard) then FP4-quantize the queries.  fp4 record keys are
-        # stored Hadamard-rotated in every numerics: the queries are rotated alike then (an
-        # orthogonal rotation of both leaves q·k unchanged).
-        q, w = self.queries(x, qr, cos, sin,
-                            hadamard=self.numerics == "official" or key_fmt is not None)
+        q, w = (self.queries(x, qr, cos, sin, hadamard=self.rotates(key_fmt))
+                if queries is None else queries)
         if keys_written is not None:
             torch.cuda.current_stream(x.device).wait_event(keys_written)
         flat_keys = rows_view(keys.view(-1, keys.shape[-1]), key_fmt)

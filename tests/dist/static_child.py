@@ -56,7 +56,8 @@ def engine(path: str, device: str, mode: str, ep: bool, world: int) -> LLMEngine
 
         eng.pipeline_decode = False
         if mode == "pgeager":
-            eng.runner.prefill_graphs = PrefillGraphs(eng.model, 32, use_graphs=False)
+            eng.runner.prefill_graphs = PrefillGraphs(eng.model, 32, use_graphs=False,
+                                                      cache=eng.runner.cache)
         if mode == "pgfail":
             pg = eng.runner.prefill_graphs
             pg.use_graphs = True

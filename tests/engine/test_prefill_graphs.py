@@ -46,9 +46,11 @@ def tiny_any(request, tmp_path_factory: pytest.TempPathFactory):
     return _tiny(tmp_path_factory, request.param)
 
 
-def _cache(model) -> HybridCache:
+def _cache(model, records: bool = False) -> HybridCache:
+    from dsv4.cache.formats import RECORD_DTYPE
+
     return HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
-                                dtype=torch.float32)
+                                dtype=RECORD_DTYPE if records else torch.float32)
 
 
 def _tensors(cache: HybridCache) -> dict[str, torch.Tensor]:
@@ -70,8 +72,9 @@ SCHEDULE = [[(0, 40)], [(1, 9)], [(0, 64), (1, 1)], [(0, 1), (1, 1)], [(2, 32)],
             [(0, 100), (2, 1), (1, 3)]]
 
 
-def _run(model, step_fn, seed: int = 0) -> tuple[list[torch.Tensor], HybridCache]:
-    cache = _cache(model)
+def _run(model, step_fn, seed: int = 0, records: bool = False
+         ) -> tuple[list[torch.Tensor], HybridCache]:
+    cache = _cache(model, records)
     gen = torch.Generator().manual_seed(seed)
     pos = {0: 0, 1: 0, 2: 0}
     out = []
@@ -96,15 +99,30 @@ def test_buckets() -> None:
         prefill_buckets(16)
 
 
-def test_piecewise_steps_match_forward(tiny_any) -> None:
+@pytest.mark.parametrize("prework", ["none", "rows", "records"])
+def test_piecewise_steps_match_forward(tiny_any, prework: str) -> None:
     """V4 and V4.1 (its Engram, single-pass blocks and an image span included): every step's
     logits and the final caches: the piecewise path (padding rows included)
     equals the model's forward to fp32 rounding (a CPU GEMM of the bucket's rows may round a
-    real row differently than one of the step's rows; with no padding the bits are equal)."""
+    real row differently than one of the step's rows; with no padding the bits are equal).
+    ``prework``: the segments also make the cache part's token-local inputs
+    (``Attention.prework``) for a cache of fp32 rows or of fp8 records (the cache the steps
+    run on); "none": the cache part makes them."""
     model = tiny_any
-    want, want_cache = _run(model, model.forward)
-    graphs = PrefillGraphs(model, max_tokens=256, use_graphs=False)
-    got, got_cache = _run(model, run_step(model, graphs))
+    records = prework == "records"
+    want, want_cache = _run(model, model.forward, records=records)
+    graphs = PrefillGraphs(model, max_tokens=256, use_graphs=False,
+                           cache=None if prework == "none" else _cache(model, records))
+    got, got_cache = _run(model, run_step(model, graphs), records=records)
+    if prework != "none":
+        # Every layer's window inputs, and V4's compressor rows and index queries where it has
+        # them, came from the segments.
+        made = graphs._state[64].prework
+        assert sorted(made) == list(range(len(model.layers)))
+        assert all({"window_kv", "window_rows"} <= set(m) for m in made.values())
+        if not model.cfg.is_v41:
+            assert any("index_q" in m for m in made.values())
+            assert any("attn_kv" in m and "index_q" not in m for m in made.values())
     assert graphs.stats["steps"] == len(SCHEDULE)
     assert graphs.stats["padded_tokens"] > 0
     # Every bucket's buffers are the first rows of one shared buffer per name.
@@ -133,6 +151,8 @@ def test_exact_bucket_same_bits(tiny_v4) -> None:
 
     graphs = PrefillGraphs(model, max_tokens=64, use_graphs=False)
     assert torch.equal(logits(graphs.forward), logits(model.forward))
+    graphs = PrefillGraphs(model, max_tokens=64, use_graphs=False, cache=_cache(model))
+    assert torch.equal(logits(graphs.forward), logits(model.forward))
 
 
 def test_refusals(tiny_v4) -> None:
@@ -144,21 +164,31 @@ def test_refusals(tiny_v4) -> None:
         graphs.forward(big, _cache(model))
     with pytest.raises(ValueError, match="CUDA"):
         PrefillGraphs(model, use_graphs=True)
+    # Segments made for one cache's formats refuse a cache of others.
+    graphs = PrefillGraphs(model, max_tokens=32, use_graphs=False, cache=_cache(model))
+    small = StepContext.build(torch.zeros(8, dtype=torch.int64), [8], [0], [0], [[0]])
+    with pytest.raises(ValueError, match="formats"):
+        graphs.forward(small, _cache(model, records=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_graph_replays_match_eager() -> None:
+@pytest.mark.parametrize("prework", [False, True])
+def test_gpu_graph_replays_match_eager(prework: bool) -> None:
     """V4-Flash's layer kinds at toy widths on the GPU (bench/flash_bench.py --tiny: FP8
     Linears, MXFP4 experts, fp8 records): captured replays against the eager forward over a
-    schedule of prefill and mixed steps."""
+    schedule of prefill and mixed steps, and (``prework``: the cache part's token-local inputs
+    made in the graphs) bit for bit against the same segments run eagerly."""
     from bench.flash_bench import build_model
     from dsv4.cache.formats import RECORD_DTYPE
 
     model = build_model(5, tiny=True)
 
+    def new_cache() -> HybridCache:
+        return HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
+                                    dtype=RECORD_DTYPE, device="cuda")
+
     def run(step_fn) -> tuple[list[torch.Tensor], HybridCache]:
-        cache = HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
-                                     dtype=RECORD_DTYPE, device="cuda")
+        cache = new_cache()
         gen = torch.Generator(device="cuda").manual_seed(0)
         pos = {0: 0, 1: 0, 2: 0}
         out = []
@@ -175,10 +205,17 @@ def test_gpu_graph_replays_match_eager() -> None:
         return out, cache
 
     want, _ = run(model.forward)
-    graphs = PrefillGraphs(model, max_tokens=256, use_graphs=True)
+    cache = new_cache() if prework else None
+    graphs = PrefillGraphs(model, max_tokens=256, use_graphs=True, cache=cache)
     got, _ = run(run_step(model, graphs))
     again, _ = run(run_step(model, graphs))   # replays of captured graphs only
     assert graphs.stats["graphs"] > 0
+    if prework:
+        assert all(st.prework for st in graphs._state.values() if st.graphs)
+        segments, _ = run(run_step(model, PrefillGraphs(model, max_tokens=256, use_graphs=False,
+                                                          cache=cache)))
+        for i, (a, b) in enumerate(zip(got, segments)):
+            assert torch.equal(a, b), f"step {i}: replays differ from the eager segments"
     for i, (a, b, c) in enumerate(zip(got, want, again)):
         assert torch.isfinite(a).all(), i
         assert torch.equal(a, c), f"step {i}: replays differ"
@@ -247,7 +284,8 @@ def test_gpu_engine_prefill_graphs(tmp_path) -> None:
     assert pg.stats["capture_s"] == capture_s and pg.stats["steps"] > 0
     eager = LLMEngine(path, prefill_graphs=False, **kw)
     assert eager.runner.prefill_graphs is None
-    eager.runner.prefill_graphs = PrefillGraphs(model, 128, use_graphs=False)
+    eager.runner.prefill_graphs = PrefillGraphs(model, 128, use_graphs=False,
+                                                cache=eager.runner.cache)
     assert got == run_greedy(eager, reqs)
 
 
@@ -284,9 +322,12 @@ def test_gpu_v41_graph_replays_match_eager_segments(tmp_path) -> None:
     model = load_model(path, device="cuda", dtype=torch.bfloat16, numerics="bf16",
                        backend="triton")
 
+    def new_cache() -> HybridCache:
+        return HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
+                                    dtype=torch.bfloat16, device="cuda")
+
     def run(graphs: PrefillGraphs) -> list[torch.Tensor]:
-        cache = HybridCache.allocate(model.cfg, num_pages=8, num_slots=3, page_size=PAGE,
-                                     dtype=torch.bfloat16, device="cuda")
+        cache = new_cache()
         gen = torch.Generator(device="cuda").manual_seed(0)
         pos = {0: 0, 1: 0, 2: 0}
         out = []
@@ -306,8 +347,9 @@ def test_gpu_v41_graph_replays_match_eager_segments(tmp_path) -> None:
                 pos[s] += n
         return out
 
-    replayed = run(PrefillGraphs(model, max_tokens=256, use_graphs=True))
-    eager = run(PrefillGraphs(model, max_tokens=256, use_graphs=False))
+    # With the cache part's token-local inputs made in the segments (Attention.prework).
+    replayed = run(PrefillGraphs(model, max_tokens=256, use_graphs=True, cache=new_cache()))
+    eager = run(PrefillGraphs(model, max_tokens=256, use_graphs=False, cache=new_cache()))
     for i, (a, b) in enumerate(zip(replayed, eager)):
         assert torch.isfinite(a).all(), i
         assert torch.equal(a, b), f"step {i}"
