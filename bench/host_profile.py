@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-graphs", type=int, default=0, metavar="MAX_TOKENS",
                     help="run steps of up to MAX_TOKENS as piecewise CUDA graphs "
                          "(dsv4.engine.prefill_graphs; eager segments on a CPU)")
+    ap.add_argument("--no-prework", action="store_true",
+                    help="with --prefill-graphs: leave the cache part's token-local inputs to "
+                         "the eager cache part (Attention.prework off), for an A/B")
     ap.add_argument("--stats", default=None, help="dump each length's cProfile stats to "
                     "STATS.<tokens> (pstats format)")
     args = ap.parse_args(argv)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     pg = None
     if args.prefill_graphs:
         from dsv4.engine.prefill_graphs import PrefillGraphs
-        pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda, cache=cache)
+        pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda,
+                           cache=None if args.no_prework else cache)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()   # a capture empties it anyway: count from an empty one
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median
             print(f"\n## prefill {S} tokens, {args.layers} layers"
                   + (", piecewise graphs" if pg is not None and S <= pg.buckets[-1] else "")
+                  + (" (no prework)" if pg is not None and pg.formats is None else "")
                   + f": wall {med(wall) * 1e3:.2f} ms, "
                   f"host issue {med(issue) * 1e3:.2f} ms, GPU busy "
                   + (f"{med(busy) * 1e3:.2f} ms" if busy else "n/a"), flush=True)
