@@ -50,6 +50,8 @@ POST_PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2), P(16, 3
 PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 4)],
        "prefill": [P(64, 32, 4, 3, 2), P(128, 32, 8, 3, 2, "bf16x3"), P(64, 32, 8, 3, 2, "bf16x3"),
                    P(64, 64, 8, 2, 2, "bf16x3"), P(32, 32, 4, 3, 4, "bf16x3")]}
+# From this many tokens up to HC_PREFILL_T the sweep tries the decode and the prefill candidates.
+MID_T_MIN = 64
 POST = [P(1, 256, 4, 3), P(1, 1024, 4, 3), P(1, 1024, 8, 3), P(1, 2048, 8, 3)]
 # (The decode plans of BM 16 keep 16 rows: larger row counts clamp to BM.)
 PREP = [tm.PrepPlan(16, 4), tm.PrepPlan(64, 4), tm.PrepPlan(64, 8), tm.PrepPlan(128, 4),
@@ -364,10 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for T in tokens:
         phase = "prefill" if T >= triton_mhc.HC_PREFILL_T else "decode"
+        # Between decode and prefill sizes (a short prompt, a mixed step) both kinds compete.
+        mid = MID_T_MIN <= T < triton_mhc.HC_PREFILL_T
         if "hc_post_pre" in ops:
-            rows += sweep_hc("hc_post_pre", T, n, D, dev, reps, post_pre[phase], deadline)
+            cands = post_pre["decode"] + post_pre["prefill"] if mid else post_pre[phase]
+            rows += sweep_hc("hc_post_pre", T, n, D, dev, reps, cands, deadline)
         if "hc_pre" in ops:
-            rows += sweep_hc("hc_pre", T, n, D, dev, reps, pre[phase], deadline)
+            cands = pre["decode"] + pre["prefill"] if mid else pre[phase]
+            rows += sweep_hc("hc_pre", T, n, D, dev, reps, cands, deadline)
         if "hc_post" in ops:
             rows += sweep_hc("hc_post", T, n, D, dev, reps, post, deadline)
         if "prep" in ops:
