@@ -83,8 +83,9 @@ class EngineOptions:
     eagerly) run as piecewise CUDA graphs of bucketed token counts
     (``dsv4.engine.prefill_graphs``): each layer's token-local ops (projections, mHC, MoE)
     replay from graphs and only the attention's cache part runs eagerly, so short prompts no
-    longer wait on the host issuing every launch; captured with the decode graphs (~22 s for
-    43 layers; under tensor / expert parallelism on every rank, with ``cuda_graphs_under_tp``).
+    longer wait on the host issuing every launch; captured with the decode graphs (20–50 s
+    and ~2 GB for 43 layers on a fresh machine; under tensor / expert parallelism on every
+    rank, with ``cuda_graphs_under_tp``).
     ``moe_fp8_codes`` (default False; MXFP4 experts under ``numerics="official"``, whose large
     prefill steps run the FP8-MMA expert path): keep an FP8 re-encoding of the routed experts on
     the GPU next to them (lossless; about twice the MXFP4 stacks' bytes, counted as weights in the
