@@ -14,6 +14,7 @@ the bits of the collapse followed by ``triton_norm.rms_norm``.  Other n take the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from dsv4.ops import triton_norm
 
 __all__ = ["hc_pre", "hc_post", "hc_post_pre", "hc_head", "HcPlan", "pick_hc_plan",
            "hc_pre_with_plan", "hc_head_with_plan", "hc_post_with_plan", "hc_post_pre_with_plan",
-           "HC_PREFILL_T", "HC_NORM_FUSED_T"]
+           "HC_PREFILL_T", "HC_NORM_FUSED_T", "HC_POST_PRE_MID_T", "HC_POST_PRE_WIDE_T"]
 
 
 # ------------------------------------------------------------------------------ mHC
@@ -87,6 +88,13 @@ class HcPlan:
 
 # From this many tokens the prefill plans apply; below, the decode plans of before (unchanged).
 HC_PREFILL_T = 1024
+# The fused post + mixes between decode and prefill sizes (a short prompt, a mixed step): from
+# HC_POST_PRE_MID_T tokens the decode tiles on 2 warps, from HC_POST_PRE_WIDE_T the prefill plan
+# (H100 sweep, twenty-fourth session: 64 tokens 30.7 → 13.1 µs, 128 36.1 → 19.8, 256 45.9 →
+# 37.6, 512 96.6 → 64.2; x_new the same bits, the mixes within fp32 rounding).
+# (DSV4_HC_POST_PRE_MID_T=1024 restores the decode plan below HC_PREFILL_T, for A/B runs.)
+HC_POST_PRE_MID_T = int(os.environ.get("DSV4_HC_POST_PRE_MID_T", "64"))
+HC_POST_PRE_WIDE_T = 256
 # Below this many tokens a collapse given a norm weight (n = 4) runs the norm in its own kernel
 # (grid (T,), one program per token holding the whole row: one launch less, the latency-bound
 # decode case); from it on, the D-split collapse (at its bytes floor at 8,192 tokens) then
@@ -112,12 +120,17 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
         return HcPlan(BT=1, BD=min(512, triton.next_power_of_2(D)), num_warps=4, num_stages=3)
     if op not in ("pre", "post_pre"):
         raise ValueError(f"pick_hc_plan: op must be 'pre', 'post_pre' or 'post'; found {op!r}")
+    wide_post_pre = HcPlan(BT=64, BD=max(triton.cdiv(16, n), chunk // 2), num_warps=4,
+                           num_stages=3, per_sm=4, mix=mix)
+    if op == "post_pre" and HC_POST_PRE_MID_T <= T < HC_PREFILL_T:
+        if T >= HC_POST_PRE_WIDE_T:
+            return wide_post_pre
+        return HcPlan(BT=16, BD=chunk, num_warps=2, num_stages=3, mix=mix)
     if T < HC_PREFILL_T:
         return HcPlan(BT=16, BD=chunk, num_warps=4, num_stages=3, mix=mix)
     if op == "pre":
         return HcPlan(BT=64, BD=chunk, num_warps=4, num_stages=3, per_sm=2, mix=mix)
-    return HcPlan(BT=64, BD=max(triton.cdiv(16, n), chunk // 2), num_warps=4, num_stages=3,
-                  per_sm=4, mix=mix)
+    return wide_post_pre
 
 
 @triton.jit

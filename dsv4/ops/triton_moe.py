@@ -736,7 +736,7 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
 
     From the H200 sweeps (docs/PERFORMANCE.md, V4-Flash shapes, bench/moe_decode.py --sweep):
     16-row blocks for decode with wide N tiles (64/128 at one token, 128/128 from 16 tokens
-    up), 64-row blocks with 128-wide tiles and 4 warps beyond, 128-row blocks with 8 warps from
+    up), 64-row blocks with 128-wide tiles, 4 warps and (H100) two stages beyond, 128-row blocks with 8 warps from
     128 rows per expert (8K prefill: 11.8 ms against 12.3 with 64-row blocks).  16-row blocks
     whose programs (active experts × N tiles) are too few to fill the GPU split K
     (:func:`_pick_split`; V4-Flash: one token up 4 / down 4, 8 tokens and more unsplit)."""
@@ -750,10 +750,15 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     if rows <= 32:
         return MoeConfig(BM=32, BN_up=128, BN_down=128, BK=block_k, stages=3)
     if rows < 128:
-        return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=3)
+        # Two stages (H100 sweep, twenty-fourth session, 256 experts: 512 / 1,024 / 2,048
+        # tokens 2,813 / 2,876 / 3,199 µs at three stages, 2,431 / 2,497 / 2,782 at two).
+        return MoeConfig(BM=64, BN_up=128, BN_down=128, BK=block_k, stages=MOE_BM64_STAGES)
     return MoeConfig(BM=128, BN_up=128, BN_down=128, BK=block_k, warps_up=8, warps_down=8,
                      stages=3)
 
+
+# Pipeline stages of the 64-row expert blocks (DSV4_MOE_BM64_STAGES=3: the former plan, A/B).
+MOE_BM64_STAGES = int(os.environ.get("DSV4_MOE_BM64_STAGES", "2"))
 
 # Shared memory the pipelined operand buffers of one program may take (the H200: 227 KB).
 _SMEM_BUDGET = 224 * 1024

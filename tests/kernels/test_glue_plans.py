@@ -174,6 +174,15 @@ def test_plans_reject_bad_values() -> None:
     assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16) == triton_mhc.HcPlan(
         64, 16, 4, 3, per_sm=4, mix="bf16x3")
     assert triton_mhc.pick_hc_plan("post", 1, 4, 4096, torch.bfloat16) == triton_mhc.HcPlan(1, 512, 4, 3)
+    # The fused post + mixes between decode and prefill sizes: decode tiles on 2 warps, then
+    # the prefill plan (H100 sweep); the mixes alone keep the decode tiles there.
+    mid = triton_mhc.HcPlan(16, 32, 2, 3, mix="bf16x3")
+    assert triton_mhc.pick_hc_plan("post_pre", 63, 4, 4096, torch.bfloat16) == want
+    assert triton_mhc.pick_hc_plan("post_pre", 64, 4, 4096, torch.bfloat16) == mid
+    assert triton_mhc.pick_hc_plan("post_pre", 255, 4, 4096, torch.bfloat16) == mid
+    assert triton_mhc.pick_hc_plan("post_pre", 256, 4, 4096, torch.bfloat16) == \
+        triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16)
+    assert triton_mhc.pick_hc_plan("pre", 512, 4, 4096, torch.bfloat16) == want
     # fp32 streams never take the bf16 mix.
     assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.float32).mix == "fp32"
 

@@ -193,6 +193,36 @@ def test_hc_ops_gpu(T: int) -> None:
     assert _finite(h) and _rel(h, ref.hc_head(x, fh, sh, bh, 1e-6, 1e-6)) < 4e-3
 
 
+@pytest.mark.parametrize("T", [64, 200, 256, 512])
+def test_hc_post_pre_mid_sizes_gpu(T: int) -> None:
+    """The fused post + mixes at the token counts of short prompts and mixed steps (the plans
+    of HC_POST_PRE_MID_T / HC_POST_PRE_WIDE_T) against the torch twin, with the norm."""
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_mhc
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    n, D = 4, 4096
+    x = torch.randn(T, n, D, generator=gen, device=DEV).bfloat16()
+    out = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    post = torch.rand(T, n, generator=gen, device=DEV) * 2
+    comb = torch.rand(T, n, n, generator=gen, device=DEV) / n
+    fn = torch.randn(24, n * D, generator=gen, device=DEV) * 0.02
+    scale = torch.rand(3, generator=gen, device=DEV) + 0.5
+    base = torch.randn(24, generator=gen, device=DEV) * 0.5
+    w = torch.rand(D, generator=gen, device=DEV).bfloat16() + 0.5
+    _poison()
+    got = triton_mhc.hc_post_pre(out, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    want = ref.hc_post_pre(out, x, post, comb, fn, scale, base, 1e-6, 1e-6, 20, w, 1e-6)
+    assert all(_finite(t) for t in got)
+    assert _rel(got[0], want[0]) < 4e-3 and _rel(got[1], want[1]) < 4e-3
+    assert _rel(got[2], want[2]) < 1e-4 and _rel(got[3], want[3]) < 1e-4
+    # x_new is the same bits as under the decode plan these sizes had before.
+    before = triton_mhc.hc_post_pre_with_plan(out, x, post, comb, fn, scale, base, 1e-6, 1e-6,
+                                              20, plan=triton_mhc.HcPlan(16, 32, 4, 3,
+                                                                         mix="bf16x3"),
+                                              norm_weight=w, rms_eps=1e-6)
+    assert torch.equal(got[0], before[0])
+
+
 ATTN_PLANS = [dict(BH=16, BN=64, num_warps=4, num_stages=2, split_kv=8),
               dict(BH=16, BN=32, num_warps=4, num_stages=2, split_kv=16),
               dict(BH=64, BN=32, num_warps=8, num_stages=2, dv=256),

@@ -218,6 +218,7 @@ def test_moe_tile_plans_of_the_defaults(plan) -> None:
 def test_pick_moe_config_regimes() -> None:
     assert tri.pick_moe_config(6, 256, 4096, 2048, 128).BM == 16        # decode, one token
     assert tri.pick_moe_config(384, 256, 4096, 2048, 128).BN_up == 128  # decode, batch 64
-    assert tri.pick_moe_config(12288, 256, 4096, 2048, 128).BM == 64    # 2K prefill (48 rows)
+    mid = tri.pick_moe_config(12288, 256, 4096, 2048, 128)              # 2K prefill (48 rows)
+    assert (mid.BM, mid.stages) == (64, 2)
     big = tri.pick_moe_config(49152, 256, 4096, 2048, 128)              # 8K prefill (192 rows)
     assert (big.BM, big.warps_up, big.warps_down) == (128, 8, 8)
