@@ -9,7 +9,7 @@ source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 EXPERTS=64
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
-stage tests 200 python -m pytest -q tests/kernels/test_gpu_kernels.py -k "hc_" \
+stage tests 200 python -m pytest -q tests/kernels/test_gpu_kernels.py \
     tests/kernels/test_moe_kchunk_gpu.py -k "hc_ or grouped"
 stage hp_new 130 python bench/host_profile.py --layers 43 --experts $EXPERTS --tokens 128,512 \
     --reps 5 --top 3 --prefill-graphs 1024
