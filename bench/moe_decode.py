@@ -62,7 +62,9 @@ DECODE_STAGES = (2, 4)
 SMALL_WIDE_WARPS8 = [(64, 128), (128, 128)]
 # Prefill (BN 128/128): (BM, warps, stages).  BM 128 only with 8 warps: the up GEMM's fp32
 # accumulator (128 rows x 2·128 columns) over 4 warps would be 256 registers a thread.
-LARGE_PLANS = [(64, 4, 3), (64, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 3), (128, 8, 2)]
+LARGE_PLANS = [(64, 4, 3), (64, 8, 3), (64, 4, 2), (64, 8, 2), (128, 8, 3), (128, 8, 2),
+               # 12-48 rows an expert (short prompts, mixed steps): smaller blocks, other depths
+               (16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 1)]
 
 
 def mxfp4_stacks(E: int, D: int, inter: int, gen: torch.Generator, dev: str,
