@@ -193,8 +193,9 @@ class PrefillGraphs:
                              f"(static={ctx.static is not None}); this serves non-static steps "
                              f"of at most {self.buckets[-1]}")
         if self.formats is not None and PreworkFormats.of(cache) != self.formats:
-            raise ValueError(f"PrefillGraphs.forward: the cache's formats {PreworkFormats.of(cache)}"
-                             f" are not the ones the segments were made for ({self.formats})")
+            raise ValueError(f"PrefillGraphs.forward: the cache's formats "
+                             f"{PreworkFormats.of(cache)} are not the ones the segments were "
+                             f"made for ({self.formats})")
         T = ctx.num_tokens
         Tb = self.bucket(T)
         if self.use_graphs and not self.captured(T):

@@ -216,10 +216,9 @@ def test_hc_post_pre_mid_sizes_gpu(T: int) -> None:
     assert _rel(got[0], want[0]) < 4e-3 and _rel(got[1], want[1]) < 4e-3
     assert _rel(got[2], want[2]) < 1e-4 and _rel(got[3], want[3]) < 1e-4
     # x_new is the same bits as under the decode plan these sizes had before.
+    former = triton_mhc.HcPlan(16, 32, 4, 3, mix="bf16x3")
     before = triton_mhc.hc_post_pre_with_plan(out, x, post, comb, fn, scale, base, 1e-6, 1e-6,
-                                              20, plan=triton_mhc.HcPlan(16, 32, 4, 3,
-                                                                         mix="bf16x3"),
-                                              norm_weight=w, rms_eps=1e-6)
+                                              20, plan=former, norm_weight=w, rms_eps=1e-6)
     assert torch.equal(got[0], before[0])
 
 
