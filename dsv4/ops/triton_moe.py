@@ -739,7 +739,8 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     up), 64-row blocks with 128-wide tiles, 4 warps and (H100 sweep) two stages beyond, 128-row
     blocks with 8 warps from 128 rows per expert (8K prefill: 11.8 ms against 12.3 with 64-row
     blocks).  16-row blocks whose programs (active experts × N tiles) are too few to fill the
-    GPU split K (:func:`_pick_split`; V4-Flash: one token up 4 / down 4, 8 tokens and more unsplit)."""
+    GPU split K (:func:`_pick_split`; V4-Flash: one token up 4 / down 4, 8 tokens and more
+    unsplit)."""
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:
