@@ -3,6 +3,8 @@ weights made on each GPU: time per output token and output tokens/s against the 
 
     torchrun --nproc-per-node 2 bench/tp_bench.py --layers 43 --ep --graphs --out tp.json
     torchrun --nproc-per-node 2 bench/tp_bench.py --tiny --out tiny.json    # CPU, gloo, seconds
+    torchrun --nproc-per-node 1 bench/tp_bench.py --layers 43 --experts 64 --graphs \
+        --concurrency 1,16 --prompt-len 256 --output-len 32 [--no-prefill-graphs]   # one GPU: TTFT
 
 Every rank builds its shard of V4-Flash (``bench/flash_bench.py``'s config: real widths, the
 first ``--layers`` of the 43 layers, FP8 weights, MXFP4 experts, no MTP stage) with random
@@ -159,7 +161,7 @@ def decode_floor(cfg: ModelConfig, world: int, ep: bool, batch: int, ctx_len: in
 # ------------------------------------------------------------------------------ engine
 def bench_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     """config.json of the benchmark model: V4-Flash's (``flash_bench.flash_config_dict``)."""
-    d = flash_config_dict(args.layers, args.tiny)
+    d = flash_config_dict(args.layers, args.tiny, args.experts)
     d["num_hash_layers"] = min(d["num_hash_layers"], args.layers)
     if args.tiny:
         # Each rank's expert slice must hold whole 128-wide activation-quantization blocks
@@ -196,7 +198,8 @@ def build_engine(args: argparse.Namespace, cfg_dir: str) -> Any:
         tensor_parallel_size=args.world, expert_parallel=args.ep, numerics=args.numerics,
         max_num_seqs=max_c, cuda_graph_max_batch=max_c, max_model_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        enforce_eager=not args.graphs, cuda_graphs_under_tp=args.graphs)
+        enforce_eager=not args.graphs, cuda_graphs_under_tp=args.graphs,
+        prefill_graphs=args.prefill_graphs)
     if args.device == "cuda":
         opts.update(dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization)
@@ -410,6 +413,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ep", action="store_true", help="expert parallel (whole experts per rank)")
     ap.add_argument("--graphs", action="store_true", help="decode CUDA graphs under TP "
                     "(engine option cuda_graphs_under_tp; static-shape steps on CPU)")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine option prefill_graphs (default: the engine's, on with "
+                         "--graphs on one GPU)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts a layer (43 "
+                    "layers of 256 do not fit one GPU; one H100 holds 64)")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,16,64; 1,4 tiny)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 8192 (64 tiny)")
     ap.add_argument("--output-len", type=int, default=None, help="default 128 (6 tiny)")
@@ -520,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             save()
         graphs = engine.runner.decode_graphs
         results["graph_stats"] = dict(graphs.stats) if graphs is not None else None
+        pg = engine.runner.prefill_graphs
+        results["prefill_graph_stats"] = dict(pg.stats) if pg is not None else None
         results["graphs_disabled_reason"] = engine.runner.graphs_disabled_reason
     except Exception:
         results["errors"].append(traceback.format_exc()[-3000:])

@@ -30,7 +30,8 @@ def _load():
     return mod
 
 
-@pytest.mark.parametrize("extra", [[], ["--ep", "--graphs"]])
+@pytest.mark.parametrize("extra", [[], ["--ep", "--graphs"],
+                                   ["--graphs", "--prefill-graphs", "--experts", "8"]])
 def test_tiny_two_processes(tmp_path, extra: list[str]) -> None:
     out = tmp_path / "tp.json"
     t0 = time.monotonic()
@@ -58,6 +59,11 @@ def test_tiny_two_processes(tmp_path, extra: list[str]) -> None:
         assert r["graph_stats"]["eager_static_steps"] > 0
     else:
         assert r["graph_stats"] is None
+    # Prefill graphs only on request under TP (their segments run eagerly on CPUs).
+    if "--prefill-graphs" in extra:
+        assert r["prefill_graph_stats"]["steps"] > 0
+    else:
+        assert r["prefill_graph_stats"] is None
     assert "TPOT" in log and "anchor" in log
 
 
