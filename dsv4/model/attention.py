@@ -419,7 +419,7 @@ class Attention(nn.Module):
         """(kv_b, idx_b): the compressed entries (:meth:`_entry_source`) and the rows of them
         each token attends to.  ``pre``: :meth:`prework`'s outputs (V4)."""
         if self.cfg.is_v41:
-            return self._compressed_source_v41(x, qr, ctx, cache, cos, sin, dtype)
+            return self._compressed_source_v41(x, qr, ctx, cache, cos, sin, dtype, pre)
         pool = cache.compressed_pool(self.layer_id)
         fmt = cache.compressed_format
         ids = None
@@ -454,15 +454,21 @@ class Attention(nn.Module):
         return kv_b, idx_b
 
     def _compressed_source_v41(self, x: Tensor, qr: Tensor, ctx: StepContext,
-                               cache: HybridCache, cos: Tensor, sin: Tensor, dtype: torch.dtype
+                               cache: HybridCache, cos: Tensor, sin: Tensor, dtype: torch.dtype,
+                               pre: dict[str, Tensor] | None = None
                                ) -> tuple[Tensor | PackedRows, Tensor]:
-        """V4.1 roles: (kv_b, idx_b) over the latest KV source's pool (spec §4.3–4.5)."""
+        """V4.1 roles: (kv_b, idx_b) over the latest KV source's pool (spec §4.3–4.5).
+        ``pre``: :meth:`prework`'s outputs."""
         pool = cache.compressed_pool(self.layer_id)
         fmt = cache.compressed_format
         if isinstance(self.compressor, CompressorV2):
             state = (cache.compressor_state(self.layer_id, "attn")
                      if self.compressor.spec is not None else None)
-            plan, latent = self.compressor(x, ctx, state)
+            rows = None
+            if pre is not None:
+                rows = ((pre["attn_latent"],) if self.compressor.spec is None
+                        else (pre["attn_kv"], pre["attn_score"]))
+            plan, latent = self.compressor(x, ctx, state, rows)
             if plan.num_entries:
                 cos_e, sin_e = rope_cos_sin(self.cfg, self.layer_id, plan.entry * self.ratio)
                 # Keys come from the latent before its rotation (spec §4.3 (a)).  Record pools
@@ -477,7 +483,8 @@ class Attention(nn.Module):
                     entries = quant_compressed_latent(entries, self.numerics)
                 write_entries(pool, ctx, plan, entries, fmt, ops=self.ops)
         if self.indexer is not None:
-            ids = self.indexer(x, qr, ctx, cache, cos, sin)
+            ids = self.indexer(x, qr, ctx, cache, cos, sin,
+                               None if pre is None else (pre["index_q"], pre["index_w"]))
         else:
             key = (TOPK_MEMO, self.topk_source)
             if key not in ctx.memo:
@@ -532,15 +539,24 @@ class Attention(nn.Module):
     def prework(self, x: Tensor, qr: Tensor, kv_lat: Tensor, ctx: Any,
                 formats: PreworkFormats) -> dict[str, Tensor]:
         """The token-local inputs of :meth:`attend`, made ahead (in a piecewise step's graph):
-        the window kv (normed, rotated) and its rows encoded for the ring; for V4 also the
-        compressors' fp32 rows and the indexer's queries and head weights.  ``formats``: the
+        the window kv (normed, rotated) and its rows encoded for the ring; the compressors' fp32
+        rows (V4.1 ratio 1: the finished latents) and the indexer's queries and head weights.  ``formats``: the
         cache's (:meth:`PreworkFormats.of`), which some of them depend on.  Same ops and
         values as :meth:`attend` computes without them."""
         cos, sin = self._rope(ctx)
         kv = self._window_kv(kv_lat, cos, sin, formats.window)
         pre = {"window_kv": kv,
                "window_rows": self.ops.encode_records(kv, formats.window, formats.window_dtype)}
-        if self.cfg.is_v41 or self.ratio == 0:
+        if self.ratio == 0:
+            return pre
+        if self.cfg.is_v41:
+            if isinstance(self.compressor, CompressorV2):
+                rows = self.compressor.rows(x)
+                names = ("attn_latent",) if len(rows) == 1 else ("attn_kv", "attn_score")
+                pre.update(zip(names, rows))
+            if self.indexer is not None:   # no Hadamard in V4.1
+                pre["index_q"], pre["index_w"] = self.indexer.queries(x, qr, cos, sin,
+                                                                      hadamard=False)
             return pre
         if self.compressor is not None:
             pre["attn_kv"], pre["attn_score"] = self.compressor.rows(x, ctx)

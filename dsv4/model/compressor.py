@@ -393,18 +393,27 @@ class CompressorV2(nn.Module):
             self.wkv = Linear(cfg.dim, hd, fmt="bf16", numerics=numerics, dtype=dtype)
         self.norm = RMSNorm(hd, cfg.norm_eps, ops)
 
-    def forward(self, x: Tensor, ctx: StepContext, state: CompressorState | None
-                ) -> tuple[EntryPlan, Tensor]:
+    def rows(self, x: Tensor) -> tuple[Tensor, ...]:
+        """The token-local part of :meth:`forward`: ratio 2 the fp32 (kv, score) rows, ratio 1
+        the finished latents (latent,) — one per token."""
+        if self.spec is None:
+            return (self.norm(self.wkv(x.to(self.dtype))),)
+        return kv_score_rows(self.ops, x, self.wkv, self.wgate)
+
+    def forward(self, x: Tensor, ctx: StepContext, state: CompressorState | None,
+                rows: tuple[Tensor, ...] | None = None) -> tuple[EntryPlan, Tensor]:
         """x [T, D] -> (plan of the entries completed in this step, latents [E, hd] pre-RoPE).
 
-        ``state`` is the slot carry-over of a ratio-2 compressor (None for ratio 1).
+        ``state`` is the slot carry-over of a ratio-2 compressor (None for ratio 1); ``rows``:
+        :meth:`rows` of x, made already.
         """
         plan = entry_plan(ctx, self.ratio)
+        rows = self.rows(x) if rows is None else rows
         if self.spec is None:
             # Ratio 1: the entries of a step are its tokens, in the same (request, position) order.
-            return plan, self.norm(self.wkv(x.to(self.dtype)))
+            return plan, rows[0]
         if state is None or state.spec != self.spec:
             raise ValueError(f"CompressorV2(layer {self.layer_id}): needs a carry-over state for "
                              f"{self.spec}; got {None if state is None else state.spec}")
-        kv, score = kv_score_rows(self.ops, x, self.wkv, self.wgate)
+        kv, score = rows
         return compress_step(self.ops, ctx, state, kv, score, self.norm, self.dtype, None)

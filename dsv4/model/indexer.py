@@ -202,13 +202,15 @@ class IndexerV2(_IndexScorer):
                                       self.numerics if quantize else "bf16", ops=self.ops)
 
     def forward(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
-                cos: Tensor, sin: Tensor) -> Tensor:
+                cos: Tensor, sin: Tensor, queries: tuple[Tensor, Tensor] | None = None
+                ) -> Tensor:
         """Entry ids [T, index_topk] (ascending, −1 = none) picked for every token; also
         published in ``ctx.memo[(TOPK_MEMO, layer)]`` (and the candidate mask of the candidate
         source in ``ctx.memo[(CANDIDATES_MEMO, layer)]``).
 
         Scores run against the key pool of the layer's KV source, which for a KV source is its
-        own (spec §6.13: never another source's keys).
+        own (spec §6.13: never another source's keys).  ``queries``: (q, w) of
+        :meth:`queries` (no Hadamard), made already.
         """
         from dsv4.model.v41 import restrict_to_candidates, select_candidate_blocks, topk_sorted
 
@@ -216,7 +218,7 @@ class IndexerV2(_IndexScorer):
         keys = cache.index_key_pool(self.layer_id)
         keys = rows_view(keys.view(-1, keys.shape[-1]), cache.index_key_format)
         # No Hadamard in V4.1 (spec §4.5 scoring step 1).
-        q, w = self.queries(x, qr, cos, sin, hadamard=False)
+        q, w = self.queries(x, qr, cos, sin, hadamard=False) if queries is None else queries
         scores, n_visible = self.scores(q, w, keys, ctx, cache)
         if self.is_candidate_source:
             # From the unrestricted (causally masked) scores (spec §4.5 item 5).

@@ -115,13 +115,16 @@ def test_piecewise_steps_match_forward(tiny_any, prework: str) -> None:
                            cache=None if prework == "none" else _cache(model, records))
     got, got_cache = _run(model, run_step(model, graphs), records=records)
     if prework != "none":
-        # Every layer's window inputs, and V4's compressor rows and index queries where it has
+        # Every layer's window inputs, and the compressor rows and index queries where it has
         # them, came from the segments.
         made = graphs._state[64].prework
         assert sorted(made) == list(range(len(model.layers)))
         assert all({"window_kv", "window_rows"} <= set(m) for m in made.values())
-        if not model.cfg.is_v41:
-            assert any("index_q" in m for m in made.values())
+        assert any("index_q" in m for m in made.values())
+        if model.cfg.is_v41:   # KV sources of ratio 2 and 1 (its finished latents)
+            assert any("attn_kv" in m for m in made.values())
+            assert any("attn_latent" in m for m in made.values())
+        else:
             assert any("attn_kv" in m and "index_q" not in m for m in made.values())
     assert graphs.stats["steps"] == len(SCHEDULE)
     assert graphs.stats["padded_tokens"] > 0
