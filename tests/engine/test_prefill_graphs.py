@@ -254,6 +254,12 @@ def test_engine_option_checked(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer) -
         engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, prefill_graphs="yes")
     # The default follows the decode graphs: none on a CPU, so no piecewise steps either.
     assert engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer).runner.prefill_graphs is None
+    # The default's rule: on with decode graphs on one GPU, off under parallelism; explicit
+    # values win.
+    from dsv4.engine.llm_engine import prefill_graphs_on
+    assert prefill_graphs_on(None, True, False)
+    assert not prefill_graphs_on(None, True, True) and not prefill_graphs_on(None, False, False)
+    assert prefill_graphs_on(True, True, True) and not prefill_graphs_on(False, True, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
