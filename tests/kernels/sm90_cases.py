@@ -410,7 +410,8 @@ def _glue_plans() -> None:
     with RECORDER.override(triton_mhc._hc_post_mix_kernel, PRECISION="tf32x3"), \
             RECORDER.override(triton_mhc._hc_mix_partial_kernel, PRECISION="tf32x3"):
         for plan in (triton_mhc.pick_hc_plan("post_pre", T, n, D, bf16), P(128, 32, 8, 2, 2, "bf16x3"),
-                     P(32, 32, 4, 2, 4, "bf16x3"), P(64, 32, 4, 3, 2)):
+                     P(32, 32, 4, 2, 4, "bf16x3"), P(64, 32, 4, 3, 2),
+                     triton_mhc.pick_hc_plan("post_pre", 128, n, D, bf16)):   # 2 warps
             triton_mhc.hc_post_pre_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
                                      _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32), fn,
                                      scale, base, 1e-6, 1e-6, 20, plan=plan)
@@ -552,8 +553,8 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
 
     from dsv4.ops import triton_moe as tm
     # (tokens run here, tokens whose real-E plan is used): decode 1 / 16 tokens, a 1K batch
-    # (32-row blocks), an 8K prefill (64-row blocks).
-    plans = ((1, 1), (5, 16)) if phase == "decode" else ((64, 1024), (64, 8192))
+    # (32-row blocks), a 2K prefill (64-row blocks, two stages), an 8K prefill (128-row).
+    plans = ((1, 1), (5, 16)) if phase == "decode" else ((64, 1024), (64, 2048), (64, 8192))
     for official in (False, True):
         ex = _experts(m, fmt, official, scale_fp32)
         bk = tm._block_k(ex, m.dim, m.inter)
