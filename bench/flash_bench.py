@@ -681,6 +681,21 @@ def install_best_moe_plans(best: dict) -> None:
     tm.pick_moe_config = pick
 
 
+def capture_prefill_graphs(graphs: Any) -> dict[str, Any]:
+    """Capture every bucket of ``graphs`` (a ``PrefillGraphs``) up front, as the engine does at
+    start; returns the buckets, graph count, capture seconds and the GB it reserved."""
+    # A capture empties the allocator's cache first: start from an empty one so the difference
+    # is the graphs' pool and buffers, not the cache it dropped.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved0 = torch.cuda.memory_reserved()
+    with torch.no_grad():
+        graphs.capture_all()
+    return {"buckets": graphs.buckets, "graphs": int(graphs.stats["graphs"]),
+            "capture_s": graphs.stats["capture_s"],
+            "reserved_GB": (torch.cuda.memory_reserved() - reserved0) / 1e9}
+
+
 def profile_steps(model: Transformer, cache: HybridCache, ctx_len: int, path: str, log) -> None:
     """torch.profiler tables (device time per op/kernel) of a prefill of ctx_len tokens and of
     eager decode steps at batch 1 and 64 on ctx_len contexts."""
@@ -859,18 +874,8 @@ def main(argv: list[str] | None = None) -> int:
                                        use_graphs=DEV == "cuda" and not args.no_graphs,
                                        cache=cache)
         if prefill_graphs.use_graphs:
-            # Every bucket up front, as the engine does at start: its time and graph memory.
-            # (A capture empties the allocator's cache first: start from an empty one so the
-            # difference is the graphs' pool and buffers, not the cache it dropped.)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            reserved0 = torch.cuda.memory_reserved()
             try:
-                prefill_graphs.capture_all()
-                cap = {"buckets": prefill_graphs.buckets,
-                       "graphs": int(prefill_graphs.stats["graphs"]),
-                       "capture_s": prefill_graphs.stats["capture_s"],
-                       "reserved_GB": (torch.cuda.memory_reserved() - reserved0) / 1e9}
+                cap = capture_prefill_graphs(prefill_graphs)
                 results["prefill_graphs_capture"] = cap
                 log(f"prefill graphs: {cap['graphs']} graphs of buckets {cap['buckets']} "
                     f"captured in {cap['capture_s']:.1f} s, {cap['reserved_GB']:.2f} GB more "

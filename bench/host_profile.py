@@ -70,14 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda,
                            cache=None if args.no_prework else cache)
         if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()   # a capture empties it anyway: count from an empty one
-            reserved0 = torch.cuda.memory_reserved()
-            with torch.no_grad():
-                pg.capture_all()
-            print(f"captured {int(pg.stats['graphs'])} prefill graphs of buckets {pg.buckets} "
-                  f"in {pg.stats['capture_s']:.1f} s, "
-                  f"{(torch.cuda.memory_reserved() - reserved0) / 1e9:.2f} GB more reserved",
+            cap = fb.capture_prefill_graphs(pg)
+            print(f"captured {cap['graphs']} prefill graphs of buckets {cap['buckets']} "
+                  f"in {cap['capture_s']:.1f} s, {cap['reserved_GB']:.2f} GB more reserved",
                   flush=True)
 
     for S in lengths:
