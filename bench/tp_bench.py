@@ -247,6 +247,32 @@ def _start_profile() -> Any:
     return prof
 
 
+def _host_profiled_step(engine: Any, path: str, title: str) -> list[Any]:
+    """One ``engine.step()`` under cProfile (host time by function; the device sync at its end
+    shows how long the host waited for the GPU), its tables appended to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    outs = engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    pr.disable()
+    dt = time.perf_counter() - t0
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    buf.write(f"===== {title}: {dt * 1e3:.1f} ms under the profiler\n")
+    st.sort_stats("cumulative").print_stats(45)
+    st.sort_stats("tottime").print_stats(30)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(buf.getvalue() + "\n")
+    print(f"{title}: {dt * 1e3:.1f} ms under cProfile (tables in {path})", flush=True)
+    return outs
+
+
 def _stop_profile(prof: Any, path: str, title: str) -> None:
     prof.__exit__(None, None, None)
     ka = prof.key_averages()
@@ -282,12 +308,13 @@ def _host_ms(before: dict[str, float], after: dict[str, float], steps: int
 
 
 def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int, seed: int,
-                 deadline: float, profile_path: str | None = None, trace: bool = False
-                 ) -> dict[str, Any]:
+                 deadline: float, profile_path: str | None = None, trace: bool = False,
+                 host_profile: str | None = None) -> dict[str, Any]:
     """c requests at once; per-request TTFT / TPOT and per-step times.  Past ``deadline`` the
     rest is aborted and the result is marked partial.  ``profile_path``: torch.profiler tables
     (driver's host ops and its GPU's kernels, NCCL included) of decode-only steps 9..12;
-    ``trace``: print every step's time."""
+    ``trace``: print every step's time; ``host_profile``: append cProfile tables of the first
+    step (the prefill that gives TTFT, with a device sync at its end) to this file."""
     from dsv4.engine.sampling_params import SamplingParams
 
     vocab = engine.config.vocab_size
@@ -319,6 +346,17 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
         idle_queue, running = sched.num_waiting == 0, sched.num_running
         if profile_path and prof is None and n_decode == 8:
             prof = _start_profile()
+        if host_profile and not steps:
+            outs = _host_profiled_step(engine, host_profile,
+                                       f"concurrency {concurrency}, first step")
+            steps.append({"s": 0.0, "tokens": len(outs), "decode_only": False})
+            now = time.perf_counter()
+            for o in outs:
+                if len(o.outputs[0].token_ids) and o.request_id not in first:
+                    first[o.request_id] = now
+                last[o.request_id] = now
+                counts[o.request_id] = len(o.outputs[0].token_ids)
+            continue
         s0 = time.perf_counter()
         # No device sync here: a pipelined engine returns step N's tokens while step N+1 runs
         # (a sync would serialize them); each call still waits for its step's samples.
@@ -436,6 +474,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trace", action="store_true", help="print every step's time (rank 0)")
     ap.add_argument("--profile", default=None, help="append torch.profiler tables of 4 "
                     "decode-only steps per concurrency (rank 0) to this file")
+    ap.add_argument("--host-profile", default=None, help="append cProfile tables of each "
+                    "workload's first step (the prefill; rank 0) to this file")
     args = ap.parse_args(argv)
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.layers = args.layers or (4 if args.tiny else 43)
@@ -516,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"budget reached: concurrency {c} skipped")
                 break
             r = run_workload(engine, c, args.prompt_len, args.output_len, args.seed + c, deadline,
-                             args.profile, args.trace)
+                             args.profile, args.trace, args.host_profile)
             floor = decode_floor(cfg, par.world_size, args.ep, c,
                                  args.prompt_len + args.output_len // 2, cache_dtype)
             r = _with_floor(r, floor)
