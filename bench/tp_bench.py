@@ -199,7 +199,7 @@ def build_engine(args: argparse.Namespace, cfg_dir: str) -> Any:
         max_num_seqs=max_c, cuda_graph_max_batch=max_c, max_model_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         enforce_eager=not args.graphs, cuda_graphs_under_tp=args.graphs,
-        prefill_graphs=args.prefill_graphs)
+        prefill_graphs=args.prefill_graphs, warmup=args.engine_warmup)
     if args.device == "cuda":
         opts.update(dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization)
@@ -320,7 +320,10 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     vocab = engine.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    from dsv4.engine.warmup import kernels_loaded
+
     host0 = _host_counters(engine.runner)
+    kernels0 = kernels_loaded()
     t0 = time.perf_counter()
     ids = []
     for i in range(concurrency):
@@ -391,7 +394,8 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     dec_s = sum(s["s"] for s in dec)
     dec_tok = sum(s["tokens"] for s in dec)
     return {"concurrency": concurrency, "prompt_len": prompt_len, "output_len": output_len,
-            "partial": partial, "wall_s": wall, "output_tokens": out_tokens,
+            "partial": partial, "kernels_loaded": kernels_loaded() - kernels0,
+            "wall_s": wall, "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
             "ttft_median_s": statistics.median(ttfts) if ttfts else None,
             "tpot_median_s": statistics.median(tpots) if tpots else None,
@@ -454,6 +458,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="engine option prefill_graphs (default: the engine's, on with "
                          "--graphs on one GPU)")
+    ap.add_argument("--engine-warmup", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine option warmup (default: the engine's, on for one GPU)")
     ap.add_argument("--experts", type=int, default=None, help="routed experts a layer (43 "
                     "layers of 256 do not fit one GPU; one H100 holds 64)")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,16,64; 1,4 tiny)")
@@ -542,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"rank {info['rank']}: {info['bytes']['total'] / 1e9:.2f} GB of weights "
             f"(experts {info['bytes']['routed_experts'] / 1e9:.2f} GB), built in "
             f"{info['seconds']:.1f} s; {info['num_pages']} cache pages")
+    if engine.warmup_stats is not None:
+        w = engine.warmup_stats
+        log(f"engine warm-up: {w['requests']} requests, {w['steps']} steps, {w['seconds']:.1f} s, "
+            f"{w['kernels_loaded']} Triton kernels compiled or loaded")
     results["build_s"] = time.perf_counter() - t_start
     save()
     try:
@@ -563,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             r["floor_per_rank"] = floor["per_rank"]
             results["workloads"].append(r)
             log(f"c={c}: TPOT {_ms(r['tpot_median_s'])} ms (floor {_ms(r['floor_step_s'])} ms, "
-                f"{_x(r['tpot_ratio'])}), {r['output_tokens_per_s']:.1f} output tok/s"
+                f"{_x(r['tpot_ratio'])}), {r['output_tokens_per_s']:.1f} output tok/s, "
+                f"{r['kernels_loaded']} Triton kernels compiled or loaded meanwhile"
                 f"{' (partial)' if r['partial'] else ''}")
             save()
         graphs = engine.runner.decode_graphs
@@ -571,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         pg = engine.runner.prefill_graphs
         results["prefill_graph_stats"] = dict(pg.stats) if pg is not None else None
         results["graphs_disabled_reason"] = engine.runner.graphs_disabled_reason
+        results["warmup_stats"] = engine.warmup_stats
     except Exception:
         results["errors"].append(traceback.format_exc()[-3000:])
         log("workload failed:\n" + results["errors"][-1])

@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run prefill and mixed steps of up to 1,024 tokens as piecewise CUDA "
                         "graphs (default on with CUDA graphs on one GPU)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a few synthetic requests at start so that the first real ones do "
+                        "not wait for Triton compiles (default on for one GPU)")
     p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the host has read the previous one's "
                         "tokens (default on with CUDA graphs)")
@@ -56,7 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_batched_tokens", "max_model_len", "seed", "tensor_parallel_size",
              "expert_parallel", "gpu_memory_utilization", "enforce_eager",
              "cuda_graph_max_batch", "cuda_graph_capture", "cuda_graphs_under_tp",
-             "pipeline_decode", "moe_fp8_codes", "prefill_graphs")
+             "pipeline_decode", "moe_fp8_codes", "prefill_graphs", "warmup")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

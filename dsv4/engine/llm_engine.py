@@ -30,6 +30,7 @@ from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from dsv4.engine.prefill_graphs import ENGINE_MAX_TOKENS
+from dsv4.engine.warmup import kernels_loaded, run_warmup
 from dsv4.engine.runner import (InFlight, ModelRunner, StepResult, profile_decode_graph_bytes,
                                profile_peak_bytes, resolve_cache_dtype, size_cache)
 from dsv4.engine.sampler import RowLogprobs
@@ -92,6 +93,13 @@ class EngineOptions:
     cache sizing), so prefill steps large enough for the FP8-MMA expert GEMMs skip re-encoding
     every expert of every MoE layer at each step (``dsv4.ops.triton_moe_fp8``); for machines
     with memory to spare, e.g. V4-Flash over 8 GPUs with ``expert_parallel``.
+    ``warmup`` (default None: on for one GPU): before serving, run a few synthetic requests
+    through the engine (a chunked long prompt next to a decoding short one, one prompt per
+    prefill step size, a batch of short prompts; ``dsv4.engine.warmup``) so that the Triton
+    kernels they need are compiled (or loaded from Triton's disk cache) at start instead of
+    stalling the first requests for seconds; the engine is idle and its counters untouched
+    afterwards.  Under tensor / expert parallelism it is off unless set (the driver then runs it
+    when constructed, the workers follow from their worker loop).
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
     ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
     loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:
@@ -121,6 +129,7 @@ class EngineOptions:
     pipeline_decode: bool | None = None
     moe_fp8_codes: bool = False
     prefill_graphs: bool | None = None
+    warmup: bool | None = None
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
@@ -146,6 +155,9 @@ class EngineOptions:
                              "invalid; allowed: None, True, False")
         if self.prefill_graphs not in (None, True, False):
             raise ValueError(f"engine option prefill_graphs={self.prefill_graphs!r} is invalid; "
+                             "allowed: None, True, False")
+        if self.warmup not in (None, True, False):
+            raise ValueError(f"engine option warmup={self.warmup!r} is invalid; "
                              "allowed: None, True, False")
         if not isinstance(self.moe_fp8_codes, bool):
             raise ValueError(f"engine option moe_fp8_codes={self.moe_fp8_codes!r} is invalid; "
@@ -256,6 +268,7 @@ class LLMEngine:
     def __init__(self, model_path: str, **engine_options: Any) -> None:
         opts = EngineOptions.from_kwargs(**engine_options)
         self.options = opts
+        kernels_loaded()   # installs the counter before anything compiles
         self.model_path = model_path
         device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -386,6 +399,11 @@ class LLMEngine:
         if self.parallel.enabled and self.parallel.is_driver:
             # A script that never calls shutdown() must not leave the workers waiting forever.
             atexit.register(self.shutdown)
+        self.warmup_stats: dict[str, Any] | None = None
+        warm = (device.type == "cuda" and not self.parallel.enabled
+                if opts.warmup is None else opts.warmup)
+        if warm and self.is_driver:
+            self.warmup_stats = run_warmup(self)
 
     # ------------------------------------------------------------------ parallel launch
     @property
@@ -701,6 +719,8 @@ class LLMEngine:
             "requests_finished_total": self._totals["requests_finished"],
             "requests_aborted_total": self._totals["requests_aborted"],
             "steps_total": self._totals["steps"],
+            # Compiles while serving stall steps for seconds; after the warm-up this stays put.
+            "triton_kernels_loaded_total": kernels_loaded(),
         }
 
     @_locked

@@ -35,7 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--paths", required=True, help="JSON {variant: checkpoint dir}")
-    ap.add_argument("runs", nargs="+", help="variant:mode, mode tp, ep, tppg or eppg")
+    ap.add_argument("runs", nargs="+", help="variant:mode, mode tp, ep, tppg, eppg or tpwu")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("MKL_CBWR", "AVX2")
@@ -52,12 +52,17 @@ def main() -> int:
         if variant == "cli":
             _cli(paths[mode], args.out)
             continue
-        # Modes tppg / eppg: the same with prefill_graphs (its segments run eagerly on CPUs).
+        # Modes tppg / eppg: the same with prefill_graphs (its segments run eagerly on CPUs);
+        # tpwu: with the start-up warm-up (the driver runs it in its constructor).
         llm = LLM(paths[variant], tensor_parallel_size=world,
                   expert_parallel=mode.startswith("ep"), prefill_graphs=mode.endswith("pg"),
-                  device="cpu", dtype=torch.float32, **spec["engine"])
+                  warmup=mode.endswith("wu"), device="cpu", dtype=torch.float32,
+                  **spec["engine"])
         if mode.endswith("pg"):
             assert llm.engine.runner.prefill_graphs is not None
+        if mode.endswith("wu") and llm.is_driver:
+            stats = llm.engine.warmup_stats
+            assert stats is not None and stats["requests"] > 0 and not stats["aborted"], stats
         if llm.is_driver:
             params = [SamplingParams(**p) for p in spec["params"]]
             outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,

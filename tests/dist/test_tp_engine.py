@@ -117,11 +117,12 @@ def test_tp_and_ep_match_one_process(tiny_paths: dict[str, str], tmp_path) -> No
 
 def test_tp_and_ep_with_prefill_graphs(tiny_paths: dict[str, str], tmp_path) -> None:
     """The engine option ``prefill_graphs`` under TP=2 and TP=2 + EP, V4 and V4.1 (the
-    piecewise segments, their all-reduces inside, run eagerly on CPUs): one process's tokens
-    and logprobs."""
+    piecewise segments, their all-reduces inside, run eagerly on CPUs), and TP=2 with the
+    start-up warm-up (the driver's constructor runs steps the workers follow once they reach
+    their loop): one process's tokens and logprobs."""
     spec = _spec()
     (tmp_path / "prompts.json").write_text(json.dumps(spec))
-    runs = (("v4", "tppg"), ("v4", "eppg"), ("v41", "eppg"))
+    runs = (("v4", "tppg"), ("v4", "eppg"), ("v41", "eppg"), ("v4", "tpwu"))
     _torchrun(str(tmp_path), tiny_paths, tuple(f"{v}:{m}" for v, m in runs))
     for variant, mode in runs:
         want = _single_process(tiny_paths[variant], spec)

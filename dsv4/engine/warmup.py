@@ -1,0 +1,166 @@
+"""Start-up warm-up: synthetic requests through the engine's own path before it serves.
+
+Triton compiles a kernel the first time a process meets a new specialization of it (its
+constexpr plan, whether an integer argument is 1 or a multiple of 16), and dsv4 picks its
+kernel plans by a step's token count, its number of sequences and what the cache holds
+(compressed entries yet or not, more visible entries than the indexer keeps or not).  Each
+first use costs 0.1-3 s of compiling on a fresh machine (loading from Triton's disk cache on a
+warm one), so an engine that serves at once makes its first requests wait: on an H100 with 43
+V4-Flash layers a first 256-token prompt took 3.4 s and the first steps of 16 such prompts
+10.5 s and 20.6 s (docs/PERFORMANCE.md, twenty-fifth session).  The decode graphs' and the
+prefill graphs' captures compile what they hold; the rest (chunked prefill, steps of odd
+sizes, the cache part of piecewise steps, mixed steps) compiles on first use.
+
+:func:`warmup_phases` lists the step kinds a server meets, as groups of requests that run
+together; :func:`run_warmup` runs them through ``LLMEngine.add_request`` / ``step`` (greedy,
+so no random generator moves), checks that the engine is idle again and resets its counters.
+:func:`kernels_loaded` counts the Triton kernels this process has compiled or loaded, so a
+benchmark or an operator can see that serving compiles nothing after the warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4.engine.prefill_graphs import PREFILL_BUCKETS
+from dsv4.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("dsv4")
+
+__all__ = ["WarmupRequest", "warmup_phases", "run_warmup", "kernels_loaded"]
+
+# Request ids of the warm-up (never seen by a client: the engine is idle again afterwards).
+ID_PREFIX = "dsv4-warmup-"
+# Steps after which a phase is given up (its requests aborted): a cache too small for the
+# phase would otherwise keep them waiting forever.
+MAX_STEPS_PER_PHASE = 400
+
+
+@dataclass(frozen=True)
+class WarmupRequest:
+    """One synthetic request: ``prompt_len`` token ids, ``max_tokens`` greedy output tokens."""
+
+    prompt_len: int
+    max_tokens: int
+
+
+def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                  num_pages: int, page_size: int, index_topk: int, min_ratio: int
+                  ) -> list[list[WarmupRequest]]:
+    """The warm-up's groups of requests (each group submitted together, run to completion).
+
+    * a long prompt (longer than one step, so it is chunked; past ``index_topk`` compressed
+      entries at the smallest compression ratio ``min_ratio``, so the indexer's top-k runs
+      rather than its select-all shortcut) next to a short one that decodes during its chunks
+      (mixed steps);
+    * one prompt per step size of the prefill graphs' buckets that one step holds, twice:
+      the bucket itself (a multiple of 16) and 5 tokens fewer (not one);
+    * ``min(max_num_seqs, 16)`` short prompts at once (a prefill step of many sequences, then
+      decode steps of that batch).
+
+    A request must fit ``max_model_len`` (prompt + output) and a group the cache's pages;
+    what does not is shortened (the long prompt) or left out.
+    """
+    def pages(group: list[WarmupRequest]) -> int:
+        return sum(-(-(r.prompt_len + r.max_tokens) // page_size) for r in group)
+
+    def fits(group: list[WarmupRequest]) -> bool:
+        return (all(r.prompt_len >= 1 and r.prompt_len + r.max_tokens <= max_model_len
+                    for r in group) and pages(group) <= num_pages)
+
+    phases: list[list[WarmupRequest]] = []
+    short = WarmupRequest(17, 4)
+    span = max(max_num_batched_tokens + 64, index_topk * min_ratio + 64 if min_ratio else 0)
+    # The long prompt leaves the short one a page and itself a spare one.
+    long_len = min(span, max_model_len - 3, (num_pages - 2) * page_size - 3)
+    if long_len > short.prompt_len and fits([short, WarmupRequest(long_len, 3)]):
+        phases.append([short, WarmupRequest(long_len, 3)])
+    for b in PREFILL_BUCKETS:
+        if b > max_num_batched_tokens:
+            break
+        phases.extend([WarmupRequest(n, 2)] for n in (b, b - 5) if fits([WarmupRequest(n, 2)]))
+    batch = [short] * min(max_num_seqs, 16)
+    if len(batch) > 1 and fits(batch):
+        phases.append(batch)
+    return phases
+
+
+def run_warmup(engine: Any) -> dict[str, Any]:
+    """Run :func:`warmup_phases` through ``engine`` (idle, on its driver); returns what it did:
+    ``seconds``, ``steps``, ``requests``, ``kernels_loaded`` (Triton kernels compiled or loaded
+    meanwhile), ``aborted`` (requests of phases given up).  The engine is idle afterwards and
+    its counters are as before (``get_stats``)."""
+    engine.check_idle()
+    cfg = engine.config
+    mgr = engine.manager
+    ratios = [r for r in cfg.compress_ratios[: cfg.n_layers] if r > 1]
+    phases = warmup_phases(
+        max_num_batched_tokens=engine.options.max_num_batched_tokens,
+        max_num_seqs=engine.options.max_num_seqs, max_model_len=engine.max_model_len,
+        num_pages=mgr.num_pages, page_size=mgr.page_size, index_topk=int(cfg.index_topk),
+        min_ratio=min(ratios) if ratios else 0)
+    totals = dict(engine._totals)
+    preemptions = engine.scheduler.num_preemptions
+    kernels0 = kernels_loaded()
+    t0 = time.perf_counter()
+    steps = requests = aborted = 0
+    vocab = cfg.vocab_size
+    for p, group in enumerate(phases):
+        ids = []
+        for i, r in enumerate(group):
+            rid = f"{ID_PREFIX}{p}-{i}"
+            # Distinct, deterministic token ids (no tokenizer, no random generator).
+            prompt = [(7 + 31 * (p + 1) * (i + 1) + 13 * k) % vocab for k in range(r.prompt_len)]
+            engine.add_request(rid, prompt, SamplingParams(temperature=0.0,
+                                                           max_tokens=r.max_tokens,
+                                                           ignore_eos=True))
+            ids.append(rid)
+        requests += len(ids)
+        n = 0
+        while engine.has_unfinished_requests() and n < MAX_STEPS_PER_PHASE:
+            engine.step()
+            n += 1
+        steps += n
+        if engine.has_unfinished_requests():
+            log.warning("dsv4 engine: warm-up phase %d (%s) did not finish in %d steps; "
+                        "aborted", p, group, n)
+            aborted += engine.get_num_unfinished_requests()
+            engine.abort_request(ids)
+    engine.check_idle()
+    engine._totals.update(totals)
+    engine.scheduler.num_preemptions = preemptions
+    stats = {"seconds": time.perf_counter() - t0, "steps": steps, "requests": requests,
+             "kernels_loaded": kernels_loaded() - kernels0, "aborted": aborted}
+    log.info("dsv4 engine: warm-up ran %d requests in %d steps in %.1f s (%d Triton kernels "
+             "compiled or loaded)", requests, steps, stats["seconds"], stats["kernels_loaded"])
+    return stats
+
+
+# ---------------------------------------------------------------------- kernel counter
+_loaded = 0
+_hooked = False
+
+
+def kernels_loaded() -> int:
+    """Triton kernels this process has compiled or loaded from the disk cache so far (0 where
+    Triton is absent or interpreted: nothing compiles).  The first call installs the counter
+    (Triton's post-compile hook, chained to any hook already there)."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        try:
+            from triton import knobs
+        except ImportError:   # no Triton (or an older one without knobs): nothing to count
+            return 0
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def count(*args: Any, **kwargs: Any) -> Any:
+            global _loaded
+            _loaded += 1
+            return previous(*args, **kwargs) if previous is not None else None
+
+        knobs.runtime.jit_post_compile_hook = count
+    return _loaded
