@@ -320,7 +320,7 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     vocab = engine.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    from dsv4.engine.warmup import kernels_loaded
+    from dsv4.engine.warmup import kernels_loaded, kernels_loaded_since
 
     host0 = _host_counters(engine.runner)
     kernels0 = kernels_loaded()
@@ -395,6 +395,7 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
     dec_tok = sum(s["tokens"] for s in dec)
     return {"concurrency": concurrency, "prompt_len": prompt_len, "output_len": output_len,
             "partial": partial, "kernels_loaded": kernels_loaded() - kernels0,
+            "kernels_loaded_names": kernels_loaded_since(kernels0),
             "wall_s": wall, "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
             "ttft_median_s": statistics.median(ttfts) if ttfts else None,
@@ -575,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"c={c}: TPOT {_ms(r['tpot_median_s'])} ms (floor {_ms(r['floor_step_s'])} ms, "
                 f"{_x(r['tpot_ratio'])}), {r['output_tokens_per_s']:.1f} output tok/s, "
                 f"{r['kernels_loaded']} Triton kernels compiled or loaded meanwhile"
-                f"{' (partial)' if r['partial'] else ''}")
+                f"{' (partial)' if r['partial'] else ''}"
+                + "".join(f"\n    {name}" for name in r["kernels_loaded_names"]))
             save()
         graphs = engine.runner.decode_graphs
         results["graph_stats"] = dict(graphs.stats) if graphs is not None else None

@@ -30,7 +30,8 @@ from dsv4.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("dsv4")
 
-__all__ = ["WarmupRequest", "warmup_phases", "run_warmup", "kernels_loaded"]
+__all__ = ["WarmupRequest", "warmup_phases", "run_warmup", "kernels_loaded",
+           "kernels_loaded_since"]
 
 # Request ids of the warm-up (never seen by a client: the engine is idle again afterwards).
 ID_PREFIX = "dsv4-warmup-"
@@ -47,43 +48,68 @@ class WarmupRequest:
     max_tokens: int
 
 
+# A phase is a list of waves: wave i + 1 is submitted one step after wave i (so its prompts
+# meet wave i's decodes in one mixed step); the phase runs until all its requests finish.
+Phase = list[list[WarmupRequest]]
+
+
 def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                   num_pages: int, page_size: int, index_topk: int, min_ratio: int
-                  ) -> list[list[WarmupRequest]]:
-    """The warm-up's groups of requests (each group submitted together, run to completion).
+                  ) -> list[Phase]:
+    """The warm-up's phases (each run to completion before the next).
 
-    * a long prompt (longer than one step, so it is chunked; past ``index_topk`` compressed
-      entries at the smallest compression ratio ``min_ratio``, so the indexer's top-k runs
-      rather than its select-all shortcut) next to a short one that decodes during its chunks
-      (mixed steps);
-    * one prompt per step size of the prefill graphs' buckets that one step holds, twice:
-      the bucket itself (a multiple of 16) and 5 tokens fewer (not one);
-    * ``min(max_num_seqs, 16)`` short prompts at once (a prefill step of many sequences, then
-      decode steps of that batch).
+    * a short request, then a long one (chunked: longer than a step; long enough that its
+      smallest-ratio compressed entries pass the indexer's top-k ``index_topk`` up to four
+      times over, so the top-k's plans for contexts up to there compile) whose first chunk
+      meets the short one's decodes;
+    * every step size up to ``max_num_batched_tokens`` the prefill graphs' buckets name, and
+      that budget itself, twice (the size, a multiple of 16, and 5 tokens fewer): one prompt,
+      or several adding up to it where ``max_model_len`` is shorter;
+    * two short requests, then prompts filling the rest of a full step (a mixed step of many
+      prefills and decodes);
+    * ``min(max_num_seqs, 16)`` short prompts at once (then decode steps of that batch).
 
-    A request must fit ``max_model_len`` (prompt + output) and a group the cache's pages;
+    Every request fits ``max_model_len`` (prompt + output) and every phase the cache's pages;
     what does not is shortened (the long prompt) or left out.
     """
-    def pages(group: list[WarmupRequest]) -> int:
-        return sum(-(-(r.prompt_len + r.max_tokens) // page_size) for r in group)
-
-    def fits(group: list[WarmupRequest]) -> bool:
-        return (all(r.prompt_len >= 1 and r.prompt_len + r.max_tokens <= max_model_len
-                    for r in group) and pages(group) <= num_pages)
-
-    phases: list[list[WarmupRequest]] = []
     short = WarmupRequest(17, 4)
-    span = max(max_num_batched_tokens + 64, index_topk * min_ratio + 64 if min_ratio else 0)
+    room = max_model_len - 2            # the longest prompt of a 2-token request
+
+    def pages(phase: Phase) -> int:
+        return sum(-(-(r.prompt_len + r.max_tokens) // page_size) for w in phase for r in w)
+
+    def fits(phase: Phase) -> bool:
+        reqs = [r for w in phase for r in w]
+        return (all(r.prompt_len >= 1 and r.prompt_len + r.max_tokens <= max_model_len
+                    for r in reqs) and pages(phase) <= num_pages
+                and max(len(w) for w in phase) <= max_num_seqs)
+
+    def step_of(tokens: int) -> list[WarmupRequest]:
+        """Prompts that one step of ``tokens`` tokens prefills whole."""
+        n = -(-tokens // room) if room > 0 else 0
+        if n < 1:
+            return []
+        return [WarmupRequest(tokens // n + (i < tokens % n), 2) for i in range(n)]
+
+    phases: list[Phase] = []
+    span = 4 * max(max_num_batched_tokens, index_topk * min_ratio) + 64
     # The long prompt leaves the short one a page and itself a spare one.
     long_len = min(span, max_model_len - 3, (num_pages - 2) * page_size - 3)
-    if long_len > short.prompt_len and fits([short, WarmupRequest(long_len, 3)]):
-        phases.append([short, WarmupRequest(long_len, 3)])
-    for b in PREFILL_BUCKETS:
-        if b > max_num_batched_tokens:
-            break
-        phases.extend([WarmupRequest(n, 2)] for n in (b, b - 5) if fits([WarmupRequest(n, 2)]))
-    batch = [short] * min(max_num_seqs, 16)
-    if len(batch) > 1 and fits(batch):
+    if long_len > max(short.prompt_len, max_num_batched_tokens):
+        phase = [[short], [WarmupRequest(long_len, 3)]]
+        if fits(phase):
+            phases.append(phase)
+    sizes = [b for b in PREFILL_BUCKETS if b < max_num_batched_tokens] + [max_num_batched_tokens]
+    for size in sizes:
+        for tokens in (size, size - 5):
+            phase = [step_of(tokens)]
+            if phase[0] and fits(phase):
+                phases.append(phase)
+    mixed = [[short, short], step_of(max_num_batched_tokens - 2)]
+    if mixed[1] and fits(mixed):
+        phases.append(mixed)
+    batch = [[short] * min(max_num_seqs, 16)]
+    if len(batch[0]) > 1 and fits(batch):
         phases.append(batch)
     return phases
 
@@ -108,25 +134,29 @@ def run_warmup(engine: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     steps = requests = aborted = 0
     vocab = cfg.vocab_size
-    for p, group in enumerate(phases):
-        ids = []
-        for i, r in enumerate(group):
-            rid = f"{ID_PREFIX}{p}-{i}"
-            # Distinct, deterministic token ids (no tokenizer, no random generator).
-            prompt = [(7 + 31 * (p + 1) * (i + 1) + 13 * k) % vocab for k in range(r.prompt_len)]
-            engine.add_request(rid, prompt, SamplingParams(temperature=0.0,
-                                                           max_tokens=r.max_tokens,
-                                                           ignore_eos=True))
-            ids.append(rid)
-        requests += len(ids)
+    for p, phase in enumerate(phases):
+        ids: list[str] = []
         n = 0
+        for w, wave in enumerate(phase):
+            for i, r in enumerate(wave):
+                rid = f"{ID_PREFIX}{p}-{w}-{i}"
+                # Distinct, deterministic token ids (no tokenizer, no random generator).
+                seed = 7 + 31 * (p + 1) + 17 * (w + 1) * (i + 1)
+                prompt = [(seed + 13 * k) % vocab for k in range(r.prompt_len)]
+                engine.add_request(rid, prompt, SamplingParams(
+                    temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+                ids.append(rid)
+            if w + 1 < len(phase):
+                engine.step()
+                n += 1
         while engine.has_unfinished_requests() and n < MAX_STEPS_PER_PHASE:
             engine.step()
             n += 1
+        requests += len(ids)
         steps += n
         if engine.has_unfinished_requests():
             log.warning("dsv4 engine: warm-up phase %d (%s) did not finish in %d steps; "
-                        "aborted", p, group, n)
+                        "aborted", p, phase, n)
             aborted += engine.get_num_unfinished_requests()
             engine.abort_request(ids)
     engine.check_idle()
@@ -140,7 +170,7 @@ def run_warmup(engine: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- kernel counter
-_loaded = 0
+_names: list[str] = []      # the kernels compiled or loaded, in order
 _hooked = False
 
 
@@ -158,9 +188,15 @@ def kernels_loaded() -> int:
         previous = knobs.runtime.jit_post_compile_hook
 
         def count(*args: Any, **kwargs: Any) -> Any:
-            global _loaded
-            _loaded += 1
+            # "name[num_warps=...](args...)": the name and the launch options.
+            _names.append(str(kwargs.get("repr", "?")).split("(", 1)[0])
             return previous(*args, **kwargs) if previous is not None else None
 
         knobs.runtime.jit_post_compile_hook = count
-    return _loaded
+    return len(_names)
+
+
+def kernels_loaded_since(count: int) -> list[str]:
+    """The kernels (name and launch options) compiled or loaded after :func:`kernels_loaded`
+    returned ``count``."""
+    return list(_names[count:])

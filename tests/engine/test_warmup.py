@@ -10,53 +10,62 @@ import torch
 from dsv4.engine.llm_engine import EngineOptions, LLMEngine
 from dsv4.engine.prefill_graphs import PREFILL_BUCKETS
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.engine.warmup import kernels_loaded, warmup_phases
+from dsv4.engine.warmup import kernels_loaded, kernels_loaded_since, warmup_phases
 
 FLASH = dict(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=65536,
              num_pages=20000, page_size=256, index_topk=512, min_ratio=4)
 
 
-def test_phases_cover_chunks_top_k_buckets_and_a_batch() -> None:
+def _reqs(phase) -> list:
+    return [r for wave in phase for r in wave]
+
+
+def _steps(phases) -> list[int]:
+    """The step sizes of the one-wave phases (each one step's prompts)."""
+    return [sum(r.prompt_len for r in p[0]) for p in phases
+            if len(p) == 1 and p[0][0].max_tokens == 2]
+
+
+def test_phases_cover_chunks_top_k_step_sizes_mixed_steps_and_a_batch() -> None:
     phases = warmup_phases(**FLASH)
-    long_phase = phases[0]
-    assert len(long_phase) == 2
-    short, long_req = long_phase
-    # Longer than a step (chunked, the short one decoding meanwhile) and past the indexer's
-    # top-k at ratio 4 (512 entries x 4 tokens).
+    (short,), (long_req,) = phases[0]
+    # Longer than a step (chunked; its first chunk meets the short one's decodes) and four
+    # times past the indexer's top-k at ratio 4 (512 entries x 4 tokens).
     assert long_req.prompt_len > FLASH["max_num_batched_tokens"]
-    assert long_req.prompt_len > 512 * 4
+    assert long_req.prompt_len >= 4 * 512 * 4
     assert short.prompt_len < long_req.prompt_len and short.max_tokens > 1
-    singles = [g[0].prompt_len for g in phases if len(g) == 1]
-    assert singles == [n for b in PREFILL_BUCKETS for n in (b, b - 5)]
-    assert any(n % 16 for n in singles) and any(n % 16 == 0 for n in singles)
+    want = [n for b in PREFILL_BUCKETS if b <= 2048 for n in (b, b - 5)]
+    assert _steps(phases) == want
+    assert any(n % 16 for n in want) and any(n % 16 == 0 for n in want)
+    mixed = phases[-2]
+    assert [len(w) for w in mixed] == [2, 1]
+    assert sum(r.prompt_len for r in mixed[1]) + 2 == 2048   # + the two decode rows
     batch = phases[-1]
-    assert len(batch) == 16 and all(r.max_tokens > 1 for r in batch)
+    assert len(batch) == 1 and len(batch[0]) == 16 and all(r.max_tokens > 1 for r in batch[0])
 
 
 def test_phases_fit_the_model_length_and_the_cache() -> None:
-    for phases in (warmup_phases(**{**FLASH, "max_num_batched_tokens": 8192}),
-                   warmup_phases(**{**FLASH, "max_model_len": 300}),
-                   warmup_phases(**{**FLASH, "num_pages": 6, "page_size": 64})):
+    for kw in ({"max_num_batched_tokens": 8192}, {"max_model_len": 300},
+               {"num_pages": 6, "page_size": 64}, {"max_num_seqs": 3}):
+        phases = warmup_phases(**{**FLASH, **kw})
         assert phases
-        for group in phases:
-            assert all(r.prompt_len >= 1 and r.prompt_len + r.max_tokens <= FLASH["max_model_len"]
-                       for r in group)
-    # The topk span dominates a small step budget; the model length caps it.
-    p = warmup_phases(**{**FLASH, "max_num_batched_tokens": 256})
-    assert p[0][1].prompt_len == 512 * 4 + 64
-    assert [g[0].prompt_len for g in p if len(g) == 1] == [32, 27, 64, 59, 128, 123, 256, 251]
+        mml = kw.get("max_model_len", FLASH["max_model_len"])
+        for p in phases:
+            assert all(1 <= r.prompt_len and r.prompt_len + r.max_tokens <= mml for r in _reqs(p))
+            assert max(len(w) for w in p) <= kw.get("max_num_seqs", 64)
+    # A short model length: steps of up to the budget made of several prompts; no long one.
     p = warmup_phases(**{**FLASH, "max_model_len": 300})
-    assert all(r.prompt_len + r.max_tokens <= 300 for g in p for r in g)
-    assert p[0][1].prompt_len == 297
-    # A cache of 6 pages of 64 tokens: each group within its pages, the 16-request batch
-    # (16 pages) left out.
+    assert _steps(p) == [n for b in PREFILL_BUCKETS if b <= 2048 for n in (b, b - 5)]
+    assert max(len(ph[0]) for ph in p if len(ph) == 1 and ph[0][0].max_tokens == 2) == 7
+    assert all(len(ph) == 1 or len(ph[0]) == 2 for ph in p)      # the mixed phase only
+    # A cache of 6 pages of 64 tokens: each phase within its pages.
     p = warmup_phases(**{**FLASH, "num_pages": 6, "page_size": 64})
-    for g in p:
-        assert sum(-(-(r.prompt_len + r.max_tokens) // 64) for r in g) <= 6
-    assert all(len(g) < 16 for g in p)
-    # No compressed layers: no top-k span; a one-sequence engine: no batch.
+    for ph in p:
+        assert sum(-(-(r.prompt_len + r.max_tokens) // 64) for r in _reqs(ph)) <= 6
+    assert p and all(len(_reqs(ph)) < 16 for ph in p)
+    # No compressed layers: the long prompt covers four steps; one sequence: no batch.
     p = warmup_phases(**{**FLASH, "min_ratio": 0, "max_num_seqs": 1})
-    assert p[0][1].prompt_len == 2048 + 64 and all(len(g) <= 2 for g in p)
+    assert p[0][1][0].prompt_len == 4 * 2048 + 64 and all(len(w) == 1 for ph in p for w in ph)
 
 
 def _engine(path, model, tok, **kw) -> LLMEngine:
@@ -90,9 +99,9 @@ def test_engine_after_warmup_is_idle_and_unchanged(tiny_v4_path, tiny_v4_model,
     warm = _engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, warmup=True)
     stats = warm.warmup_stats
     assert stats is not None and stats["aborted"] == 0
-    # The long prompt's chunks, the buckets up to the 64-token step (32, 27, 64, 59) and the
-    # batch, each with decode steps.
-    assert stats["requests"] == 2 + 4 + 8 and stats["steps"] > stats["requests"]
+    # The long prompt next to a short one, the step sizes up to the 64-token budget (32, 27,
+    # 64, 59), the mixed step (2 + 1) and the batch of 8, each with decode steps.
+    assert stats["requests"] == 2 + 4 + 3 + 8 and stats["steps"] > 4 * 2
     s = warm.get_stats()
     assert s["num_free_pages"] == s["num_pages"] and s["steps_total"] == 0
     assert s["prompt_tokens_total"] == s["generation_tokens_total"] == 0
@@ -115,3 +124,4 @@ def test_kernel_counter_counts_the_post_compile_hook() -> None:
     hook(key="k", repr="kernel", fn=None, compile={}, is_manual_warmup=False,
          already_compiled=False)
     assert kernels_loaded() == before + 1
+    assert kernels_loaded_since(before) == ["kernel"]
