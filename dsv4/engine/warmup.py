@@ -61,7 +61,7 @@ def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_l
     * a short request, then a long one (chunked: longer than a step; long enough that its
       smallest-ratio compressed entries pass the indexer's top-k ``index_topk`` up to four
       times over, so the top-k's plans for contexts up to there compile) whose first chunk
-      meets the short one's decodes;
+      meets the short one's decodes; then the long one alone;
     * every step size up to ``max_num_batched_tokens`` the prefill graphs' buckets name, and
       that budget itself, twice (the size, a multiple of 16, and 5 tokens fewer): one prompt,
       or several adding up to it where ``max_model_len`` is shorter;
@@ -96,9 +96,14 @@ def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_l
     # The long prompt leaves the short one a page and itself a spare one.
     long_len = min(span, max_model_len - 3, (num_pages - 2) * page_size - 3)
     if long_len > max(short.prompt_len, max_num_batched_tokens):
-        phase = [[short], [WarmupRequest(long_len, 3)]]
-        if fits(phase):
-            phases.append(phase)
+        # Twice: next to a decoding short request (chunks of odd sizes from odd positions)
+        # and alone (chunks of the full budget from its multiples).  Triton specializes an
+        # integer argument on whether it is a multiple of 16, and the chunks' lengths and
+        # entry counts are such arguments (run E: 8K prompts still compiled top-k, compressor
+        # and attention variants after the mixed pass alone).
+        for phase in ([[short], [WarmupRequest(long_len, 3)]], [[WarmupRequest(long_len, 3)]]):
+            if fits(phase):
+                phases.append(phase)
     sizes = [b for b in PREFILL_BUCKETS if b < max_num_batched_tokens] + [max_num_batched_tokens]
     for size in sizes:
         for tokens in (size, size - 5):

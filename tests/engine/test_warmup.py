@@ -34,6 +34,8 @@ def test_phases_cover_chunks_top_k_step_sizes_mixed_steps_and_a_batch() -> None:
     assert long_req.prompt_len > FLASH["max_num_batched_tokens"]
     assert long_req.prompt_len >= 4 * 512 * 4
     assert short.prompt_len < long_req.prompt_len and short.max_tokens > 1
+    (alone,), = phases[1]   # the same prompt alone: chunks of the full budget
+    assert alone.prompt_len == long_req.prompt_len
     want = [n for b in PREFILL_BUCKETS if b <= 2048 for n in (b, b - 5)]
     assert _steps(phases) == want
     assert any(n % 16 for n in want) and any(n % 16 == 0 for n in want)
@@ -66,6 +68,9 @@ def test_phases_fit_the_model_length_and_the_cache() -> None:
     # No compressed layers: the long prompt covers four steps; one sequence: no batch.
     p = warmup_phases(**{**FLASH, "min_ratio": 0, "max_num_seqs": 1})
     assert p[0][1][0].prompt_len == 4 * 2048 + 64 and all(len(w) == 1 for ph in p for w in ph)
+    # A cache too small for the long prompt's spare pages: no long phase.
+    p = warmup_phases(**{**FLASH, "num_pages": 3, "page_size": 1024})
+    assert all(r.prompt_len <= 2048 for ph in p for r in _reqs(ph))
 
 
 def _engine(path, model, tok, **kw) -> LLMEngine:
@@ -99,9 +104,9 @@ def test_engine_after_warmup_is_idle_and_unchanged(tiny_v4_path, tiny_v4_model,
     warm = _engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer, warmup=True)
     stats = warm.warmup_stats
     assert stats is not None and stats["aborted"] == 0
-    # The long prompt next to a short one, the step sizes up to the 64-token budget (32, 27,
-    # 64, 59), the mixed step (2 + 1) and the batch of 8, each with decode steps.
-    assert stats["requests"] == 2 + 4 + 3 + 8 and stats["steps"] > 4 * 2
+    # The long prompt next to a short one and alone, the step sizes up to the 64-token budget
+    # (32, 27, 64, 59), the mixed step (2 + 1) and the batch of 8, each with decode steps.
+    assert stats["requests"] == 2 + 1 + 4 + 3 + 8 and stats["steps"] > 4 * 2
     s = warm.get_stats()
     assert s["num_free_pages"] == s["num_pages"] and s["steps_total"] == 0
     assert s["prompt_tokens_total"] == s["generation_tokens_total"] == 0
