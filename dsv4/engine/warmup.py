@@ -58,10 +58,10 @@ def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_l
                   ) -> list[Phase]:
     """The warm-up's phases (each run to completion before the next).
 
-    * a short request, then a long one (chunked: longer than a step; long enough that its
-      smallest-ratio compressed entries pass the indexer's top-k ``index_topk`` up to four
-      times over, so the top-k's plans for contexts up to there compile) whose first chunk
-      meets the short one's decodes; then the long one alone;
+    * a short request, then a long one (at least two steps' worth, so it is chunked; long
+      enough that its smallest-ratio compressed entries pass the indexer's top-k
+      ``index_topk`` up to four times over, so the top-k's plans for contexts up to there
+      compile) whose first chunk meets the short one's decodes; then the long one alone;
     * every step size up to ``max_num_batched_tokens`` the prefill graphs' buckets name, and
       that budget itself, twice (the size, a multiple of 16, and 5 tokens fewer): one prompt,
       or several adding up to it where ``max_model_len`` is shorter;
@@ -92,7 +92,8 @@ def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_l
         return [WarmupRequest(tokens // n + (i < tokens % n), 2) for i in range(n)]
 
     phases: list[Phase] = []
-    span = 4 * max(max_num_batched_tokens, index_topk * min_ratio) + 64
+    # Two chunks at least (a continuation chunk); the top-k span four times over.
+    span = max(2 * max_num_batched_tokens, 4 * index_topk * min_ratio) + 64
     # The long prompt leaves the short one a page and itself a spare one.
     long_len = min(span, max_model_len - 3, (num_pages - 2) * page_size - 3)
     if long_len > max(short.prompt_len, max_num_batched_tokens):

@@ -65,9 +65,9 @@ def test_phases_fit_the_model_length_and_the_cache() -> None:
     for ph in p:
         assert sum(-(-(r.prompt_len + r.max_tokens) // 64) for r in _reqs(ph)) <= 6
     assert p and all(len(_reqs(ph)) < 16 for ph in p)
-    # No compressed layers: the long prompt covers four steps; one sequence: no batch.
+    # No compressed layers: the long prompt covers two steps; one sequence: no batch.
     p = warmup_phases(**{**FLASH, "min_ratio": 0, "max_num_seqs": 1})
-    assert p[0][1][0].prompt_len == 4 * 2048 + 64 and all(len(w) == 1 for ph in p for w in ph)
+    assert p[0][1][0].prompt_len == 2 * 2048 + 64 and all(len(w) == 1 for ph in p for w in ph)
     # A cache too small for the long prompt's spare pages: no long phase.
     p = warmup_phases(**{**FLASH, "num_pages": 3, "page_size": 1024})
     assert all(r.prompt_len <= 2048 for ph in p for r in _reqs(ph))
