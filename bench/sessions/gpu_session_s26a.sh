@@ -17,8 +17,8 @@ run_tp() {  # NAME SECS EXTRA...: one engine process, 43 layers, no tp_bench war
         --max-num-batched-tokens 2048 --budget $((secs - 15)) --out "$LOGS/$name.json" "$@"
 }
 # The 8K engine's warm-up covers the short one's kernels too (same step budget).
-run_tp prime 330 --concurrency 1 --prompt-len 8192 --output-len 2
-run_tp short 110 --concurrency 1,16 --prompt-len 256 --output-len 16
-run_tp long 130 --concurrency 4 --prompt-len 8192 --output-len 8
+run_tp prime 320 --concurrency 1 --prompt-len 8192 --output-len 2
+run_tp short 140 --concurrency 1,16 --prompt-len 256 --output-len 16
+run_tp long 120 --concurrency 4 --prompt-len 8192 --output-len 8
 grep -h -A12 "warm-up\|^ *c \|rror" "$LOGS"/prime.log "$LOGS"/short.log "$LOGS"/long.log \
     | grep -v "^c=.*host ms" | head -90
