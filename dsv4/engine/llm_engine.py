@@ -30,7 +30,6 @@ from dsv4.config import ModelConfig
 from dsv4.dist.parallel import Parallel, ParallelConfig, init_parallel
 from dsv4.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from dsv4.engine.prefill_graphs import ENGINE_MAX_TOKENS
-from dsv4.engine.warmup import kernels_loaded, run_warmup
 from dsv4.engine.runner import (InFlight, ModelRunner, StepResult, profile_decode_graph_bytes,
                                profile_peak_bytes, resolve_cache_dtype, size_cache)
 from dsv4.engine.sampler import RowLogprobs
@@ -38,6 +37,7 @@ from dsv4.engine.sampling_params import (CompletionOutput, Logprob, PositionLogp
                                          RequestMetrics, RequestOutput, SamplingParams)
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.sequence import Sequence, SequenceStatus
+from dsv4.engine.warmup import kernels_loaded, run_warmup
 
 log = logging.getLogger("dsv4")
 

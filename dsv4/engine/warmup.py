@@ -11,8 +11,8 @@ V4-Flash layers a first 256-token prompt took 3.4 s and the first steps of 16 su
 prefill graphs' captures compile what they hold; the rest (chunked prefill, steps of odd
 sizes, the cache part of piecewise steps, mixed steps) compiles on first use.
 
-:func:`warmup_phases` lists the step kinds a server meets, as groups of requests that run
-together; :func:`run_warmup` runs them through ``LLMEngine.add_request`` / ``step`` (greedy,
+:func:`warmup_phases` lists the step kinds a server meets, as phases of requests (submitted
+in waves a step apart); :func:`run_warmup` runs them through ``LLMEngine.add_request`` / ``step`` (greedy,
 so no random generator moves), checks that the engine is idle again and resets its counters.
 :func:`kernels_loaded` counts the Triton kernels this process has compiled or loaded, so a
 benchmark or an operator can see that serving compiles nothing after the warm-up.
@@ -35,9 +35,14 @@ __all__ = ["WarmupRequest", "warmup_phases", "run_warmup", "kernels_loaded",
 
 # Request ids of the warm-up (never seen by a client: the engine is idle again afterwards).
 ID_PREFIX = "dsv4-warmup-"
-# Steps after which a phase is given up (its requests aborted): a cache too small for the
-# phase would otherwise keep them waiting forever.
-MAX_STEPS_PER_PHASE = 400
+
+
+def max_steps(phase: "Phase", budget: int) -> int:
+    """Steps after which a phase is given up (its requests aborted): a cache too small for it
+    would otherwise keep them waiting forever.  Four times what it needs, plus slack for
+    preemptions."""
+    reqs = [r for wave in phase for r in wave]
+    return 100 + 4 * (sum(r.prompt_len for r in reqs) // budget + sum(r.max_tokens for r in reqs))
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,8 @@ def run_warmup(engine: Any) -> dict[str, Any]:
             if w + 1 < len(phase):
                 engine.step()
                 n += 1
-        while engine.has_unfinished_requests() and n < MAX_STEPS_PER_PHASE:
+        limit = max_steps(phase, engine.options.max_num_batched_tokens)
+        while engine.has_unfinished_requests() and n < limit:
             engine.step()
             n += 1
         requests += len(ids)
