@@ -130,3 +130,32 @@ def test_kernel_counter_counts_the_post_compile_hook() -> None:
          already_compiled=False)
     assert kernels_loaded() == before + 1
     assert kernels_loaded_since(before) == ["kernel"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_workloads_after_the_warmup_compile_nothing(tmp_path) -> None:
+    """On a GPU (default options: decode and prefill graphs, warm-up on), workloads within the
+    warm-up's envelope — many short prompts filling whole steps, chunked prompts of several
+    lengths with decodes mixed in, a lone prompt of an odd length — load no Triton kernel."""
+    from dsv4.engine.warmup import kernels_loaded_since
+    from dsv4.model.transformer import load_model
+    from dsv4.tiny import make_tiny_checkpoint
+    from dsv4.tokenizer import load_tokenizer
+
+    path = make_tiny_checkpoint(tmp_path / "v4", variant="v4", seed=0)
+    model = load_model(path, device="cuda", dtype=torch.bfloat16, numerics="official",
+                       backend="triton")
+    eng = LLMEngine(path, model=model, tokenizer=load_tokenizer(path), device="cuda",
+                    kv_cache_dtype="fp8", max_model_len=1024, max_num_batched_tokens=256,
+                    max_num_seqs=16)
+    assert eng.warmup_stats is not None and eng.warmup_stats["aborted"] == 0
+    before = eng.get_stats()["triton_kernels_loaded_total"]
+    g = torch.Generator().manual_seed(5)
+    for wave in ([40] * 16, [700, 333, 517, 901], [97]):
+        for i, n in enumerate(wave):
+            eng.add_request(f"{len(wave)}-{i}", torch.randint(20, 500, (n,), generator=g).tolist(),
+                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+    eng.check_idle()
+    assert eng.get_stats()["triton_kernels_loaded_total"] == before, kernels_loaded_since(before)
