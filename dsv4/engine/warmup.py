@@ -144,31 +144,22 @@ def run_warmup(engine: Any) -> dict[str, Any]:
     kernels0 = kernels_loaded()
     t0 = time.perf_counter()
     steps = requests = aborted = 0
-    vocab = cfg.vocab_size
     for p, phase in enumerate(phases):
-        ids: list[str] = []
-        n = 0
-        for w, wave in enumerate(phase):
-            for i, r in enumerate(wave):
-                rid = f"{ID_PREFIX}{p}-{w}-{i}"
-                # Distinct, deterministic token ids (no tokenizer, no random generator).
-                seed = 7 + 31 * (p + 1) + 17 * (w + 1) * (i + 1)
-                prompt = [(seed + 13 * k) % vocab for k in range(r.prompt_len)]
-                engine.add_request(rid, prompt, SamplingParams(
-                    temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
-                ids.append(rid)
-            if w + 1 < len(phase):
-                engine.step()
-                n += 1
-        limit = max_steps(phase, engine.options.max_num_batched_tokens)
-        while engine.has_unfinished_requests() and n < limit:
-            engine.step()
-            n += 1
+        log.info("dsv4 engine: warm-up %d/%d: prompts of %s tokens", p + 1, len(phases),
+                 " then ".join(_lengths(wave) for wave in phase))
+        try:
+            n, ids = _run_phase(engine, p, phase)
+        except Exception as e:
+            engine.abort_request([r for r in list(engine._requests) if r.startswith(ID_PREFIX)])
+            raise RuntimeError(f"the engine's start-up warm-up failed in phase {p + 1} (prompts "
+                               f"of {' then '.join(_lengths(w) for w in phase)} tokens): "
+                               f"{type(e).__name__}: {e}; warmup=False (--no-warmup) skips "
+                               "it") from e
         requests += len(ids)
         steps += n
         if engine.has_unfinished_requests():
             log.warning("dsv4 engine: warm-up phase %d (%s) did not finish in %d steps; "
-                        "aborted", p, phase, n)
+                        "aborted", p + 1, phase, n)
             aborted += engine.get_num_unfinished_requests()
             engine.abort_request(ids)
     engine.check_idle()
@@ -179,6 +170,37 @@ def run_warmup(engine: Any) -> dict[str, Any]:
     log.info("dsv4 engine: warm-up ran %d requests in %d steps in %.1f s (%d Triton kernels "
              "compiled or loaded)", requests, steps, stats["seconds"], stats["kernels_loaded"])
     return stats
+
+
+def _lengths(wave: list[WarmupRequest]) -> str:
+    lens = [r.prompt_len for r in wave]
+    return str(lens[0]) if len(set(lens)) == 1 and len(lens) == 1 else (
+        f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens)))
+
+
+def _run_phase(engine: Any, p: int, phase: Phase) -> tuple[int, list[str]]:
+    """Submit ``phase``'s waves one step apart and step until they finish (or its step limit);
+    returns the steps run and the request ids."""
+    vocab = engine.config.vocab_size
+    ids: list[str] = []
+    n = 0
+    for w, wave in enumerate(phase):
+        for i, r in enumerate(wave):
+            rid = f"{ID_PREFIX}{p}-{w}-{i}"
+            # Distinct, deterministic token ids (no tokenizer, no random generator).
+            seed = 7 + 31 * (p + 1) + 17 * (w + 1) * (i + 1)
+            prompt = [(seed + 13 * k) % vocab for k in range(r.prompt_len)]
+            engine.add_request(rid, prompt, SamplingParams(
+                temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+            ids.append(rid)
+        if w + 1 < len(phase):
+            engine.step()
+            n += 1
+    limit = max_steps(phase, engine.options.max_num_batched_tokens)
+    while engine.has_unfinished_requests() and n < limit:
+        engine.step()
+        n += 1
+    return n, ids
 
 
 # ---------------------------------------------------------------------- kernel counter

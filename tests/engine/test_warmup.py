@@ -159,3 +159,25 @@ def test_gpu_workloads_after_the_warmup_compile_nothing(tmp_path) -> None:
             eng.step()
     eng.check_idle()
     assert eng.get_stats()["triton_kernels_loaded_total"] == before, kernels_loaded_since(before)
+
+
+def test_a_failing_warmup_says_so_and_leaves_nothing(tiny_v4_path, tiny_v4_model,
+                                                     tiny_v4_tokenizer, monkeypatch) -> None:
+    from dsv4.engine import warmup as W
+
+    eng = _engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer)
+    calls = {"n": 0}
+    real_step = LLMEngine.step
+
+    def failing_step(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", failing_step)
+    with pytest.raises(RuntimeError, match=r"warm-up failed in phase 1 .*boom.*--no-warmup"):
+        W.run_warmup(eng)
+    monkeypatch.setattr(LLMEngine, "step", real_step)
+    eng.check_idle()
+    assert _generate(eng) == _generate(_engine(tiny_v4_path, tiny_v4_model, tiny_v4_tokenizer))
