@@ -12,8 +12,9 @@ prefill graphs' captures compile what they hold; the rest (chunked prefill, step
 sizes, the cache part of piecewise steps, mixed steps) compiles on first use.
 
 :func:`warmup_phases` lists the step kinds a server meets, as phases of requests (submitted
-in waves a step apart); :func:`run_warmup` runs them through ``LLMEngine.add_request`` / ``step`` (greedy,
-so no random generator moves), checks that the engine is idle again and resets its counters.
+in waves a step apart); :func:`run_warmup` runs them through ``LLMEngine.add_request`` /
+``step`` (greedy, so no random generator moves), checks that the engine is idle again and
+restores its counters.
 :func:`kernels_loaded` counts the Triton kernels this process has compiled or loaded, so a
 benchmark or an operator can see that serving compiles nothing after the warm-up.
 """
@@ -37,14 +38,6 @@ __all__ = ["WarmupRequest", "warmup_phases", "run_warmup", "kernels_loaded",
 ID_PREFIX = "dsv4-warmup-"
 
 
-def max_steps(phase: "Phase", budget: int) -> int:
-    """Steps after which a phase is given up (its requests aborted): a cache too small for it
-    would otherwise keep them waiting forever.  Four times what it needs, plus slack for
-    preemptions."""
-    reqs = [r for wave in phase for r in wave]
-    return 100 + 4 * (sum(r.prompt_len for r in reqs) // budget + sum(r.max_tokens for r in reqs))
-
-
 @dataclass(frozen=True)
 class WarmupRequest:
     """One synthetic request: ``prompt_len`` token ids, ``max_tokens`` greedy output tokens."""
@@ -56,6 +49,14 @@ class WarmupRequest:
 # A phase is a list of waves: wave i + 1 is submitted one step after wave i (so its prompts
 # meet wave i's decodes in one mixed step); the phase runs until all its requests finish.
 Phase = list[list[WarmupRequest]]
+
+
+def max_steps(phase: Phase, budget: int) -> int:
+    """Steps after which a phase is given up (its requests aborted): a cache too small for it
+    would otherwise keep them waiting forever.  Four times what it needs, plus slack for
+    preemptions."""
+    reqs = [r for wave in phase for r in wave]
+    return 100 + 4 * (sum(r.prompt_len for r in reqs) // budget + sum(r.max_tokens for r in reqs))
 
 
 def warmup_phases(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
