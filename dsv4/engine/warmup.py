@@ -205,14 +205,16 @@ def _run_phase(engine: Any, p: int, phase: Phase) -> tuple[int, list[str]]:
 
 
 # ---------------------------------------------------------------------- kernel counter
-_names: list[str] = []      # the kernels compiled or loaded, in order
+_names: list[str] = []      # the names of the kernels compiled or loaded, in order
 _hooked = False
 
 
 def kernels_loaded() -> int:
     """Triton kernels this process has compiled or loaded from the disk cache so far (0 where
-    Triton is absent or interpreted: nothing compiles).  The first call installs the counter
-    (Triton's post-compile hook, chained to any hook already there)."""
+    Triton is absent or interpreted: nothing compiles).  The first call installs the counter:
+    Triton's kernel-load hook (called once per new kernel binary, as it is loaded onto the
+    device; chained to any hook already there).  Unlike the post-compile hook it costs Triton
+    no serialization of the kernel's specialization."""
     global _hooked
     if not _hooked:
         _hooked = True
@@ -220,18 +222,19 @@ def kernels_loaded() -> int:
             from triton import knobs
         except ImportError:   # no Triton (or an older one without knobs): nothing to count
             return 0
-        previous = knobs.runtime.jit_post_compile_hook
+        previous = knobs.runtime.kernel_load_end_hook
 
-        def count(*args: Any, **kwargs: Any) -> Any:
-            # "name[num_warps=...](args...)": the name and the launch options.
-            _names.append(str(kwargs.get("repr", "?")).split("(", 1)[0])
-            return previous(*args, **kwargs) if previous is not None else None
+        def count(module: Any, function: Any, name: str, metadata_group: Any,
+                  hash: Any) -> None:   # noqa: A002 - Triton's argument names
+            _names.append(str(name))
+            if previous is not None:
+                previous(module, function, name, metadata_group, hash)
 
-        knobs.runtime.jit_post_compile_hook = count
+        knobs.runtime.kernel_load_end_hook = count
     return len(_names)
 
 
 def kernels_loaded_since(count: int) -> list[str]:
-    """The kernels (name and launch options) compiled or loaded after :func:`kernels_loaded`
+    """The names of the kernels compiled or loaded after :func:`kernels_loaded`
     returned ``count``."""
     return list(_names[count:])

@@ -121,15 +121,14 @@ def test_warmup_option_is_checked() -> None:
     assert EngineOptions().warmup is None
 
 
-def test_kernel_counter_counts_the_post_compile_hook() -> None:
+def test_kernel_counter_counts_kernel_loads() -> None:
     knobs = pytest.importorskip("triton").knobs
     before = kernels_loaded()   # installs the counter
-    hook = knobs.runtime.jit_post_compile_hook
+    hook = knobs.runtime.kernel_load_end_hook
     assert callable(hook)
-    hook(key="k", repr="kernel", fn=None, compile={}, is_manual_warmup=False,
-         already_compiled=False)
+    hook(None, None, "my_kernel", None, "hash")
     assert kernels_loaded() == before + 1
-    assert kernels_loaded_since(before) == ["kernel"]
+    assert kernels_loaded_since(before) == ["my_kernel"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
