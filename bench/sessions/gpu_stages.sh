@@ -16,3 +16,14 @@ stage() {  # stage NAME SECONDS CMD...: CMD's output in $LOGS/NAME.log, its tail
     tail -n 4 "$LOGS/$name.log"
     tar -czf "$OUT/session.tar.gz" -C "$LOGS" .
 }
+# Routed experts a layer with which all 43 V4-Flash layers fit one GPU: 64 on an H100, 128 on
+# an H200 (set when this file is sourced; nvidia-smi absent: 64).
+EXPERTS=64
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && EXPERTS=128
+tp_stage() {  # tp_stage NAME SECS EXTRA...: the engine on one GPU (bench/tp_bench.py), 43 layers,
+    # no tp_bench warm-up (so the engine's own is what a workload meets), JSON in $LOGS/NAME.json
+    local name=$1 secs=$2; shift 2
+    stage "$name" "$secs" python -m torch.distributed.run --standalone --nproc-per-node 1 \
+        bench/tp_bench.py --layers 43 --experts $EXPERTS --graphs --no-warmup \
+        --max-num-batched-tokens 2048 --budget $((secs - 15)) --out "$LOGS/$name.json" "$@"
+}
