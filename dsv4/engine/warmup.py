@@ -174,9 +174,13 @@ def run_warmup(engine: Any) -> dict[str, Any]:
 
 
 def _lengths(wave: list[WarmupRequest]) -> str:
+    """A wave's prompt lengths for the log: "17", "16x17" or "256+255"."""
     lens = [r.prompt_len for r in wave]
-    return str(lens[0]) if len(set(lens)) == 1 and len(lens) == 1 else (
-        f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens)))
+    if len(lens) == 1:
+        return str(lens[0])
+    if len(set(lens)) == 1:
+        return f"{len(lens)}x{lens[0]}"
+    return "+".join(map(str, lens))
 
 
 def _run_phase(engine: Any, p: int, phase: Phase) -> tuple[int, list[str]]:
