@@ -25,6 +25,7 @@ import triton.language as tl
 
 from dsv4.cache.formats import PackedRows, RecordFormat
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.specialize import lengths
 from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
@@ -258,7 +259,7 @@ def _attn_two_sources(q, m_i, l_i, acc, kva_ptr, stride_a, idxa_ptr, n_a, kvb_pt
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(**lengths("T", "Ka", "Kb", "chunk_a", "chunk_b", "stride_ia", "stride_ib"))
 def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o_ptr, ml_ptr,
                         T, H, D, Ka, Kb, chunk_a, chunk_b, stride_qt, stride_qh, stride_kva,
                         stride_kvb, stride_ia, stride_ib, stride_ot, stride_oh, qk_scale,

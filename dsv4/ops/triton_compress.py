@@ -61,6 +61,7 @@ import triton.language as tl
 
 from dsv4.ops import torch_compress as twin
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.specialize import lengths
 from dsv4.ops.triton_dense import round_to_bf16, splitk_counters, torch_twin_off_gpu
 
 __all__ = ["compress_entries", "compress_update_state", "entries_tiles", "state_tiles",
@@ -174,7 +175,7 @@ def _norm_rope_pairs(x_e, x_o, w_e, w_o, rstd, cs, sn, rm, HAS_ROPE: tl.constexp
     return y_e, y_o
 
 
-@triton.jit
+@triton.jit(**lengths("T"))
 def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_ptr, ent_ptr,
                              valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr, cos_ptr, sin_ptr,
                              out_ptr, T, D, W, SKV, SSC, HALF, eps,
@@ -240,7 +241,7 @@ def _compress_entries_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_p
                      .to(out_ptr.dtype.element_ty), mask=c < D)
 
 
-@triton.jit
+@triton.jit(**lengths("T", "NREQ"))
 def _compress_entries_split_kernel(kv_ptr, score_ptr, skv_ptr, ssc_ptr, ape_ptr, req_ptr,
                                    ent_ptr, valid_ptr, start_ptr, cu_ptr, slot_ptr, w_ptr,
                                    cos_ptr, sin_ptr, out_ptr, arrivals_ptr,

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.specialize import lengths
 from dsv4.ops.triton_dense import sm_count, torch_twin_off_gpu
 
 __all__ = ["MAX_REG_BLOCK", "topk_indices", "topk_indices_with_block"]
@@ -248,7 +249,7 @@ def _take_all(out_row, n, K, BLOCK_K: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------ kernels
-@triton.jit
+@triton.jit(**lengths("L", "stride_s"))
 def _topk_rows_kernel(scores_ptr, nvis_ptr, out_ptr, work_ptr, L, stride_s, K, cap,
                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, STREAM: tl.constexpr,
                       COMPACT: tl.constexpr, CB: tl.constexpr, FIN: tl.constexpr,
@@ -270,7 +271,7 @@ def _topk_rows_kernel(scores_ptr, nvis_ptr, out_ptr, work_ptr, L, stride_s, K, c
                 BLOCK, CB, FIN, RADIX)
 
 
-@triton.jit
+@triton.jit(**lengths("L", "stride_s", "stride_c"))
 def _topk_chunks_kernel(scores_ptr, nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr, work_ptr, L,
                         stride_s, K, KC, stride_c, cap, BLOCK: tl.constexpr,
                         BLOCK_K: tl.constexpr, COMPACT: tl.constexpr, CB: tl.constexpr,
@@ -308,7 +309,7 @@ def _topk_chunks_kernel(scores_ptr, nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr
                 tl.store(ci + j, tl.where(j < cn, c * BLOCK + j, -1), mask=j < KC)
 
 
-@triton.jit
+@triton.jit(**lengths("L", "stride_c"))
 def _topk_merge_kernel(nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr, work_ptr, L, K, KC,
                        stride_c, cap, BLOCK: tl.constexpr, STREAM: tl.constexpr,
                        COMPACT: tl.constexpr, CB: tl.constexpr, FIN: tl.constexpr,
