@@ -271,7 +271,7 @@ def _topk_rows_kernel(scores_ptr, nvis_ptr, out_ptr, work_ptr, L, stride_s, K, c
                 BLOCK, CB, FIN, RADIX)
 
 
-@triton.jit(**lengths("L", "stride_s", "stride_c"))
+@triton.jit(**lengths("L", "stride_s"))
 def _topk_chunks_kernel(scores_ptr, nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr, work_ptr, L,
                         stride_s, K, KC, stride_c, cap, BLOCK: tl.constexpr,
                         BLOCK_K: tl.constexpr, COMPACT: tl.constexpr, CB: tl.constexpr,
@@ -309,7 +309,7 @@ def _topk_chunks_kernel(scores_ptr, nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr
                 tl.store(ci + j, tl.where(j < cn, c * BLOCK + j, -1), mask=j < KC)
 
 
-@triton.jit(**lengths("L", "stride_c"))
+@triton.jit(**lengths("L"))
 def _topk_merge_kernel(nvis_ptr, out_ptr, cand_key_ptr, cand_id_ptr, work_ptr, L, K, KC,
                        stride_c, cap, BLOCK: tl.constexpr, STREAM: tl.constexpr,
                        COMPACT: tl.constexpr, CB: tl.constexpr, FIN: tl.constexpr,
