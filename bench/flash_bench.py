@@ -44,6 +44,7 @@ import torch
 from dsv4.cache.formats import RECORD_DTYPE, cache_formats, is_record_dtype
 from dsv4.cache.tensors import HybridCache
 from dsv4.config import ModelConfig
+from dsv4.engine.prefill_graphs import PrefillGraphs, run_step
 from dsv4.formats import QuantWeight
 from dsv4.model.context import StepContext, pages_needed
 from dsv4.model.layers import Linear, quantized_storage
@@ -467,12 +468,12 @@ def bench_prefill(model: Transformer, cache: HybridCache, S: int, reps: int,
     ids = torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=DEV)
     pages = list(range(pages_needed(S, PAGE)))
 
+    forward = run_step(model, graphs)
+
     def step() -> torch.Tensor:
         cache.reset_slots([0])
         ctx = StepContext.build(ids, [S], [0], [0], [pages], device=DEV)
-        if graphs is not None and graphs.serves(ctx):
-            return model.compute_logits(graphs.forward(ctx, cache))
-        return model.compute_logits(model.forward(ctx, cache))
+        return model.compute_logits(forward(ctx, cache))
 
     logits = step()  # warm-up (kernel compilation; the graphs' capture)
     finite = bool(torch.isfinite(logits).all())
@@ -869,7 +870,6 @@ def main(argv: list[str] | None = None) -> int:
             results["errors"].append(f"profile: {traceback.format_exc()[-1500:]}")
     prefill_graphs = None
     if args.prefill_graphs:
-        from dsv4.engine.prefill_graphs import PrefillGraphs
         prefill_graphs = PrefillGraphs(model, args.prefill_graphs,
                                        use_graphs=DEV == "cuda" and not args.no_graphs,
                                        cache=cache)

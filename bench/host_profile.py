@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import flash_bench as fb  # noqa: E402
 from dsv4.cache.tensors import HybridCache  # noqa: E402
 from dsv4.cache.formats import RECORD_DTYPE  # noqa: E402
+from dsv4.engine.prefill_graphs import PrefillGraphs, run_step  # noqa: E402
 from dsv4.model.context import StepContext, pages_needed  # noqa: E402
 
 
@@ -66,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
     pg = None
     if args.prefill_graphs:
-        from dsv4.engine.prefill_graphs import PrefillGraphs
         pg = PrefillGraphs(model, args.prefill_graphs, use_graphs=cuda,
                            cache=None if args.no_prework else cache)
         if cuda:
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {cap['capture_s']:.1f} s, {cap['reserved_GB']:.2f} GB more reserved",
                   flush=True)
 
+    forward = run_step(model, pg)
     for S in lengths:
         ids = torch.randint(0, model.cfg.vocab_size, (S,), device=dev)
         pages = list(range(pages_needed(S, fb.PAGE)))
@@ -82,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         def step() -> torch.Tensor:
             cache.reset_slots([0])
             ctx = StepContext.build(ids, [S], [0], [0], [pages], device=dev)
-            if pg is not None and pg.serves(ctx):
-                return model.compute_logits(pg.forward(ctx, cache))
-            return model.compute_logits(model.forward(ctx, cache))
+            return model.compute_logits(forward(ctx, cache))
 
         with torch.no_grad():
             step(), step()

@@ -3,8 +3,8 @@
 launch of the top-k, sparse-attention and compressor scenarios of ``tests/kernels/sm90_cases.py``
 is compiled for sm_90 (H200) with the knob off and on, and their PTX compared — global loads by
 width (a vector load needs the mask constant across its lanes, which a length's divisibility by
-16 proves), all instructions, and registers when ptxas reports them.  No GPU; what the
-difference costs in time needs one (the kernels' GPU benchmarks with the knob off and on).
+16 proves) and all instructions.  No GPU; what the difference costs in time needs one
+(bench/sessions/gpu_session_s26c.sh).
 
     PYTHONPATH=. python bench/specialize_ptx.py [--only topk/v4_flash] [--json out.json]
 """

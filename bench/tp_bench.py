@@ -349,21 +349,14 @@ def run_workload(engine: Any, concurrency: int, prompt_len: int, output_len: int
         idle_queue, running = sched.num_waiting == 0, sched.num_running
         if profile_path and prof is None and n_decode == 8:
             prof = _start_profile()
-        if host_profile and not steps:
+        s0 = time.perf_counter()
+        if host_profile and not steps:   # the first step (the prefill) under cProfile
             outs = _host_profiled_step(engine, host_profile,
                                        f"concurrency {concurrency}, first step")
-            steps.append({"s": 0.0, "tokens": len(outs), "decode_only": False})
-            now = time.perf_counter()
-            for o in outs:
-                if len(o.outputs[0].token_ids) and o.request_id not in first:
-                    first[o.request_id] = now
-                last[o.request_id] = now
-                counts[o.request_id] = len(o.outputs[0].token_ids)
-            continue
-        s0 = time.perf_counter()
-        # No device sync here: a pipelined engine returns step N's tokens while step N+1 runs
-        # (a sync would serialize them); each call still waits for its step's samples.
-        outs = engine.step()
+        else:
+            # No device sync here: a pipelined engine returns step N's tokens while step N+1
+            # runs (a sync would serialize them); each call still waits for its step's samples.
+            outs = engine.step()
         now = time.perf_counter()
         decode_only = (idle_queue and len(outs) == running > 0
                        and all(len(o.outputs[0].token_ids) > 1 for o in outs))

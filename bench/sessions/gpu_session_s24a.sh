@@ -6,13 +6,11 @@
 # engine option's default waits for.
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage pg_v41 150 python -m pytest -q -x tests/engine/test_prefill_graphs.py -k gpu_v41
 # 43 layers with 128 experts a layer (83.9 GB) fit only an H200; an H100 takes 64 (~50 GB): the
 # capture cost does not depend on the number of experts, and the step reads 6 a token either way.
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 {
     stage pg43 240 python bench/flash_bench.py --layers 43 --experts $EXPERTS \
         --prefill 128,512,1024 --decode-batches "" --reps 3 --budget 230 --prefill-graphs 1024 \

@@ -4,10 +4,8 @@
 # piecewise step (bench/host_profile.py --prefill-graphs) and the graphs' memory.
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 stage pg_gpu 200 python -m pytest -q tests/engine/test_prefill_graphs.py -k gpu
 stage hp43 300 python bench/host_profile.py --layers 43 --experts $EXPERTS --tokens 128,512 \
     --reps 3 --top 45 --prefill-graphs 1024 --stats "$LOGS/hp43"

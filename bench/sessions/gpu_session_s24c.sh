@@ -4,10 +4,8 @@
 # with prework; the device-time table of 128- and 512-token steps (is a short step GPU-bound?).
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 stage hp_pre 150 python bench/host_profile.py --layers 43 --experts $EXPERTS --tokens 128,512 \
     --reps 5 --top 5 --prefill-graphs 1024
 stage hp_nopre 150 python bench/host_profile.py --layers 43 --experts $EXPERTS --tokens 128,512 \

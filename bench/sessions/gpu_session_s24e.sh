@@ -5,10 +5,8 @@
 # the former plans (DSV4_HC_POST_PRE_MID_T=1024 DSV4_MOE_BM64_STAGES=3).
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 stage tests 200 python -m pytest -q tests/kernels/test_gpu_kernels.py \
     tests/kernels/test_moe_kchunk_gpu.py -k "hc_ or grouped"
 stage hp_new 130 python bench/host_profile.py --layers 43 --experts $EXPERTS --tokens 128,512 \

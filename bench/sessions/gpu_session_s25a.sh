@@ -5,10 +5,8 @@
 # the prefill graphs' GPU tests and the long-prompt memory check.
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 run_tp() {  # NAME SECS EXTRA...: one engine process, 43 layers, short prompts
     local name=$1 secs=$2; shift 2
     stage "$name" "$secs" python -m torch.distributed.run --standalone --nproc-per-node 1 \

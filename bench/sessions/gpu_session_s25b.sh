@@ -6,10 +6,8 @@
 # graphs' pool (an out-of-memory here means the engine's estimate of that pool is short).
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 stage pg_gpu 200 python -m pytest -q tests/engine/test_prefill_graphs.py -k gpu
 stage tp_long 340 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     bench/tp_bench.py --layers 43 --experts $EXPERTS --graphs --concurrency 4 \

@@ -6,10 +6,8 @@
 # (8K, c=4: run B's TTFT 11.2 s) without prefill graphs for a baseline.
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
 run_tp() {  # NAME SECS EXTRA...: one engine process, 43 layers
     local name=$1 secs=$2; shift 2
     stage "$name" "$secs" python -m torch.distributed.run --standalone --nproc-per-node 1 \

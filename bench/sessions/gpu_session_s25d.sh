@@ -8,18 +8,10 @@
 # prefill graphs (TTFT against eager, both compile-free), then 8K prompts.
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS, tp_stage
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
-run_tp() {  # NAME SECS EXTRA...: one engine process, 43 layers, no tp_bench warm-up
-    local name=$1 secs=$2; shift 2
-    stage "$name" "$secs" python -m torch.distributed.run --standalone --nproc-per-node 1 \
-        bench/tp_bench.py --layers 43 --experts $EXPERTS --graphs --no-warmup \
-        --max-num-batched-tokens 2048 --budget $((secs - 15)) --out "$LOGS/$name.json" "$@"
-}
-run_tp eager 230 --concurrency 1,16 --prompt-len 256 --output-len 16 --no-prefill-graphs
-run_tp pg 170 --concurrency 1,16 --prompt-len 256 --output-len 16
-run_tp long 150 --concurrency 4 --prompt-len 8192 --output-len 8
+tp_stage eager 230 --concurrency 1,16 --prompt-len 256 --output-len 16 --no-prefill-graphs
+tp_stage pg 170 --concurrency 1,16 --prompt-len 256 --output-len 16
+tp_stage long 150 --concurrency 4 --prompt-len 8192 --output-len 8
 grep -h "warm-up\|TTFT\|^ *1 \|^ *4 \|^ *16 \|rror\|compiled or loaded" "$LOGS"/eager.log \
     "$LOGS"/pg.log "$LOGS"/long.log

@@ -8,16 +8,8 @@
 # compiles.
 set -u
 cd "$(dirname "$0")/../.."
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS, tp_stage
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-EXPERTS=64
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && EXPERTS=128
-run_tp() {  # NAME SECS EXTRA...: one engine process, 43 layers, no tp_bench warm-up
-    local name=$1 secs=$2; shift 2
-    stage "$name" "$secs" python -m torch.distributed.run --standalone --nproc-per-node 1 \
-        bench/tp_bench.py --layers 43 --experts $EXPERTS --graphs --no-warmup \
-        --max-num-batched-tokens 2048 --budget $((secs - 15)) --out "$LOGS/$name.json" "$@"
-}
-run_tp short 270 --concurrency 1,16 --prompt-len 256 --output-len 16
-run_tp long 210 --concurrency 4 --prompt-len 8192 --output-len 8
+tp_stage short 270 --concurrency 1,16 --prompt-len 256 --output-len 16
+tp_stage long 210 --concurrency 4 --prompt-len 8192 --output-len 8
 grep -h -A30 "warm-up\|^ *c \|rror" "$LOGS"/short.log "$LOGS"/long.log | grep -v "^c=.*host ms" | head -80

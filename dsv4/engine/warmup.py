@@ -148,10 +148,11 @@ def run_warmup(engine: Any) -> dict[str, Any]:
     for p, phase in enumerate(phases):
         log.info("dsv4 engine: warm-up %d/%d: prompts of %s tokens", p + 1, len(phases),
                  " then ".join(_lengths(wave) for wave in phase))
+        ids = [rid for wave in _ids(p, phase) for rid in wave]
         try:
-            n, ids = _run_phase(engine, p, phase)
+            n = _run_phase(engine, p, phase)
         except Exception as e:
-            engine.abort_request([r for r in list(engine._requests) if r.startswith(ID_PREFIX)])
+            engine.abort_request(ids)
             raise RuntimeError(f"the engine's start-up warm-up failed in phase {p + 1} (prompts "
                                f"of {' then '.join(_lengths(w) for w in phase)} tokens): "
                                f"{type(e).__name__}: {e}; warmup=False (--no-warmup) skips "
@@ -183,21 +184,23 @@ def _lengths(wave: list[WarmupRequest]) -> str:
     return "+".join(map(str, lens))
 
 
-def _run_phase(engine: Any, p: int, phase: Phase) -> tuple[int, list[str]]:
-    """Submit ``phase``'s waves one step apart and step until they finish (or its step limit);
-    returns the steps run and the request ids."""
+def _ids(p: int, phase: Phase) -> list[list[str]]:
+    """The request ids of phase ``p``, wave by wave."""
+    return [[f"{ID_PREFIX}{p}-{w}-{i}" for i in range(len(wave))] for w, wave in enumerate(phase)]
+
+
+def _run_phase(engine: Any, p: int, phase: Phase) -> int:
+    """Submit phase ``p``'s waves one step apart and step until they finish (or its step
+    limit); returns the steps run."""
     vocab = engine.config.vocab_size
-    ids: list[str] = []
     n = 0
-    for w, wave in enumerate(phase):
-        for i, r in enumerate(wave):
-            rid = f"{ID_PREFIX}{p}-{w}-{i}"
+    for w, (wave, wave_ids) in enumerate(zip(phase, _ids(p, phase))):
+        for i, (r, rid) in enumerate(zip(wave, wave_ids)):
             # Distinct, deterministic token ids (no tokenizer, no random generator).
             seed = 7 + 31 * (p + 1) + 17 * (w + 1) * (i + 1)
             prompt = [(seed + 13 * k) % vocab for k in range(r.prompt_len)]
             engine.add_request(rid, prompt, SamplingParams(
                 temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
-            ids.append(rid)
         if w + 1 < len(phase):
             engine.step()
             n += 1
@@ -205,7 +208,7 @@ def _run_phase(engine: Any, p: int, phase: Phase) -> tuple[int, list[str]]:
     while engine.has_unfinished_requests() and n < limit:
         engine.step()
         n += 1
-    return n, ids
+    return n
 
 
 # ---------------------------------------------------------------------- kernel counter

@@ -235,9 +235,9 @@ def _dense_entries(ops: SimpleNamespace, ctx: StepContext, pool: Tensor, fmt: Re
     return ops.read_records(pool.view(-1, pool.shape[-1]), rows, fmt, dtype)
 
 
-def _rows_of(pre: dict[str, Tensor] | None, name: str) -> tuple[Tensor, Tensor] | None:
-    """The compressor ``name``'s (kv, score) rows of :meth:`Attention.prework`, if made."""
-    return None if pre is None else (pre[f"{name}_kv"], pre[f"{name}_score"])
+def _made(pre: dict[str, Tensor] | None, *names: str) -> tuple[Tensor, ...] | None:
+    """The outputs ``names`` of :meth:`Attention.prework`, if it ran (else None: made here)."""
+    return None if pre is None else tuple(pre[n] for n in names)
 
 
 @dataclass(frozen=True)
@@ -431,20 +431,19 @@ class Attention(nn.Module):
             # this lane next to the indexer (dsv4.ops.streams).
             self.indexer.prepare(ctx, cache)
             if not INDEX_KEYS_ON_BRANCH:
-                self.indexer.write_keys(x, ctx, cache, _rows_of(pre, "index"))
+                self.indexer.write_keys(x, ctx, cache, _made(pre, "index_kv", "index_score"))
         # (Without an indexer, as in HCA layers, nothing would run beside it: no branch.)
         with (branch_lane(x.device, x.shape[0]) if self.indexer is not None
               else contextlib.nullcontext()):
             if self.indexer is not None and INDEX_KEYS_ON_BRANCH:
-                self.indexer.write_keys(x, ctx, cache, _rows_of(pre, "index"))
+                self.indexer.write_keys(x, ctx, cache, _made(pre, "index_kv", "index_score"))
                 keys_written = branch_mark(x.device)
             if self.compressor is not None:
                 self.compressor(x, ctx, cache.compressor_state(self.layer_id, "attn"), pool,
-                                fmt, rows=_rows_of(pre, "attn"))
+                                fmt, rows=_made(pre, "attn_kv", "attn_score"))
         if self.indexer is not None:
-            queries = None if pre is None else (pre["index_q"], pre["index_w"])
             ids = self.indexer.pick(x, qr, ctx, cache, cos, sin, keys_written,  # [T, k]
-                                    queries=queries)
+                                    queries=_made(pre, "index_q", "index_w"))
         join_branch_lane(x.device)
         kv_b, dense = self._entry_source(ctx, cache, dtype)
         if ids is not None:
@@ -464,10 +463,8 @@ class Attention(nn.Module):
         if isinstance(self.compressor, CompressorV2):
             state = (cache.compressor_state(self.layer_id, "attn")
                      if self.compressor.spec is not None else None)
-            rows = None
-            if pre is not None:
-                rows = ((pre["attn_latent"],) if self.compressor.spec is None
-                        else (pre["attn_kv"], pre["attn_score"]))
+            rows = (_made(pre, "attn_latent") if self.compressor.spec is None
+                    else _made(pre, "attn_kv", "attn_score"))
             plan, latent = self.compressor(x, ctx, state, rows)
             if plan.num_entries:
                 cos_e, sin_e = rope_cos_sin(self.cfg, self.layer_id, plan.entry * self.ratio)
@@ -483,8 +480,7 @@ class Attention(nn.Module):
                     entries = quant_compressed_latent(entries, self.numerics)
                 write_entries(pool, ctx, plan, entries, fmt, ops=self.ops)
         if self.indexer is not None:
-            ids = self.indexer(x, qr, ctx, cache, cos, sin,
-                               None if pre is None else (pre["index_q"], pre["index_w"]))
+            ids = self.indexer(x, qr, ctx, cache, cos, sin, _made(pre, "index_q", "index_w"))
         else:
             key = (TOPK_MEMO, self.topk_source)
             if key not in ctx.memo:
@@ -540,9 +536,9 @@ class Attention(nn.Module):
                 formats: PreworkFormats) -> dict[str, Tensor]:
         """The token-local inputs of :meth:`attend`, made ahead (in a piecewise step's graph):
         the window kv (normed, rotated) and its rows encoded for the ring; the compressors' fp32
-        rows (V4.1 ratio 1: the finished latents) and the indexer's queries and head weights.  ``formats``: the
-        cache's (:meth:`PreworkFormats.of`), which some of them depend on.  Same ops and
-        values as :meth:`attend` computes without them."""
+        rows (V4.1 ratio 1: the finished latents) and the indexer's queries and head weights.
+        ``formats``: the cache's (:meth:`PreworkFormats.of`), which some of them depend on.
+        Same ops and values as :meth:`attend` computes without them."""
         cos, sin = self._rope(ctx)
         kv = self._window_kv(kv_lat, cos, sin, formats.window)
         pre = {"window_kv": kv,
