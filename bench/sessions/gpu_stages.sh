@@ -7,6 +7,31 @@ LOGS="$(mktemp -d)"
 mkdir -p "$OUT"
 # The kernels written without a GPU (dsv4.ops.UNVERIFIED_ON_GPU) are what a session checks.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
+# Triton's disk cache travels between device calls, which mostly land on fresh machines that
+# would otherwise compile ~90 kernels (1-3 s each) before an engine serves.  Restored from
+# TCACHE_IN (the repository's ignored .tcache/, named in the call's `carry`), saved into $OUT
+# after each stage as <16 MiB pieces.  The path is fixed because Triton's cache index records
+# absolute paths; the key (Triton, ptxas, sm_90, the kernel's source and specialization) holds
+# across H100 and H200 machines.
+export TRITON_CACHE_DIR=/tmp/dsv4_triton_cache
+TCACHE_IN="${TCACHE_IN:-.tcache}"
+TCACHE_MAX_MB="${TCACHE_MAX_MB:-56}"   # OUT takes 64 MiB back, the logs' tarball included
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G "$TCACHE_IN/triton_cache.tgz.*" > /dev/null; then
+    cat "$TCACHE_IN"/triton_cache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
+        && echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels restored"
+fi
+save_triton_cache() {  # the cache as $OUT/triton_cache.tgz.aa, .ab, ... (skipped when too big)
+    local tmp; tmp=$(mktemp)
+    tar -czf "$tmp" -C "$TRITON_CACHE_DIR" . 2> /dev/null
+    rm -f "$OUT"/triton_cache.tgz.*
+    if [ "$(du -m "$tmp" | cut -f1)" -le "$TCACHE_MAX_MB" ]; then
+        split -b 15m "$tmp" "$OUT/triton_cache.tgz."
+    else
+        echo "triton cache: $(du -m "$tmp" | cut -f1) MiB compressed, not saved"
+    fi
+    rm -f "$tmp"
+}
 stage() {  # stage NAME SECONDS CMD...: CMD's output in $LOGS/NAME.log, its tail printed
     local name=$1 secs=$2; shift 2
     echo "=== $name (limit ${secs}s): $*"
@@ -15,6 +40,7 @@ stage() {  # stage NAME SECONDS CMD...: CMD's output in $LOGS/NAME.log, its tail
     echo "=== $name: exit $? after $((SECONDS - t0))s"
     tail -n 4 "$LOGS/$name.log"
     tar -czf "$OUT/session.tar.gz" -C "$LOGS" .
+    save_triton_cache
 }
 # Routed experts a layer with which all 43 V4-Flash layers fit one GPU: 64 on an H100, 128 on
 # an H200 (set when this file is sourced; nvidia-smi absent: 64).
