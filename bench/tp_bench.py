@@ -199,7 +199,8 @@ def build_engine(args: argparse.Namespace, cfg_dir: str) -> Any:
         max_num_seqs=max_c, cuda_graph_max_batch=max_c, max_model_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         enforce_eager=not args.graphs, cuda_graphs_under_tp=args.graphs,
-        prefill_graphs=args.prefill_graphs, warmup=args.engine_warmup)
+        prefill_graphs=args.prefill_graphs, warmup=args.engine_warmup,
+        precompile=args.engine_precompile)
     if args.device == "cuda":
         opts.update(dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
                     gpu_memory_utilization=args.gpu_memory_utilization)
@@ -454,6 +455,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "--graphs on one GPU)")
     ap.add_argument("--engine-warmup", action=argparse.BooleanOptionalAction, default=None,
                     help="engine option warmup (default: the engine's, on for one GPU)")
+    ap.add_argument("--engine-precompile", action=argparse.BooleanOptionalAction,
+                    default=None, help="engine option precompile (default: the engine's, on "
+                    "for one GPU)")
     ap.add_argument("--experts", type=int, default=None, help="routed experts a layer (43 "
                     "layers of 256 do not fit one GPU; one H100 holds 64)")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,16,64; 1,4 tiny)")
@@ -542,6 +546,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"rank {info['rank']}: {info['bytes']['total'] / 1e9:.2f} GB of weights "
             f"(experts {info['bytes']['routed_experts'] / 1e9:.2f} GB), built in "
             f"{info['seconds']:.1f} s; {info['num_pages']} cache pages")
+    if engine.precompile_stats is not None:
+        p = engine.precompile_stats
+        log(f"engine precompile: {p['compiled']} of {p['kernels']} manifest kernels compiled "
+            f"by {p['workers']} workers in {p['seconds']:.1f} s ({p['failed']} failed)")
+    results["precompile_stats"] = engine.precompile_stats
     if engine.warmup_stats is not None:
         w = engine.warmup_stats
         log(f"engine warm-up: {w['requests']} requests, {w['steps']} steps, {w['seconds']:.1f} s, "

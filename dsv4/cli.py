@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run a few synthetic requests at start so that the first real ones do "
                         "not wait for Triton compiles (default on for one GPU)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the kernels of the shipped kernel manifest that Triton's disk "
+                        "cache lacks in parallel worker processes while the model loads "
+                        "(default on for one GPU)")
     p.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the host has read the previous one's "
                         "tokens (default on with CUDA graphs)")
@@ -59,7 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_batched_tokens", "max_model_len", "seed", "tensor_parallel_size",
              "expert_parallel", "gpu_memory_utilization", "enforce_eager",
              "cuda_graph_max_batch", "cuda_graph_capture", "cuda_graphs_under_tp",
-             "pipeline_decode", "moe_fp8_codes", "prefill_graphs", "warmup")
+             "pipeline_decode", "moe_fp8_codes", "prefill_graphs", "warmup", "precompile")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

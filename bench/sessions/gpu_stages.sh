@@ -14,6 +14,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 DSV4_UNVERIFIED_KERNELS=1
 # absolute paths; the key (Triton, ptxas, sm_90, the kernel's source and specialization) holds
 # across H100 and H200 machines.
 export TRITON_CACHE_DIR=/tmp/dsv4_triton_cache
+TCACHE_DIR=$TRITON_CACHE_DIR          # what is saved, whatever a stage sets TRITON_CACHE_DIR to
 TCACHE_IN="${TCACHE_IN:-.tcache}"
 TCACHE_MAX_MB="${TCACHE_MAX_MB:-56}"   # OUT takes 64 MiB back, the logs' tarball included
 mkdir -p "$TRITON_CACHE_DIR"
@@ -23,7 +24,7 @@ if compgen -G "$TCACHE_IN/triton_cache.tgz.*" > /dev/null; then
 fi
 save_triton_cache() {  # the cache as $OUT/triton_cache.tgz.aa, .ab, ... (skipped when too big)
     local tmp; tmp=$(mktemp)
-    tar -czf "$tmp" -C "$TRITON_CACHE_DIR" . 2> /dev/null
+    tar -czf "$tmp" -C "$TCACHE_DIR" . 2> /dev/null
     rm -f "$OUT"/triton_cache.tgz.*
     if [ "$(du -m "$tmp" | cut -f1)" -le "$TCACHE_MAX_MB" ]; then
         split -b 15m "$tmp" "$OUT/triton_cache.tgz."

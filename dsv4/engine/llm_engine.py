@@ -16,6 +16,7 @@ import atexit
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ from dsv4.engine.sequence import Sequence, SequenceStatus
 from dsv4.engine.warmup import kernels_loaded, run_warmup
 
 log = logging.getLogger("dsv4")
+
+# The process's kernel recorder (DSV4_RECORD_KERNELS), installed by the first engine.
+_recorder: Any = None
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -100,6 +104,12 @@ class EngineOptions:
     stalling the first requests for seconds; the engine is idle and its counters untouched
     afterwards.  Under tensor / expert parallelism it is off unless set (the driver then runs it
     when constructed, the workers follow from their worker loop).
+    ``precompile`` (default None: on for one GPU): compile the Triton kernels of the shipped
+    kernel manifest (``dsv4/ops/kernels_sm90.json``, or the file ``DSV4_KERNEL_MANIFEST`` names)
+    that Triton's disk cache lacks, in worker processes while the model loads
+    (``dsv4.ops.precompile``), so that a fresh machine's start does not compile them one by
+    one; nothing to do on a machine that started before.  ``DSV4_RECORD_KERNELS=path`` records
+    the kernels a process compiles or loads into a manifest at ``path``.
     ``model`` and ``tokenizer`` may pass already-loaded objects (tests, benchmarks);
     ``model_factory(config, parallel, device, dtype)`` builds this rank's model instead of
     loading the checkpoint's weights, after the process group exists (``bench/tp_bench.py``:
@@ -130,6 +140,7 @@ class EngineOptions:
     moe_fp8_codes: bool = False
     prefill_graphs: bool | None = None
     warmup: bool | None = None
+    precompile: bool | None = None
     model: Any = field(default=None, repr=False)
     model_factory: Any = field(default=None, repr=False)
     tokenizer: Any = field(default=None, repr=False)
@@ -158,6 +169,9 @@ class EngineOptions:
                              "allowed: None, True, False")
         if self.warmup not in (None, True, False):
             raise ValueError(f"engine option warmup={self.warmup!r} is invalid; "
+                             "allowed: None, True, False")
+        if self.precompile not in (None, True, False):
+            raise ValueError(f"engine option precompile={self.precompile!r} is invalid; "
                              "allowed: None, True, False")
         if not isinstance(self.moe_fp8_codes, bool):
             raise ValueError(f"engine option moe_fp8_codes={self.moe_fp8_codes!r} is invalid; "
@@ -283,6 +297,8 @@ class LLMEngine:
         if self.parallel.enabled and device.type == "cuda":
             device = torch.device("cuda", self.parallel.local_rank)  # one GPU per process
         self.device = device
+        self.precompile_stats: dict[str, Any] | None = None
+        precompiling = self._start_precompile(device)
         max_model_len = opts.max_model_len or min(cfg.max_position_embeddings, 8192)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -304,6 +320,9 @@ class LLMEngine:
             extra = {"parallel": self.parallel} if self.parallel.enabled else {}
             self.model = load_model(model_path, device=device, dtype=dtype,
                                     numerics=opts.numerics, backend=backend, **extra)
+        if precompiling is not None:
+            # Before the first kernel launch (decode weight forms, profiling, captures).
+            self.precompile_stats = precompiling.wait()
 
         if device.type == "cuda" and hasattr(self.model, "prepare_decode_weights"):
             # Decode-only weight forms count as weights in the cache sizing below.
@@ -404,6 +423,28 @@ class LLMEngine:
                 if opts.warmup is None else opts.warmup)
         if warm and self.is_driver:
             self.warmup_stats = run_warmup(self)
+        if _recorder is not None:
+            _recorder.write(os.environ["DSV4_RECORD_KERNELS"])
+
+    def _start_precompile(self, device: torch.device) -> Any:
+        """Start compiling the kernel manifest's missing kernels (engine option ``precompile``),
+        and recording where ``DSV4_RECORD_KERNELS`` says; returns the running job or None."""
+        global _recorder
+        if device.type != "cuda":
+            return None
+        from dsv4.ops import precompile
+
+        if os.environ.get("DSV4_RECORD_KERNELS") and _recorder is None:
+            _recorder = precompile.record_to(os.environ["DSV4_RECORD_KERNELS"])
+        on = (not self.parallel.enabled if self.options.precompile is None
+              else self.options.precompile)
+        if not on:
+            return None
+        major, minor = torch.cuda.get_device_capability(device)
+        manifest = os.environ.get("DSV4_KERNEL_MANIFEST") or precompile.SHIPPED_MANIFEST
+        # Every rank of a host shares the disk cache: each compiles with its share of the CPUs.
+        workers = max(1, precompile.default_workers() // max(1, self.parallel.world_size))
+        return precompile.start(manifest, 10 * major + minor, workers=workers)
 
     # ------------------------------------------------------------------ parallel launch
     @property

@@ -1,0 +1,109 @@
+"""Kernel manifests (dsv4/ops/precompile.py): a specialization recorded through Triton's own
+post-compile hook, compiled for sm_90 by a worker process into an empty disk cache, is the
+binary the launch path then finds (the same cache key), without a GPU.
+
+The launch comes from the offline sm_90 recorder (tests/kernels/sm90_cases.py) in a child
+process without ``TRITON_INTERPRET`` (the kernels branch on it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+CHILD = r"""
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import sm90_cases as c
+problem = c.toolchain_problem()
+if problem:
+    print(json.dumps({"skip": problem})); sys.exit(0)
+from triton import knobs
+from triton.runtime.jit import JitFunctionInfo
+from dsv4.ops import precompile as pc
+
+c.RECORDER.launches.clear()
+with c.RECORDER.active():
+    c.SCENARIOS["act_quant"]()
+launch = c.RECORDER.launches[0]
+out = {"kernel": launch.kernel_name}
+
+# The hook as Triton calls it after a compile (JITFunction._call_hook serializes the launch).
+rec = pc.KernelRecorder(arch=90).install()
+launch.kernel._call_hook(knobs.runtime.jit_post_compile_hook, ((), ""), launch.signature, 0,
+                         launch.constexprs, launch.options, [launch.attrs], False)
+launch.kernel._call_hook(knobs.runtime.jit_post_compile_hook, ((), ""), launch.signature, 0,
+                         launch.constexprs, launch.options, [launch.attrs], False)
+manifest = Path(sys.argv[2])
+out["written"] = rec.write(manifest)
+entries = pc.load_manifest(manifest, 90)
+out["entries"] = len(entries)
+out["derived_options_dropped"] = all(k not in entries[0]["spec"]["options"]
+                                     for k in ("extern_libs", "arch"))
+out["other_arch"] = len(pc.load_manifest(manifest, 80))
+out["missing_before"] = len(pc.missing(entries, 90))
+
+job = pc.start(manifest, 90, workers=2)
+out["stats"] = job.wait()
+out["missing_after"] = len(pc.missing(entries, 90))
+
+# The launch path's own compile (what JITFunction.run does on the GPU) must now be a cache hit:
+# no new entry in the cache directory.
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+before = sorted(p.name for p in cache.iterdir())
+c.compile_launch(launch)
+out["new_cache_dirs"] = sorted(set(p.name for p in cache.iterdir()) - set(before))
+
+# A stale entry (a parameter renamed since it was recorded) is skipped, not fatal.
+stale = json.loads(json.dumps(entries[0]))
+stale["spec"]["signature"]["no_such_param"] = "i32"
+out["stale_missing"] = len(pc.missing([stale], 90))
+print(json.dumps(out))
+"""
+
+
+def test_recorded_kernel_precompiles_to_the_launch_paths_cache_entry(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), str(tmp_path / "m.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"cannot compile for sm_90 here: {out['skip']}")
+    assert out["kernel"] == "_act_quant_kernel"
+    assert out["written"] == 1 and out["entries"] == 1          # recorded twice, kept once
+    assert out["derived_options_dropped"]
+    assert out["other_arch"] == 0                                  # sm_80 would not use it
+    assert out["missing_before"] == 1
+    assert out["stats"]["kernels"] == 1 and out["stats"]["compiled"] == 1
+    assert out["stats"]["failed"] == 0
+    assert out["missing_after"] == 0
+    assert out["new_cache_dirs"] == []
+    assert out["stale_missing"] == 0
+
+
+def test_manifest_of_another_triton_is_ignored(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    from dsv4.ops import precompile as pc
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"triton": "0.0.1", "arch": 90, "kernels": [{"x": 1}]}))
+    assert pc.load_manifest(path, 90) == []
+    assert pc.load_manifest(tmp_path / "absent.json", 90) == []
+    path.write_text("{not json")
+    assert pc.load_manifest(path, 90) == []
+    job = pc.start(tmp_path / "absent.json", 90)
+    assert job.wait()["kernels"] == 0 and job.workers == []
