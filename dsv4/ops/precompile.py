@@ -294,10 +294,19 @@ def default_workers() -> int:
     return max(1, min(cpus - 2, 32))
 
 
+# Manifests this process has compiled already (later engines of the process skip the check).
+_started: set[tuple[str, int]] = set()
+
+
 def start(manifest: str | os.PathLike, arch: int, workers: int | None = None) -> Precompile:
     """Compile the entries of ``manifest`` (for compute capability ``arch``) that Triton's
-    disk cache lacks, in ``workers`` processes, in the background; returns at once."""
+    disk cache lacks, in ``workers`` processes, in the background; returns at once.  A second
+    call for the same manifest in one process has nothing to do."""
     t0 = time.perf_counter()
+    seen = (str(Path(manifest).resolve()), arch)
+    if seen in _started:
+        return Precompile(total=0, started=t0)
+    _started.add(seen)
     todo = missing(load_manifest(manifest, arch), arch)
     job = Precompile(total=len(todo), started=t0)
     if not todo:
