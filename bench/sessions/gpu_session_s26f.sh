@@ -6,13 +6,14 @@
 # which start with the precompile and the warm-up.  Meant to run with .tcache carried.
 set -u
 cd "$(dirname "$0")/../.."
+export TCACHE_MAX_MB=0   # the session's last call: nothing to carry on
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS, tp_stage
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p /tmp/empty_triton_cache
 TRITON_CACHE_DIR=/tmp/empty_triton_cache \
     tp_stage fresh_short 130 --concurrency 1,16 --prompt-len 256 --output-len 16
 stage warmup_gpu 110 python -m pytest -q -x tests/engine/test_warmup.py -k gpu
-stage engine_gpu 290 python -m pytest -q tests/engine/test_cuda_graphs_gpu.py \
+stage engine_gpu 280 python -m pytest -q tests/engine/test_cuda_graphs_gpu.py \
     tests/engine/test_prefill_graphs.py tests/engine/test_moe_fp8_codes_gpu.py -k gpu
 grep -h "engine\|c=\|^ *[0-9]\+ \|^    _" "$LOGS"/fresh_short.log | grep -v "host ms" | head -40
 tail -n 12 "$LOGS/warmup_gpu.log" | cut -c1-300

@@ -23,6 +23,7 @@ if compgen -G "$TCACHE_IN/triton_cache.tgz.*" > /dev/null; then
         && echo "triton cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) kernels restored"
 fi
 save_triton_cache() {  # the cache as $OUT/triton_cache.tgz.aa, .ab, ... (skipped when too big)
+    [ "$TCACHE_MAX_MB" -gt 0 ] || return 0   # TCACHE_MAX_MB=0: a session's last call saves none
     local tmp; tmp=$(mktemp)
     tar -czf "$tmp" -C "$TCACHE_DIR" . 2> /dev/null
     rm -f "$OUT"/triton_cache.tgz.*
