@@ -436,6 +436,8 @@ class LLMEngine:
 
         if os.environ.get("DSV4_RECORD_KERNELS") and _recorder is None:
             _recorder = precompile.record_to(os.environ["DSV4_RECORD_KERNELS"])
+        if _recorder is not None:
+            _recorder.dims.add(self.config.dim)
         on = (not self.parallel.enabled if self.options.precompile is None
               else self.options.precompile)
         if not on:
@@ -444,7 +446,8 @@ class LLMEngine:
         manifest = os.environ.get("DSV4_KERNEL_MANIFEST") or precompile.SHIPPED_MANIFEST
         # Every rank of a host shares the disk cache: each compiles with its share of the CPUs.
         workers = max(1, precompile.default_workers() // max(1, self.parallel.world_size))
-        return precompile.start(manifest, 10 * major + minor, workers=workers)
+        return precompile.start(manifest, 10 * major + minor, workers=workers,
+                                dim=self.config.dim)
 
     # ------------------------------------------------------------------ parallel launch
     @property

@@ -16,7 +16,9 @@ a manifest recorded on older code only costs the compiles of specializations nob
 any more; entries whose kernel or parameters no longer exist are skipped.
 
 The package ships :data:`SHIPPED_MANIFEST` (recorded on an H100: V4-Flash widths, the engine's
-default options); entries recorded for another compute capability or Triton version are ignored.
+default options).  A manifest names the hidden sizes of the models it was recorded with: an
+engine of another width (a tiny test model, V4-Pro) does not spend its start compiling kernels
+it would never launch; nor does one of another compute capability or Triton version.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class KernelRecorder:
 
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
     arch: int | None = None
+    dims: set[int] = field(default_factory=set)   # hidden sizes of the models recorded
 
     def install(self) -> "KernelRecorder":
         from triton import knobs
@@ -107,10 +110,12 @@ class KernelRecorder:
         version = _triton_version()
         arch = self.arch if self.arch is not None else _device_arch()
         merged: dict[str, dict[str, Any]] = {}
+        dims = set(self.dims)
         if path.exists():
             old = json.loads(path.read_text())
             if old.get("triton") == version and old.get("arch") == arch:
                 merged = {_identity(e): e for e in old.get("kernels", [])}
+                dims |= set(old.get("dims", []))
         merged.update(self.entries)
         kernels = sorted(merged.values(), key=lambda e: (e["module"], e["qualname"],
                                                          _identity(e)))
@@ -118,7 +123,8 @@ class KernelRecorder:
         tmp = path.with_name(path.name + ".tmp")
         # One entry a line: a recorded change reads as a diff of lines.
         lines = ",\n".join(json.dumps(e, sort_keys=True) for e in kernels)
-        tmp.write_text(f'{{"triton": {json.dumps(version)}, "arch": {arch},\n"kernels": [\n'
+        tmp.write_text(f'{{"triton": {json.dumps(version)}, "arch": {arch}, '
+                       f'"dims": {json.dumps(sorted(dims))},\n"kernels": [\n'
                        f"{lines}\n]}}\n")
         tmp.replace(path)
         return len(kernels)
@@ -141,9 +147,11 @@ def _device_arch() -> int | None:
     return 10 * major + minor
 
 
-def load_manifest(path: str | os.PathLike, arch: int) -> list[dict[str, Any]]:
-    """The entries of the manifest at ``path`` that apply here: recorded with this Triton and
-    for compute capability ``arch`` (e.g. 90); [] for a missing file or another version."""
+def load_manifest(path: str | os.PathLike, arch: int, dim: int | None = None
+                  ) -> list[dict[str, Any]]:
+    """The entries of the manifest at ``path`` that apply here: recorded with this Triton, for
+    compute capability ``arch`` (e.g. 90) and, if ``dim`` is given, with a model of that hidden
+    size among others; [] for a missing file or another version."""
     path = Path(path)
     if not path.exists():
         return []
@@ -156,6 +164,10 @@ def load_manifest(path: str | os.PathLike, arch: int) -> list[dict[str, Any]]:
         log.info("dsv4 precompile: kernel manifest %s was recorded for Triton %s, sm_%s; this "
                  "is Triton %s, sm_%s: not used", path, data.get("triton"), data.get("arch"),
                  _triton_version(), arch)
+        return []
+    if dim is not None and dim not in data.get("dims", []):
+        log.info("dsv4 precompile: kernel manifest %s was recorded for hidden sizes %s, not "
+                 "%d: not used", path, data.get("dims"), dim)
         return []
     return list(data.get("kernels", []))
 
@@ -298,16 +310,17 @@ def default_workers() -> int:
 _started: set[tuple[str, int]] = set()
 
 
-def start(manifest: str | os.PathLike, arch: int, workers: int | None = None) -> Precompile:
-    """Compile the entries of ``manifest`` (for compute capability ``arch``) that Triton's
-    disk cache lacks, in ``workers`` processes, in the background; returns at once.  A second
-    call for the same manifest in one process has nothing to do."""
+def start(manifest: str | os.PathLike, arch: int, workers: int | None = None,
+          dim: int | None = None) -> Precompile:
+    """Compile the entries of ``manifest`` (for compute capability ``arch``, a model of hidden
+    size ``dim``) that Triton's disk cache lacks, in ``workers`` processes, in the background;
+    returns at once.  A second call for the same manifest in one process has nothing to do."""
     t0 = time.perf_counter()
     seen = (str(Path(manifest).resolve()), arch)
     if seen in _started:
         return Precompile(total=0, started=t0)
     _started.add(seen)
-    todo = missing(load_manifest(manifest, arch), arch)
+    todo = missing(load_manifest(manifest, arch, dim), arch)
     job = Precompile(total=len(todo), started=t0)
     if not todo:
         return job

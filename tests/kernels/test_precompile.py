@@ -37,7 +37,7 @@ launch = c.RECORDER.launches[0]
 out = {"kernel": launch.kernel_name}
 
 # The hook as Triton calls it after a compile (JITFunction._call_hook serializes the launch).
-rec = pc.KernelRecorder(arch=90).install()
+rec = pc.KernelRecorder(arch=90, dims={64}).install()
 launch.kernel._call_hook(knobs.runtime.jit_post_compile_hook, ((), ""), launch.signature, 0,
                          launch.constexprs, launch.options, [launch.attrs], False)
 launch.kernel._call_hook(knobs.runtime.jit_post_compile_hook, ((), ""), launch.signature, 0,
@@ -49,6 +49,8 @@ out["entries"] = len(entries)
 out["derived_options_dropped"] = all(k not in entries[0]["spec"]["options"]
                                      for k in ("extern_libs", "arch"))
 out["other_arch"] = len(pc.load_manifest(manifest, 80))
+out["same_dim"] = len(pc.load_manifest(manifest, 90, dim=64))
+out["other_dim"] = len(pc.load_manifest(manifest, 90, dim=4096))
 out["missing_before"] = len(pc.missing(entries, 90))
 
 job = pc.start(manifest, 90, workers=2)
@@ -87,6 +89,7 @@ def test_recorded_kernel_precompiles_to_the_launch_paths_cache_entry(tmp_path: P
     assert out["written"] == 1 and out["entries"] == 1          # recorded twice, kept once
     assert out["derived_options_dropped"]
     assert out["other_arch"] == 0                                  # sm_80 would not use it
+    assert out["same_dim"] == 1 and out["other_dim"] == 0          # nor a model of other widths
     assert out["missing_before"] == 1
     assert out["stats"]["kernels"] == 1 and out["stats"]["compiled"] == 1
     assert out["stats"]["failed"] == 0
@@ -107,3 +110,18 @@ def test_manifest_of_another_triton_is_ignored(tmp_path: Path) -> None:
     assert pc.load_manifest(path, 90) == []
     job = pc.start(tmp_path / "absent.json", 90)
     assert job.wait()["kernels"] == 0 and job.workers == []
+
+
+def test_shipped_manifest_applies_to_v4_flash_widths_on_sm90() -> None:
+    triton = pytest.importorskip("triton")
+    from dsv4.ops import precompile as pc
+
+    data = json.loads(pc.SHIPPED_MANIFEST.read_text())
+    assert data["arch"] == 90 and 4096 in data["dims"]
+    entries = pc.load_manifest(pc.SHIPPED_MANIFEST, 90, dim=4096)
+    if data["triton"] != triton.__version__:
+        assert entries == []
+        return
+    assert len(entries) == len(data["kernels"]) > 100
+    assert all(e["module"].startswith("dsv4.ops.") for e in entries)
+    assert pc.load_manifest(pc.SHIPPED_MANIFEST, 90, dim=64) == []   # a tiny model: not used
