@@ -262,13 +262,23 @@ class Precompile:
     total: int
     workers: list[subprocess.Popen] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    timeout: float = 1200.0   # seconds; then the rest compiles on first use, as without it
     workdir: Any = None
+    timed_out: bool = False
     _thread: threading.Thread | None = None
     _results: list[dict[str, Any]] = field(default_factory=list)
 
     def _collect(self) -> None:
         for w in self.workers:
-            out, _ = w.communicate()
+            try:
+                out, _ = w.communicate(
+                    timeout=max(0.0, self.started + self.timeout - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                # A hung compiler must not hang the engine's start.
+                self.timed_out = True
+                for v in self.workers:
+                    v.kill()
+                out, _ = w.communicate()
             for line in out.splitlines():
                 try:
                     self._results.append(json.loads(line))
@@ -289,7 +299,10 @@ class Precompile:
             log.debug("dsv4 precompile: %s failed: %s", r.get("kernel"), r.get("error"))
         stats = {"kernels": self.total, "compiled": len(self._results) - len(failed),
                  "failed": len(failed), "workers": len(self.workers),
-                 "seconds": time.perf_counter() - self.started}
+                 "seconds": time.perf_counter() - self.started, "timed_out": self.timed_out}
+        if self.timed_out:
+            log.warning("dsv4 precompile: stopped after %.0f s; the kernels left compile on "
+                        "first use", self.timeout)
         if self.total:
             log.info("dsv4 precompile: %d of %d kernels compiled by %d workers in %.1f s "
                      "(%d failed)", stats["compiled"], self.total, stats["workers"],
@@ -311,7 +324,7 @@ _started: set[tuple[str, int]] = set()
 
 
 def start(manifest: str | os.PathLike, arch: int, workers: int | None = None,
-          dim: int | None = None) -> Precompile:
+          dim: int | None = None, timeout: float = 1200.0) -> Precompile:
     """Compile the entries of ``manifest`` (for compute capability ``arch``, a model of hidden
     size ``dim``) that Triton's disk cache lacks, in ``workers`` processes, in the background;
     returns at once.  A second call for the same manifest in one process has nothing to do."""
@@ -321,7 +334,7 @@ def start(manifest: str | os.PathLike, arch: int, workers: int | None = None,
         return Precompile(total=0, started=t0)
     _started.add(seen)
     todo = missing(load_manifest(manifest, arch, dim), arch)
-    job = Precompile(total=len(todo), started=t0)
+    job = Precompile(total=len(todo), started=t0, timeout=timeout)
     if not todo:
         return job
     n = min(workers or default_workers(), len(todo))

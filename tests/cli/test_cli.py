@@ -67,6 +67,10 @@ def test_engine_flags_reach_the_engine_options():
     assert kept["moe_fp8_codes"] is True and EngineOptions(**kept).moe_fp8_codes is True
     off = engine_kwargs(build_parser().parse_args(["generate", "--no-pipeline-decode", "hi"]))
     assert off["pipeline_decode"] is False and EngineOptions(**off).pipeline_decode is False
+    cold = engine_kwargs(build_parser().parse_args(["generate", "--no-precompile",
+                                                    "--no-warmup", "hi"]))
+    assert cold["precompile"] is False and cold["warmup"] is False
+    assert EngineOptions(**cold).precompile is False
     assert opts.enforce_eager and opts.cuda_graph_capture == "lazy"
     assert "enforce_eager" not in engine_kwargs(build_parser().parse_args(["generate", "hi"]))
     with pytest.raises(SystemExit):

@@ -125,3 +125,30 @@ def test_shipped_manifest_applies_to_v4_flash_widths_on_sm90() -> None:
     assert len(entries) == len(data["kernels"]) > 100
     assert all(e["module"].startswith("dsv4.ops.") for e in entries)
     assert pc.load_manifest(pc.SHIPPED_MANIFEST, 90, dim=64) == []   # a tiny model: not used
+
+
+def test_a_hung_worker_is_stopped_at_the_timeout() -> None:
+    import threading
+    import time
+
+    from dsv4.ops import precompile as pc
+
+    job = pc.Precompile(total=1, timeout=0.5)
+    job.workers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        stdout=subprocess.PIPE, text=True))
+    job._thread = threading.Thread(target=job._collect, daemon=True)
+    job._thread.start()
+    t0 = time.perf_counter()
+    stats = job.wait()
+    assert stats["timed_out"] and stats["compiled"] == 0
+    assert time.perf_counter() - t0 < 30
+    assert job.workers[0].poll() is not None     # killed, not left running
+
+
+def test_engine_option_precompile_is_checked() -> None:
+    from dsv4.engine.llm_engine import EngineOptions
+
+    assert EngineOptions().precompile is None
+    assert EngineOptions(precompile=False).precompile is False
+    with pytest.raises(ValueError, match="precompile"):
+        EngineOptions(precompile="yes")
