@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Twenty-sixth session: the engine GPU tests, which now start with the warm-up (on by default on
+# Written in the twenty-sixth session for an H200 (not run: none came; s26f ran its tests on an
+# H100): the engine GPU tests, which now start with the warm-up (on by default on
 # one GPU), and the warm-up's own GPU test (workloads within its envelope load no Triton
 # kernel; on failure it lists those they did).  On an H200 first the 43-layer targets of issue
 # #5 (B=1 / B=64 decode and the 8K prefill; last measured in the seventeenth / eighteenth

@@ -446,8 +446,13 @@ class LLMEngine:
         manifest = os.environ.get("DSV4_KERNEL_MANIFEST") or precompile.SHIPPED_MANIFEST
         # Every rank of a host shares the disk cache: each compiles with its share of the CPUs.
         workers = max(1, precompile.default_workers() // max(1, self.parallel.world_size))
-        return precompile.start(manifest, 10 * major + minor, workers=workers,
-                                dim=self.config.dim)
+        try:
+            return precompile.start(manifest, 10 * major + minor, workers=workers,
+                                    dim=self.config.dim)
+        except Exception as e:   # an optimization only: the kernels then compile on first use
+            log.warning("dsv4 engine: kernel precompile not started (%s: %s)",
+                        type(e).__name__, e)
+            return None
 
     # ------------------------------------------------------------------ parallel launch
     @property

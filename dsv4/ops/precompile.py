@@ -257,16 +257,47 @@ def compile_entry(entry: dict[str, Any], arch: int) -> None:
 
 @dataclass
 class Precompile:
-    """Worker processes compiling a list of manifest entries; :meth:`wait` joins them."""
+    """A background job: check which manifest entries Triton's disk cache lacks, compile those
+    in worker processes; :meth:`wait` joins it.  Nothing of it may fail the engine's start: an
+    error is logged and the kernels compile on first use, as without it."""
 
-    total: int
-    workers: list[subprocess.Popen] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    arch: int = 90
+    max_workers: int = 1
     timeout: float = 1200.0   # seconds; then the rest compiles on first use, as without it
-    workdir: Any = None
+    started: float = field(default_factory=time.perf_counter)
+    total: int = 0            # entries missing from the cache
+    workers: list[subprocess.Popen] = field(default_factory=list)
     timed_out: bool = False
     _thread: threading.Thread | None = None
     _results: list[dict[str, Any]] = field(default_factory=list)
+
+    def _run(self) -> None:
+        try:
+            todo = missing(self.entries, self.arch)
+            self.total = len(todo)
+            if todo:
+                with tempfile.TemporaryDirectory(prefix="dsv4-precompile-") as tmp:
+                    todo_path = Path(tmp) / "todo.json"
+                    todo_path.write_text(json.dumps(todo))
+                    self._spawn(todo_path, min(self.max_workers, len(todo)))
+                    self._collect()
+        except Exception:
+            log.warning("dsv4 precompile: failed; kernels compile on first use", exc_info=True)
+
+    def _spawn(self, todo_path: Path, n: int) -> None:
+        env = dict(os.environ)
+        # The workers import the kernels from where this process did (a source tree or a wheel).
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["CUDA_VISIBLE_DEVICES"] = ""   # compiling needs no GPU: no contexts, no GPU memory
+        env.setdefault("OMP_NUM_THREADS", "1")
+        log.info("dsv4 precompile: compiling %d kernels in %d worker processes", self.total, n)
+        for i in range(n):
+            self.workers.append(subprocess.Popen(
+                [sys.executable, "-m", "dsv4.ops.precompile", str(todo_path), str(self.arch),
+                 str(i), str(n)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                env=env))
 
     def _collect(self) -> None:
         for w in self.workers:
@@ -285,15 +316,18 @@ class Precompile:
                 except ValueError:
                     pass
 
+    def start(self) -> "Precompile":
+        self._thread = threading.Thread(target=self._run, name="dsv4-precompile", daemon=True)
+        self._thread.start()
+        return self
+
     def wait(self) -> dict[str, Any]:
-        """Block until every worker is done; returns ``kernels`` (entries given), ``compiled``,
-        ``failed``, ``workers`` and ``seconds`` (since :func:`start`)."""
+        """Block until the job is done; returns ``kernels`` (entries missing from the cache),
+        ``compiled``, ``failed``, ``workers``, ``seconds`` (since :func:`start`) and
+        ``timed_out``."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self.workdir is not None:
-            self.workdir.cleanup()
-            self.workdir = None
         failed = [r for r in self._results if r.get("error")]
         for r in failed[:3]:
             log.debug("dsv4 precompile: %s failed: %s", r.get("kernel"), r.get("error"))
@@ -326,35 +360,15 @@ _started: set[tuple[str, int]] = set()
 def start(manifest: str | os.PathLike, arch: int, workers: int | None = None,
           dim: int | None = None, timeout: float = 1200.0) -> Precompile:
     """Compile the entries of ``manifest`` (for compute capability ``arch``, a model of hidden
-    size ``dim``) that Triton's disk cache lacks, in ``workers`` processes, in the background;
-    returns at once.  A second call for the same manifest in one process has nothing to do."""
-    t0 = time.perf_counter()
+    size ``dim``) that Triton's disk cache lacks, in ``workers`` processes; the check and the
+    compiles run in the background, so this returns at once.  A second call for the same
+    manifest in one process has nothing to do."""
     seen = (str(Path(manifest).resolve()), arch)
     if seen in _started:
-        return Precompile(total=0, started=t0)
+        return Precompile()
     _started.add(seen)
-    todo = missing(load_manifest(manifest, arch, dim), arch)
-    job = Precompile(total=len(todo), started=t0, timeout=timeout)
-    if not todo:
-        return job
-    n = min(workers or default_workers(), len(todo))
-    job.workdir = tempfile.TemporaryDirectory(prefix="dsv4-precompile-")
-    todo_path = Path(job.workdir.name) / "todo.json"
-    todo_path.write_text(json.dumps(todo))
-    env = dict(os.environ)
-    # The workers import the kernels from where this process did (a source tree or a wheel).
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env["CUDA_VISIBLE_DEVICES"] = ""   # compiling needs no GPU: no contexts, no GPU memory
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for i in range(n):
-        job.workers.append(subprocess.Popen(
-            [sys.executable, "-m", "dsv4.ops.precompile", str(todo_path), str(arch), str(i),
-             str(n)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env))
-    job._thread = threading.Thread(target=job._collect, name="dsv4-precompile", daemon=True)
-    job._thread.start()
-    log.info("dsv4 precompile: compiling %d kernels in %d worker processes", len(todo), n)
-    return job
+    return Precompile(entries=load_manifest(manifest, arch, dim), arch=arch,
+                      max_workers=workers or default_workers(), timeout=timeout).start()
 
 
 def _worker(todo_path: str, arch: int, shard: int, shards: int) -> None:

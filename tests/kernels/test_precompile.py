@@ -133,7 +133,7 @@ def test_a_hung_worker_is_stopped_at_the_timeout() -> None:
 
     from dsv4.ops import precompile as pc
 
-    job = pc.Precompile(total=1, timeout=0.5)
+    job = pc.Precompile(timeout=0.5)
     job.workers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                         stdout=subprocess.PIPE, text=True))
     job._thread = threading.Thread(target=job._collect, daemon=True)
@@ -152,3 +152,18 @@ def test_engine_option_precompile_is_checked() -> None:
     assert EngineOptions(precompile=False).precompile is False
     with pytest.raises(ValueError, match="precompile"):
         EngineOptions(precompile="yes")
+
+
+def test_nothing_in_the_job_fails_the_caller(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from dsv4.ops import precompile as pc
+
+    stale = {"module": "dsv4.ops.no_such_module", "qualname": "_k", "spec": {}}
+    assert pc.Precompile(entries=[stale]).start().wait()["kernels"] == 0   # skipped
+
+    def broken(entries, arch):
+        raise RuntimeError("disk cache unreadable")
+
+    monkeypatch.setattr(pc, "missing", broken)
+    stats = pc.Precompile(entries=[stale]).start().wait()
+    assert stats["kernels"] == 0 and stats["workers"] == 0
