@@ -2,11 +2,10 @@
 # Written in the twenty-sixth session for the next machine (not run): the final form of the
 # kernel precompile (its cache check moved into the background job after runs C-E) on an EMPTY
 # Triton cache — 43 layers, short prompts at c=1 / 16; then 8K prompts at c=4 on the cache that
-# left — recording into
-# a copy of the shipped manifest meanwhile, so that what this machine's workloads load (on an
-# H200: 128 routed experts a layer, other MoE specializations) can be merged into
-# dsv4/ops/kernels_sm90.json (copy $OUT/kernels_sm90.json over it).  Carry .tcache for the
-# GPU tests' kernels; the engine stages use their own empty cache.
+# left — recording into a copy of the shipped manifest meanwhile, so that what this machine's
+# workloads load (on an H200: 128 routed experts a layer, other MoE specializations) can be
+# merged into dsv4/ops/kernels_sm90.json (copy $OUT/kernels_sm90.json over it).  Carry .tcache
+# for the GPU tests' kernels; the engine stages use their own empty cache.
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
