@@ -9,7 +9,11 @@ session: 8K prompts still compiled top-k, compressor and attention variants).  L
 arguments unspecialized makes one binary serve every length, but costs what the divisibility
 buys (e.g. vector loads under a mask ``offs < n``), so it is an experiment until measured:
 ``DSV4_UNSPECIALIZED_LENGTHS=1`` turns it on for the kernels that name their lengths with
-:func:`lengths`; off (the default), they are decorated exactly as before.
+:func:`lengths` (top-k, sparse attention, compressor entries, record writes); off (the default),
+they are decorated exactly as before.  Measured on an H100 (docs/PERFORMANCE.md, twenty-sixth
+session): a 2K-token prefill 10% slower with it on, and one top-k plan still compiled during an
+8K workload, so it stays off; the kernel manifest (``dsv4.ops.precompile``) covers those
+compiles instead.
 """
 
 from __future__ import annotations

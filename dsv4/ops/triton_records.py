@@ -37,6 +37,7 @@ import triton.language as tl
 
 from dsv4.cache.formats import RecordFormat
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.specialize import lengths
 from dsv4.ops.torch_records import _check_rows, check_read_args, check_write_args
 from dsv4.ops.triton_attn import load_rows, record_meta
 from dsv4.ops.triton_dense import (round_to_bf16, round_to_e4m3, store_rne,
@@ -87,7 +88,7 @@ def _pow2_scale_bits(t):
     return tl.minimum(tl.maximum(b, 1), 254)
 
 
-@triton.jit
+@triton.jit(**lengths("M"))
 def _write_records_kernel(rows_ptr, src_ptr, dst_ptr, pool_ptr, M, stride_r, stride_p,
                           had_scale,
                           HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr,

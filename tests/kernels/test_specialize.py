@@ -14,7 +14,8 @@ KERNELS = {"dsv4.ops.triton_topk": ["_topk_rows_kernel", "_topk_chunks_kernel",
                                     "_topk_merge_kernel"],
            "dsv4.ops.triton_attn": ["_sparse_attn_kernel"],
            "dsv4.ops.triton_compress": ["_compress_entries_kernel",
-                                        "_compress_entries_split_kernel"]}
+                                        "_compress_entries_split_kernel"],
+           "dsv4.ops.triton_records": ["_write_records_kernel"]}
 PROBE = """
 import importlib, inspect, json, sys
 out = {}
