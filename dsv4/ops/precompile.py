@@ -3,7 +3,7 @@
 On a machine whose Triton disk cache is empty, an engine start compiles every kernel
 specialization its profiling pass, graph captures and warm-up meet, one after another: ~100-400
 of them for V4-Flash at 1-3 s each (LLVM in process, ``ptxas`` in a subprocess), so a fresh
-H100 took ~225 s to serve where a warm one takes ~25 s (docs/PERFORMANCE.md, twenty-sixth
+H100 took ~225 s to serve where a warm one takes 10-35 s (docs/PERFORMANCE.md, twenty-sixth
 session).  None of that needs the GPU or the model's weights.
 
 A *kernel manifest* lists specializations in Triton's own serialized form (the one
@@ -39,8 +39,8 @@ from typing import Any
 
 log = logging.getLogger("dsv4")
 
-__all__ = ["SHIPPED_MANIFEST", "KernelRecorder", "load_manifest", "missing", "start",
-           "Precompile"]
+__all__ = ["SHIPPED_MANIFEST", "KernelRecorder", "record_to", "load_manifest", "missing",
+           "compile_entry", "start", "Precompile", "default_workers"]
 
 SHIPPED_MANIFEST = Path(__file__).with_name("kernels_sm90.json")
 
