@@ -297,29 +297,20 @@ class LLMEngine:
         if self.parallel.enabled and device.type == "cuda":
             device = torch.device("cuda", self.parallel.local_rank)  # one GPU per process
         self.device = device
-        self.precompile_stats: dict[str, Any] | None = None
-        precompiling = self._start_precompile(device)
         max_model_len = opts.max_model_len or min(cfg.max_position_embeddings, 8192)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.max_model_len = max_model_len
 
-        if opts.tokenizer is not None:
-            self.tokenizer = opts.tokenizer
-        else:
-            from dsv4.tokenizer import load_tokenizer
-            self.tokenizer = load_tokenizer(model_path)
-        if opts.model is not None:
-            self.model = opts.model
-        elif opts.model_factory is not None:
-            self.model = opts.model_factory(cfg, self.parallel, device, dtype)
-        else:
-            from dsv4.model.transformer import load_model
-            backend = opts.backend or ("torch" if device.type == "cpu" else "triton")
-            extra = {"parallel": self.parallel} if self.parallel.enabled else {}
-            self.model = load_model(model_path, device=device, dtype=dtype,
-                                    numerics=opts.numerics, backend=backend, **extra)
+        self.precompile_stats: dict[str, Any] | None = None
+        precompiling = self._start_precompile(device)
+        try:
+            self._load_tokenizer_and_model(model_path, device, dtype)
+        except BaseException:
+            if precompiling is not None:
+                precompiling.cancel()   # no compile workers outliving a failed start
+            raise
         if precompiling is not None:
             # Before the first kernel launch (decode weight forms, profiling, captures).
             self.precompile_stats = precompiling.wait()
@@ -425,6 +416,27 @@ class LLMEngine:
             self.warmup_stats = run_warmup(self)
         if _recorder is not None:
             _recorder.write(os.environ["DSV4_RECORD_KERNELS"])
+
+    def _load_tokenizer_and_model(self, model_path: str, device: torch.device,
+                                  dtype: torch.dtype) -> None:
+        """The tokenizer and this rank's model: as passed, built by ``model_factory``, or
+        loaded from the checkpoint."""
+        opts = self.options
+        if opts.tokenizer is not None:
+            self.tokenizer = opts.tokenizer
+        else:
+            from dsv4.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(model_path)
+        if opts.model is not None:
+            self.model = opts.model
+        elif opts.model_factory is not None:
+            self.model = opts.model_factory(self.config, self.parallel, device, dtype)
+        else:
+            from dsv4.model.transformer import load_model
+            backend = opts.backend or ("torch" if device.type == "cpu" else "triton")
+            extra = {"parallel": self.parallel} if self.parallel.enabled else {}
+            self.model = load_model(model_path, device=device, dtype=dtype,
+                                    numerics=opts.numerics, backend=backend, **extra)
 
     def _start_precompile(self, device: torch.device) -> Any:
         """Start compiling the kernel manifest's missing kernels (engine option ``precompile``),

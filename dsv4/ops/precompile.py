@@ -269,14 +269,16 @@ class Precompile:
     total: int = 0            # entries missing from the cache
     workers: list[subprocess.Popen] = field(default_factory=list)
     timed_out: bool = False
+    cancelled: bool = False
     _thread: threading.Thread | None = None
     _results: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _run(self) -> None:
         try:
             todo = missing(self.entries, self.arch)
             self.total = len(todo)
-            if todo:
+            if todo and not self.cancelled:
                 with tempfile.TemporaryDirectory(prefix="dsv4-precompile-") as tmp:
                     todo_path = Path(tmp) / "todo.json"
                     todo_path.write_text(json.dumps(todo))
@@ -293,11 +295,12 @@ class Precompile:
         env["CUDA_VISIBLE_DEVICES"] = ""   # compiling needs no GPU: no contexts, no GPU memory
         env.setdefault("OMP_NUM_THREADS", "1")
         log.info("dsv4 precompile: compiling %d kernels in %d worker processes", self.total, n)
-        for i in range(n):
-            self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "dsv4.ops.precompile", str(todo_path), str(self.arch),
-                 str(i), str(n)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                env=env))
+        with self._lock:   # against cancel() in between
+            for i in range(0 if self.cancelled else n):
+                self.workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "dsv4.ops.precompile", str(todo_path),
+                     str(self.arch), str(i), str(n)], stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True, env=env))
 
     def _collect(self) -> None:
         for w in self.workers:
@@ -315,6 +318,13 @@ class Precompile:
                     self._results.append(json.loads(line))
                 except ValueError:
                     pass
+
+    def cancel(self) -> None:
+        """Stop the workers (the engine's start failed); the job ends soon after."""
+        with self._lock:
+            self.cancelled = True
+            for w in self.workers:
+                w.kill()
 
     def start(self) -> "Precompile":
         self._thread = threading.Thread(target=self._run, name="dsv4-precompile", daemon=True)

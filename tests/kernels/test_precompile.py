@@ -167,3 +167,19 @@ def test_nothing_in_the_job_fails_the_caller(monkeypatch) -> None:
     monkeypatch.setattr(pc, "missing", broken)
     stats = pc.Precompile(entries=[stale]).start().wait()
     assert stats["kernels"] == 0 and stats["workers"] == 0
+
+
+def test_cancel_kills_the_workers() -> None:
+    import threading
+
+    from dsv4.ops import precompile as pc
+
+    job = pc.Precompile()
+    job.workers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        stdout=subprocess.PIPE, text=True))
+    job._thread = threading.Thread(target=job._collect, daemon=True)
+    job._thread.start()
+    job.cancel()
+    stats = job.wait()
+    assert job.cancelled and stats["compiled"] == 0 and not stats["timed_out"]
+    assert job.workers[0].poll() is not None
