@@ -120,7 +120,7 @@ class KernelRecorder:
         kernels = sorted(merged.values(), key=lambda e: (e["module"], e["qualname"],
                                                          _identity(e)))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # ranks may write at once
         # One entry a line: a recorded change reads as a diff of lines.
         lines = ",\n".join(json.dumps(e, sort_keys=True) for e in kernels)
         tmp.write_text(f'{{"triton": {json.dumps(version)}, "arch": {arch}, '
