@@ -131,6 +131,29 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precompile(args: argparse.Namespace) -> int:
+    """Compile a kernel manifest into Triton's disk cache (``TRITON_CACHE_DIR``) without a GPU,
+    e.g. while building a container image, so that engines started from it find them."""
+    import time
+
+    from dsv4.ops import precompile
+
+    manifest = args.manifest or precompile.SHIPPED_MANIFEST
+    entries = precompile.load_manifest(manifest, args.arch, args.dim)
+    if not entries:
+        raise ValueError(f"the kernel manifest {manifest} holds nothing for sm_{args.arch}"
+                         + (f" and hidden size {args.dim}" if args.dim else "")
+                         + " with this Triton (see the log above)")
+    t0 = time.perf_counter()
+    stats = precompile.Precompile(entries=entries, arch=args.arch,
+                                  max_workers=args.workers or precompile.default_workers(),
+                                  timeout=args.timeout).start().wait()
+    print(f"{stats['compiled']} of {stats['kernels']} kernels missing from the cache compiled "
+          f"({len(entries)} in the manifest, {stats['failed']} failed) by {stats['workers']} "
+          f"workers in {time.perf_counter() - t0:.1f} s")
+    return 1 if stats["failed"] or stats["timed_out"] else 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from dsv4.server.cli import run_serve
 
@@ -157,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--variant", default="v4", choices=["v4", "v4-base", "v4-bf16", "v41"])
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_make_tiny)
+
+    c = sub.add_parser("precompile", help="compile a kernel manifest into Triton's disk cache "
+                       "(no GPU needed), e.g. when building a container image")
+    c.add_argument("--manifest", default=None,
+                   help="kernel manifest (default: the shipped dsv4/ops/kernels_sm90.json)")
+    c.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper)")
+    c.add_argument("--dim", type=int, default=None,
+                   help="only if the manifest was recorded with this hidden size")
+    c.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: the CPUs less two)")
+    c.add_argument("--timeout", type=float, default=3600.0, help="seconds")
+    c.set_defaults(func=_precompile)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:

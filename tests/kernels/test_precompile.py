@@ -97,6 +97,23 @@ def test_recorded_kernel_precompiles_to_the_launch_paths_cache_entry(tmp_path: P
     assert out["new_cache_dirs"] == []
     assert out["stale_missing"] == 0
 
+    # `dsv4 precompile` fills another (empty) cache from the same manifest, without a GPU.
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "image_cache")
+    cli = subprocess.run([sys.executable, "-m", "dsv4.cli", "precompile", "--manifest",
+                          str(tmp_path / "m.json"), "--arch", "90", "--workers", "1"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout.startswith("1 of 1 kernels"), cli.stdout
+    assert list((tmp_path / "image_cache").rglob("_act_quant_kernel.cubin"))
+    again = subprocess.run([sys.executable, "-m", "dsv4.cli", "precompile", "--manifest",
+                            str(tmp_path / "m.json"), "--arch", "90"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.startswith("0 of 0 kernels"), again.stdout
+    bad = subprocess.run([sys.executable, "-m", "dsv4.cli", "precompile", "--manifest",
+                          str(tmp_path / "m.json"), "--arch", "80"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "holds nothing for sm_80" in bad.stderr
+
 
 def test_manifest_of_another_triton_is_ignored(tmp_path: Path) -> None:
     pytest.importorskip("triton")
