@@ -355,12 +355,13 @@ class Precompile:
 
 
 def default_workers() -> int:
-    """Worker processes: the CPUs this process may use, less two for the model's loading."""
+    """Worker processes: the CPUs this process may use, less two for the model's loading, at
+    most 16 (each imports torch and Triton: ~0.3 GB of host memory)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    return max(1, min(cpus - 2, 32))
+    return max(1, min(cpus - 2, 16))
 
 
 # Manifests this process has compiled already (later engines of the process skip the check).
