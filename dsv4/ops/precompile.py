@@ -236,13 +236,19 @@ def missing(entries: list[dict[str, Any]], arch: int) -> list[dict[str, Any]]:
     """The entries not in Triton's disk cache yet (entries that cannot be rebuilt — a kernel
     renamed or changed since the manifest was recorded — are left out)."""
     out = []
+    stale = 0
     for e in entries:
         try:
             if not _cached(e, arch):
                 out.append(e)
         except Exception as err:
+            stale += 1
             log.debug("dsv4 precompile: skipping %s.%s (%s)", e.get("module"),
                       e.get("qualname"), err)
+    if stale:
+        log.info("dsv4 precompile: %d of %d manifest entries no longer match their kernels "
+                 "(a run with DSV4_RECORD_KERNELS=path records a new manifest)", stale,
+                 len(entries))
     return out
 
 
