@@ -161,18 +161,11 @@ class EngineOptions:
         if self.cuda_graph_capture not in ("startup", "lazy"):
             raise ValueError(f"engine option cuda_graph_capture={self.cuda_graph_capture!r} is "
                              "invalid; allowed: 'startup', 'lazy'")
-        if self.pipeline_decode not in (None, True, False):
-            raise ValueError(f"engine option pipeline_decode={self.pipeline_decode!r} is "
-                             "invalid; allowed: None, True, False")
-        if self.prefill_graphs not in (None, True, False):
-            raise ValueError(f"engine option prefill_graphs={self.prefill_graphs!r} is invalid; "
-                             "allowed: None, True, False")
-        if self.warmup not in (None, True, False):
-            raise ValueError(f"engine option warmup={self.warmup!r} is invalid; "
-                             "allowed: None, True, False")
-        if self.precompile not in (None, True, False):
-            raise ValueError(f"engine option precompile={self.precompile!r} is invalid; "
-                             "allowed: None, True, False")
+        for name in ("pipeline_decode", "prefill_graphs", "warmup", "precompile"):
+            v = getattr(self, name)
+            if v not in (None, True, False):
+                raise ValueError(f"engine option {name}={v!r} is invalid; "
+                                 "allowed: None, True, False")
         if not isinstance(self.moe_fp8_codes, bool):
             raise ValueError(f"engine option moe_fp8_codes={self.moe_fp8_codes!r} is invalid; "
                              "allowed: True, False")
