@@ -348,6 +348,9 @@ LAUNCH_VARIANTS = {
     "pdl, wide one-row bf16w plans": {"DSV4_PDL": "1",
                                       "triton_linear32.BF16W_WIDE_ONE_ROW": "1"},
     "pdl, unsplit short attention": {"DSV4_PDL": "1", "triton_attn.ATTN_SPLIT_MIN_ROWS": "128"},
+    "pdl, inverse rope in its own launch": {"DSV4_PDL": "1",
+                                            "triton_attn.ROPE_IN_COMBINE": "0"},
+    "pdl, act prep in the up kernel": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1"},
     # The same launches captured a second time: their bits against the first capture's tell a
     # nondeterministic step (a race, an atomic order) from a variant's own rounding.
     "plain, second capture": {"DSV4_PDL": "0"},
@@ -362,7 +365,8 @@ def _ab_module(name: str) -> Any:
     return importlib.import_module({"attention": "dsv4.model.attention",
                                     "triton_dense": "dsv4.ops.triton_dense",
                                     "triton_linear32": "dsv4.ops.triton_linear32",
-                                    "triton_attn": "dsv4.ops.triton_attn"}[name])
+                                    "triton_attn": "dsv4.ops.triton_attn",
+                                    "triton_moe": "dsv4.ops.triton_moe"}[name])
 
 
 def _without_ops(names: str) -> contextlib.ExitStack:

@@ -518,8 +518,10 @@ class Attention(nn.Module):
             join_side_lane(x.device)
         elif self.ratio > 0:
             kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
-        o = self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype)
-        return self._output(o, cos, sin, x.dtype)
+        # The output's inverse RoPE inside the attention op (the GPU merges it into the
+        # split-KV combine at decode: one launch less a layer).
+        o = self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype, rope_out=(cos, sin))
+        return self._output(o, cos, sin, x.dtype, rotated=True)
 
     # ------------------------------------------------------------------ the step in three parts
     # A piecewise step (dsv4/engine/prefill_graphs.py) runs the token-local parts — ``project``
@@ -606,18 +608,23 @@ class Attention(nn.Module):
 
     def _sparse_attn(self, q: Tensor, kv_a: Tensor | PackedRows, idx_a: Tensor,
                      kv_b: Tensor | PackedRows | None, idx_b: Tensor | None,
-                     p_dtype: torch.dtype) -> Tensor:
+                     p_dtype: torch.dtype, rope_out: tuple[Tensor, Tensor] | None = None
+                     ) -> Tensor:
+        """o [T, H, hd]; with ``rope_out`` (cos, sin) its tail rotated back already."""
+        kw: dict[str, Any] = {} if rope_out is None else {"rope_out": rope_out}
         if self.numerics == "official":
             # bf16 P before P·V, as the reference kernel (spec §3.6.5)
-            return self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
-                                        p_dtype=p_dtype)
-        return self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale)
+            kw["p_dtype"] = p_dtype
+        return self.ops.sparse_attn(q, kv_a, idx_a, kv_b, idx_b, self.attn_sink, self.scale,
+                                    **kw)
 
-    def _output(self, o: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
-        """Inverse RoPE, then the grouped low-rank output: group g = heads g·H/G ..
-        (g+1)·H/G − 1, head-major."""
+    def _output(self, o: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype,
+                rotated: bool = False) -> Tensor:
+        """Inverse RoPE (unless ``rotated``: the attention op did it), then the grouped
+        low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major."""
         T = o.shape[0]
-        o = self.ops.apply_rope(o, cos, sin, inverse=True)
+        if not rotated:
+            o = self.ops.apply_rope(o, cos, sin, inverse=True)
         G = self.n_groups
         u = self._wo_a(o.reshape(T, G, -1))
         return self.parallel.all_reduce(self.wo_b(u.reshape(T, G * self.o_lora).to(dtype)))

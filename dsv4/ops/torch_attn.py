@@ -74,7 +74,8 @@ def _gather_rows(kv: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
 
 def sparse_attn(q: Tensor, kv_a: Tensor, idx_a: Tensor, kv_b: Tensor | None,
                 idx_b: Tensor | None, sink: Tensor, scale: float,
-                p_dtype: torch.dtype | None = None) -> Tensor:
+                p_dtype: torch.dtype | None = None,
+                rope_out: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of each token over selected rows of one or two KV sources, with a sink.
 
     q [T, H, d]; kv_a [Na, d] with idx_a [T, Ka] int rows (−1 = skip); kv_b [Nb, d] with
@@ -86,7 +87,13 @@ def sparse_attn(q: Tensor, kv_a: Tensor, idx_a: Tensor, kv_b: Tensor | None,
     ``p_dtype`` (official numerics): emulate the reference kernel, which walks the concatenated
     index list in blocks of 64 with an online softmax and rounds the probabilities to
     ``p_dtype`` (bf16) before the P·V product (fp32 accumulation).
+
+    ``rope_out`` (cos, sin) [T, rd/2]: the output's inverse RoPE (spec §3.6 item 6) too, i.e.
+    ``apply_rope(o, cos, sin, inverse=True)`` of the returned o.
     """
+    if rope_out is not None:
+        o = sparse_attn(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype)
+        return apply_rope(o, rope_out[0], rope_out[1], inverse=True)
     T, H, d = q.shape
     if idx_a.shape[0] != T or (idx_b is not None and idx_b.shape[0] != T):
         raise ValueError(f"sparse_attn: index lists must have T={T} rows; got idx_a "

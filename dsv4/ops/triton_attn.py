@@ -26,7 +26,9 @@ import triton.language as tl
 from dsv4.cache.formats import PackedRows, RecordFormat
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.specialize import lengths
-from dsv4.ops.triton_dense import mma, round_to_bf16, sm_count, store_rne, torch_twin_off_gpu
+from dsv4.ops.torch_norm import check_rope_args
+from dsv4.ops.triton_dense import (mma, round_as, round_to_bf16, sm_count, store_rne,
+                                   torch_twin_off_gpu)
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
            "pick_attn_config", "load_rows", "load_fp8_records_chunked", "chunked_records_ok",
@@ -52,6 +54,11 @@ DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "128"))
 # (twenty-third session: 220 against 234 µs at 512 tokens, 1,733 against 1,787 at 4,096).
 # DSV4_ATTN_ONE_LOOP=0 restores the two loops.
 ATTN_ONE_LOOP = os.environ.get("DSV4_ATTN_ONE_LOOP", "1") == "1"
+# sparse_attn(rope_out=...): the output's inverse RoPE in the split-KV merge kernel (decode
+# steps of few tokens: one launch less on the layer's chain), where the rotated tail lies in
+# one of the merge's column blocks; otherwise (unsplit steps) the separate apply_rope launch.
+# Same bits either way.  DSV4_ATTN_ROPE_IN_COMBINE=0 keeps the separate launch always.
+ROPE_IN_COMBINE = int(os.environ.get("DSV4_ATTN_ROPE_IN_COMBINE", "1"))
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.
 FMT_DENSE, FMT_FP8_E8M0, FMT_FP4_E4M3, FMT_FP4_E8M0 = 0, 1, 2, 3
@@ -340,10 +347,46 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
 
 
 @triton.jit
+def _rn_mul(a, b, ASM: tl.constexpr):
+    """a · b rounded once, never contracted into an FMA with a neighbouring add (ASM: the
+    explicit-rounding PTX multiply, which the compilers leave alone; the interpreter does not
+    contract)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return a * b
+
+
+@triton.jit
+def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.constexpr,
+                       ASM: tl.constexpr):
+    """o [BH, BD] (columns col0.. of each head, values already rounded as stored) with the
+    channels from ``nope`` on rotated back by pairs (2i, 2i+1) = a + ib times cos − i·sin of
+    the token (``cs_row``: its cos row; the sin row follows at ``half``), as
+    ``apply_rope(o, cos, sin, inverse=True)`` computes them; other channels unchanged."""
+    a, b = tl.split(tl.reshape(o, (BH, BD // 2, 2)))
+    ch = col0 + 2 * tl.arange(0, BD // 2)                  # the even channel of each pair
+    pair = (ch - nope) // 2
+    tail = (ch >= nope) & (pair < half)
+    c = tl.load(cs_row + pair, mask=tail, other=1.0)[None, :]
+    s = -tl.load(cs_row + half + pair, mask=tail, other=0.0)[None, :]
+    ra = _rn_mul(a, c, ASM) - _rn_mul(b, s, ASM)
+    rb = _rn_mul(a, s, ASM) + _rn_mul(b, c, ASM)
+    ra = tl.where(tail[None, :], ra, a)
+    rb = tl.where(tail[None, :], rb, b)
+    return tl.reshape(tl.join(ra, rb), (BH, BD))
+
+
+@triton.jit
 def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_ot, stride_oh,
-                         SP: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                         cs_ptr=None, nope=0, half=0,
+                         SP: tl.constexpr = 2, BH: tl.constexpr = 16, BD: tl.constexpr = 128,
+                         ROPE: tl.constexpr = False, ASM: tl.constexpr = False,
                          PDL: tl.constexpr = False):
-    """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l."""
+    """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l.
+
+    ROPE: o's channels from ``nope`` on (within this program's column block) are then rotated
+    back by the token's row of ``cs`` [T, 2·half] (cos | sin), from o rounded as stored."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -366,8 +409,12 @@ def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_o
         a = tl.load(part_ptr + ((s * T + t64) * H + rh[:, None]) * D + rd[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         acc += w[:, None] * a
-    store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :],
-              acc / l_tot[:, None], h_mask[:, None] & d_mask[None, :])
+    o = acc / l_tot[:, None]
+    if ROPE:
+        o = _inverse_rope_tail(round_as(o, o_ptr), tl.program_id(2) * BD,
+                               cs_ptr + t64 * (2 * half), nope, half, BH, BD, ASM)
+    store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :], o,
+              h_mask[:, None] & d_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -465,11 +512,15 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
                             idx_b: torch.Tensor | None,
                             sink: torch.Tensor, scale: float,
                             p_dtype: torch.dtype | None = None,
-                            cfg: AttnConfig | None = None) -> torch.Tensor:
+                            cfg: AttnConfig | None = None,
+                            rope_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                            ) -> torch.Tensor:
     """:func:`sparse_attn` with an explicit tile plan (``None``: :func:`pick_attn_config`)."""
     if q.dim() != 3:
         raise ValueError(f"sparse_attn: q must be [T, H, d]; found {tuple(q.shape)}")
     T, H, d = q.shape
+    if rope_out is not None:
+        check_rope_args("sparse_attn", q, *rope_out, min_dim=3)
     if (kv_b is None) != (idx_b is None):
         raise ValueError("sparse_attn: kv_b and idx_b must both be given or both be None")
     kv_a, meta_a = _source_args("kv_a", kv_a, idx_a, T, d)
@@ -531,11 +582,24 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
         CHUNK_A=chunk_ok(meta_a, kv_a), CHUNK_B=has_b and chunk_ok(meta_b, kv_b),
         ONE_LOOP=cfg.one_loop and has_b and bf16 and not records and split == 1 and BDV == BD,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
+    rope_here = False
     if split > 1:
         bd_c = min(BD, 128)
+        extra = {}
+        if rope_out is not None and ROPE_IN_COMBINE:
+            half = rope_out[0].shape[1]
+            nope = d - 2 * half
+            # The rotated channels in one column block of the merge (V4: 448..511 of 384..511).
+            rope_here = nope // bd_c == (d - 1) // bd_c
+        if rope_here:
+            cs = torch.cat((rope_out[0].float(), rope_out[1].float()), dim=1).contiguous()
+            extra = dict(cs_ptr=cs, nope=nope, half=half, ROPE=True, ASM=q.is_cuda)
         _attn_combine_kernel[(T, triton.cdiv(H, 16), triton.cdiv(d, bd_c))](
-            part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1),
+            part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1), **extra,
             SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4, **pdl_args(part))
+    if rope_out is not None and not rope_here:
+        from dsv4.ops import triton_norm
+        o = triton_norm.apply_rope(o, rope_out[0], rope_out[1], inverse=True)
     return o
 
 
@@ -543,7 +607,8 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
 def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor | PackedRows, idx_a: torch.Tensor,
                 kv_b: torch.Tensor | PackedRows | None, idx_b: torch.Tensor | None,
                 sink: torch.Tensor, scale: float,
-                p_dtype: torch.dtype | None = None) -> torch.Tensor:
+                p_dtype: torch.dtype | None = None,
+                rope_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of each token over selected rows of one or two KV sources, with a sink.
 
     q [T, H, d]; kv_a [Na, d], idx_a [T, Ka] int rows of kv_a (−1 = skip); kv_b / idx_b the
@@ -552,8 +617,11 @@ def sparse_attn(q: torch.Tensor, kv_a: torch.Tensor | PackedRows, idx_a: torch.T
     ``(q·kv)·scale``; one softmax over both sources with ``exp(sink[h])`` in the denominator.
     fp32 accumulation; with bf16 rows (or ``p_dtype=bf16``) P is rounded to bf16 before P·V,
     as the reference kernel does (blocks of 64 indices per source).  Returns o [T, H, d] in q.dtype.
+    ``rope_out`` (cos, sin) [T, rd/2]: o's tail rotated back too, as ``apply_rope(o, cos, sin,
+    inverse=True)`` (in the split-KV merge where it can: :data:`ROPE_IN_COMBINE`).
     """
-    return sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype, None)
+    return sparse_attn_with_config(q, kv_a, idx_a, kv_b, idx_b, sink, scale, p_dtype, None,
+                                   rope_out)
 
 
 # ------------------------------------------------------------------------------ indexer scores

@@ -63,6 +63,7 @@ from dsv4.ops.triton_dense import (
     tensor_version,
     mma,
     pow2_from_exp,
+    round_as,
     round_to_bf16,
     round_to_e4m3,
     splitk_counters,
@@ -497,12 +498,20 @@ def weighted_swiglu(g, u, wt, limit, OUT: tl.constexpr, HAS_LIMIT: tl.constexpr)
 
 @triton.jit
 def _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm, limit,
-                 OUT: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """act = w · swiglu(g, u) of one tile from the fp32 gate/up GEMM results, stored rounded."""
+                 OUT: tl.constexpr, HAS_LIMIT: tl.constexpr, n0=0, PREP: tl.constexpr = False,
+                 FMT: tl.constexpr = 0, QUANT: tl.constexpr = False, BN: tl.constexpr = 128):
+    """act = w · swiglu(g, u) of one tile from the fp32 gate/up GEMM results, stored rounded;
+    PREP (the tile is one whole K step of the down GEMM, BN = its BK): stored GEMM-ready
+    instead (``store_prepped`` of the rounded values: what ``_moe_prep_kernel`` makes of the
+    stored act)."""
     wt = tl.load(wt_ptr + pair, mask=m_mask, other=0.0)
     a = weighted_swiglu(acc1, acc3, wt, limit, OUT, HAS_LIMIT)
-    store_rne(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + rn[None, :], a,
-              m_mask[:, None] & n_mask[None, :])
+    if PREP:
+        store_prepped(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + n0,
+                      round_as(a, act_ptr), m_mask, FMT, QUANT, BN)
+    else:
+        store_rne(act_ptr + rm.to(tl.int64)[:, None] * stride_actm + rn[None, :], a,
+                  m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -514,9 +523,14 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    HAS_LIMIT: tl.constexpr, FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr,
                    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    KCHUNK: tl.constexpr = False, TOKEN_ROWS: tl.constexpr = False,
-                   TOPK: tl.constexpr = 1,
+                   TOPK: tl.constexpr = 1, PREP_ACT: tl.constexpr = False,
+                   QUANT_ACT: tl.constexpr = False,
                    PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
+
+    PREP_ACT (BN = the down GEMM's K step): ``act`` is stored GEMM-ready for the down kernel
+    (FP8 fake-quantized per K step under QUANT_ACT, [even | odd] for MXFP4), as
+    ``_moe_prep_kernel`` would make it of the plain act: one launch less.
 
     ``xs`` and ``act`` rows follow the padded sorted layout of the plan (row = block·BM + i);
     ``xs`` comes from ``_moe_prep_kernel``.  TOKEN_ROWS: ``xs`` holds one GEMM-ready row per
@@ -563,12 +577,13 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                 acc1 = _sum_partials(part1_ptr, offs, mask, stride_part_s)
                 acc3 = _sum_partials(part3_ptr, offs, mask, stride_part_s)
                 _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask,
-                             stride_actm, limit, OUT, HAS_LIMIT)
+                             stride_actm, limit, OUT, HAS_LIMIT, pid_n * BN, PREP_ACT, FMT,
+                             QUANT_ACT, BN)
                 # Clean for the next launch (and CUDA-graph replays): no per-call zeroing.
                 tl.store(arrivals_ptr + tile, 0)
         else:
             _up_epilogue(acc1, acc3, act_ptr, wt_ptr, rm, pair, m_mask, rn, n_mask, stride_actm,
-                         limit, OUT, HAS_LIMIT)
+                         limit, OUT, HAS_LIMIT, pid_n * BN, PREP_ACT, FMT, QUANT_ACT, BN)
 
 
 @triton.jit
@@ -744,7 +759,7 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:
-        bn_up, bn_down = (64, 128) if num_pairs <= 8 else (128, 128)
+        bn_up, bn_down = (64, 128) if num_pairs <= 8 and not UP_PREP_ACT else (128, 128)
         return MoeConfig(BM=16, BN_up=bn_up, BN_down=bn_down, BK=block_k, stages=3,
                          split_up=_pick_split(active * -(-inter // bn_up), dim),
                          split_down=_pick_split(active * -(-dim // bn_down), inter))
@@ -757,6 +772,14 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     return MoeConfig(BM=128, BN_up=128, BN_down=128, BK=block_k, warps_up=8, warps_down=8,
                      stages=3)
 
+
+# 1: the up kernel stores the activation GEMM-ready for the down kernel (FP8 fake quant per K
+# step, MXFP4's [even | odd] split) when its N tile is one K step of the down GEMM (BN_up =
+# BK), instead of a separate prep launch over the stored act: the same values, one launch less
+# on the decode chain; the one-token plans then take 128-wide up tiles too (64 otherwise).
+# DSV4_MOE_UP_PREP=1 turns it on (bench/flash_bench.py --launch-ab, "pdl, act prep in the up
+# kernel").
+UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "0"))
 
 # Pipeline stages of the 64-row expert blocks (DSV4_MOE_BM64_STAGES=3: the former plan, A/B).
 MOE_BM64_STAGES = int(os.environ.get("DSV4_MOE_BM64_STAGES", "2"))
@@ -1065,6 +1088,10 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     if not fused_prep:
         xs = torch.empty(rows, D, dtype=x.dtype, device=x.device)
         moe_prep(x, pairs, block_expert, xs, P, E, k, True, fmt, quant, cfg.BM, cfg.BK)
+    # The down GEMM's input: the act prepared GEMM-ready by the up kernel (PREP_ACT), or the
+    # plain act, prepared by moe_prep below (FP8 act quant / MXFP4 split) or read as is.
+    needs_prep = quant or fmt == _FMT_CODE["fp4"]
+    prep_in_up = bool(UP_PREP_ACT) and needs_prep and cfg.BN_up == cfg.BK
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     # fp32 partials of the splits (gate, up: [2, S, rows, I]); only real rows are written and
     # read.  Unsplit: never touched (act stands in).
@@ -1075,10 +1102,13 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
-        TOKEN_ROWS=token_rows, TOPK=k if token_rows else 1,
-        num_warps=cfg.warps_up, num_stages=stages_up, **consts, **pdl_args(xs))
+        TOKEN_ROWS=token_rows, TOPK=k if token_rows else 1, PREP_ACT=prep_in_up,
+        QUANT_ACT=quant, num_warps=cfg.warps_up, num_stages=stages_up, **consts,
+        **pdl_args(xs))
     del xs, part_up
-    if quant or fmt == _FMT_CODE["fp4"]:
+    if prep_in_up:
+        act_in = act
+    elif needs_prep:
         act_in = torch.empty_like(act)
         moe_prep(act, pairs, block_expert, act_in, P, E, k, False, fmt, quant, cfg.BM, cfg.BK)
         del act

@@ -438,3 +438,33 @@ def test_linear_fp32_gpu(T: int, N: int, K: int, w_dtype: torch.dtype) -> None:
         del graph
     counters = td._splitk_counter_cache.get(w.device)
     assert counters is None or not counters.any(), "arrival counters left non-zero"
+
+
+@pytest.mark.parametrize("T", [1, 2, 16, 64])
+def test_sparse_attn_gpu_rope_out(T: int) -> None:
+    """The output's inverse RoPE in the attention op (the split-KV merge at decode sizes, the
+    separate launch where unsplit): the bits of ``triton_norm.apply_rope(o, inverse=True)`` of
+    the unrotated output, V4-Flash records and widths, fresh NaN-poisoned memory."""
+    from dsv4.cache import formats as cf
+    from dsv4.ops import torch_attn as ref
+    from dsv4.ops import triton_attn as tri
+    from dsv4.ops import triton_norm
+    gen = torch.Generator(device=DEV).manual_seed(T + 7)
+    H, d, half = 64, 512, 32
+    fmt = cf.v4_kv_record(d, 64)
+    q = torch.randn(T, H, d, generator=gen, device=DEV).bfloat16()
+    x = torch.randn(4096, d, generator=gen, device=DEV)
+    kv = cf.PackedRows(fmt.pack(x), fmt)
+    idx = torch.randint(-1, 4096, (T, 128 + 512), generator=gen, device=DEV, dtype=torch.int32)
+    sink = torch.randn(H, generator=gen, device=DEV)
+    ang = torch.rand(T, half, generator=gen, device=DEV) * 8192
+    cos, sin = ang.cos(), ang.sin()
+    plain = tri.sparse_attn(q, kv, idx, None, None, sink, d ** -0.5, p_dtype=torch.bfloat16)
+    _poison()
+    got = tri.sparse_attn(q, kv, idx, None, None, sink, d ** -0.5, p_dtype=torch.bfloat16,
+                          rope_out=(cos, sin))
+    assert _finite(got)
+    assert torch.equal(got, triton_norm.apply_rope(plain, cos, sin, inverse=True))
+    o_ref = ref.sparse_attn(q, kv, idx, None, None, sink, d ** -0.5, p_dtype=torch.bfloat16,
+                            rope_out=(cos, sin))
+    assert _rel(got, o_ref) < 5e-3

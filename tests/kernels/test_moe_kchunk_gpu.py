@@ -69,3 +69,24 @@ def test_kchunk_in_a_cuda_graph() -> None:
     from dsv4.ops import triton_moe as tri
     ex = _kchunk(_stacks(torch.Generator(device=DEV).manual_seed(600), 128))
     replays_match_eager(ex, tri.pick_moe_config(TOPK, E, D, INTER, 128), 600)
+
+
+@pytest.mark.parametrize("T", [1, 2, 16, 64, 1024])
+def test_act_prep_in_up_kernel_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """UP_PREP_ACT: the up kernel stores the activation GEMM-ready for the down kernel (no
+    prep launch): the bits of the separate prep, V4-Flash K-chunk-major stacks under official
+    act quant, NaN-poisoned memory, the default plans (one token: 128-wide up tiles with it)."""
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(900 + T)
+    ch = _kchunk(_stacks(gen, 128))
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    monkeypatch.setattr(tri, "UP_PREP_ACT", 1)
+    cfg = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
+    assert cfg.BN_up == 128
+    _poison()
+    got = tri.moe_experts_with_config(x, ids, w, ch, 10.0, cfg)
+    monkeypatch.setattr(tri, "UP_PREP_ACT", 0)
+    assert bool(torch.isfinite(got).all())
+    assert torch.equal(got, tri.moe_experts_with_config(x, ids, w, ch, 10.0, cfg))
+    assert _counters_clean()

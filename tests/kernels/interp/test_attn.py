@@ -176,3 +176,45 @@ def test_dense_prefill_plan_rule() -> None:
         assert (tri.pick_attn_config(t, 64, 512, 640, cpu, records=True, bf16=True)
                 == tri.pick_attn_config(t, 64, 512, 640, cpu, records=True))
     assert tri.pick_attn_config(n, 8, 512, 640, cpu, bf16=True).BH == 16   # a TP-8 shard
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,half,split,in_combine", [
+    (48, 8, 3, True),       # the tail inside the merge's one column block
+    (160, 16, 4, True),     # several column blocks, the tail in the last (V4: 448..511)
+    (160, 48, 4, False),    # the tail across two blocks: the separate launch
+    (160, 16, 1, False),    # unsplit: the separate launch
+])
+def test_sparse_attn_rope_out_same_bits(dtype: torch.dtype, d: int, half: int, split: int,
+                                        in_combine: bool,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rope_out``: the attention output's inverse RoPE in the split-KV merge (or the separate
+    launch where the merge cannot take it) is the bits of ``apply_rope(o, inverse=True)`` of
+    the unrotated output — also with the merge's rotation switched off — and the twin's
+    ``rope_out`` agrees to rounding."""
+    gen = torch.Generator().manual_seed(d + half + split)
+    T, H = 3, 20
+    q = torch.randn(T, H, d, generator=gen).to(dtype)
+    kv_a = torch.randn(37, d, generator=gen).to(dtype)
+    idx_a = random_indices(T, 70, 37, gen, 0.3)
+    idx_a[0] = -1
+    sink = torch.randn(H, generator=gen)
+    ang = torch.randn(T, half, generator=gen) * 3
+    cos, sin = ang.cos(), ang.sin()
+    cfg = tri.AttnConfig(BH=16, BN=16, split_kv=split)
+    o = tri.sparse_attn_with_config(q, kv_a, idx_a, None, None, sink, 0.2, None, cfg)
+    want = ref.apply_rope(o, cos, sin, inverse=True)
+    got = tri.sparse_attn_with_config(q, kv_a, idx_a, None, None, sink, 0.2, None, cfg,
+                                      (cos, sin))
+    assert torch.equal(got, want)
+    assert not torch.equal(got[..., -2 * half:], o[..., -2 * half:])   # it did rotate
+    assert torch.equal(got[..., :-2 * half], o[..., :-2 * half])
+    monkeypatch.setattr(tri, "ROPE_IN_COMBINE", 0)
+    assert torch.equal(tri.sparse_attn_with_config(q, kv_a, idx_a, None, None, sink, 0.2, None,
+                                                   cfg, (cos, sin)), want)
+    o_ref = ref.sparse_attn(q, kv_a, idx_a, None, None, sink, 0.2,
+                            p_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None,
+                            rope_out=(cos, sin))
+    assert rel_err(got.float(), o_ref.float()) < (1e-5 if dtype == torch.float32 else 4e-3)
+    with pytest.raises(ValueError, match="cos"):
+        tri.sparse_attn(q, kv_a, idx_a, None, None, sink, 0.2, rope_out=(cos[:, :2], sin))

@@ -222,3 +222,37 @@ def test_pick_moe_config_regimes() -> None:
     assert (mid.BM, mid.stages) == (64, 2)
     big = tri.pick_moe_config(49152, 256, 4096, 2048, 128)              # 8K prefill (192 rows)
     assert (big.BM, big.warps_up, big.warps_down) == (128, 8, 8)
+
+
+@pytest.mark.parametrize("fmt,act_block,dtype", [
+    ("fp4", 128, torch.bfloat16),     # V4 official numerics: FP8 act quant + MXFP4 split
+    ("fp4", None, torch.bfloat16),    # the split alone
+    ("fp8", 128, torch.float32),      # FP8 experts, act quant alone
+])
+@pytest.mark.parametrize("T,split", [(1, 1), (1, 2), (9, 1)])
+def test_moe_act_prep_in_up_kernel_same_bits(fmt: str, act_block, dtype: torch.dtype, T: int,
+                                             split: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """UP_PREP_ACT: the up kernel stores the activation GEMM-ready (its 128-wide N tile is one
+    K step of the down GEMM) instead of a prep launch over the stored act — the same output
+    bits, unsplit and with the up GEMM's K split (the epilogue in the last split)."""
+    gen = torch.Generator().manual_seed(T * 10 + split + (act_block or 0))
+    E, D, inter, k = 5, 256, 256, 3
+    ex = _experts(fmt, E, D, inter, gen, act_block=act_block, fp32_scale=fmt == "fp8")
+    x = (torch.randn(T, D, generator=gen) * 3).to(dtype)
+    ids, w = _routing(T, E, k, gen)
+    cfg = tri.MoeConfig(BM=16, BN_up=128, BN_down=128, split_up=split)
+    monkeypatch.setattr(tri, "UP_PREP_ACT", 0)
+    want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    monkeypatch.setattr(tri, "UP_PREP_ACT", 1)
+    preps = []
+    real_prep = tri.moe_prep
+    monkeypatch.setattr(tri, "moe_prep", lambda *a, **kw: preps.append(a[7]) or real_prep(*a, **kw))
+    got = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    assert False not in preps      # no prep launch over the act (gather=False) was made
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    # The one-token plan takes 128-wide up tiles with it (64 without), so the fusion applies.
+    assert tri.pick_moe_config(6, 256, 4096, 2048, 128).BN_up == 128
+    monkeypatch.setattr(tri, "UP_PREP_ACT", 0)
+    assert tri.pick_moe_config(6, 256, 4096, 2048, 128).BN_up == 64
