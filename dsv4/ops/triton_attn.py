@@ -27,7 +27,7 @@ from dsv4.cache.formats import PackedRows, RecordFormat
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.specialize import lengths
 from dsv4.ops.torch_norm import check_rope_args
-from dsv4.ops.triton_dense import (mma, round_as, round_to_bf16, sm_count, store_rne,
+from dsv4.ops.triton_dense import (INTERPRET, mma, round_as, round_to_bf16, sm_count, store_rne,
                                    torch_twin_off_gpu)
 
 __all__ = ["sparse_attn", "sparse_attn_with_config", "indexer_scores", "AttnConfig",
@@ -347,19 +347,18 @@ def _sparse_attn_kernel(q_ptr, kva_ptr, idxa_ptr, kvb_ptr, idxb_ptr, sink_ptr, o
 
 
 @triton.jit
-def _rn_mul(a, b, ASM: tl.constexpr):
-    """a · b rounded once, never contracted into an FMA with a neighbouring add (ASM: the
-    explicit-rounding PTX multiply, which the compilers leave alone; the interpreter does not
+def _rn_mul(a, b):
+    """a · b rounded once, never contracted into an FMA with a neighbouring add: the
+    explicit-rounding PTX multiply, which the compilers leave alone (the interpreter does not
     contract)."""
-    if ASM:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    return a * b
+    if INTERPRET:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.constexpr,
-                       ASM: tl.constexpr):
+def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.constexpr):
     """o [BH, BD] (columns col0.. of each head, values already rounded as stored) with the
     channels from ``nope`` on rotated back by pairs (2i, 2i+1) = a + ib times cos − i·sin of
     the token (``cs_row``: its cos row; the sin row follows at ``half``), as
@@ -370,8 +369,8 @@ def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.con
     tail = (ch >= nope) & (pair < half)
     c = tl.load(cs_row + pair, mask=tail, other=1.0)[None, :]
     s = -tl.load(cs_row + half + pair, mask=tail, other=0.0)[None, :]
-    ra = _rn_mul(a, c, ASM) - _rn_mul(b, s, ASM)
-    rb = _rn_mul(a, s, ASM) + _rn_mul(b, c, ASM)
+    ra = _rn_mul(a, c) - _rn_mul(b, s)
+    rb = _rn_mul(a, s) + _rn_mul(b, c)
     ra = tl.where(tail[None, :], ra, a)
     rb = tl.where(tail[None, :], rb, b)
     return tl.reshape(tl.join(ra, rb), (BH, BD))
@@ -381,8 +380,7 @@ def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.con
 def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_ot, stride_oh,
                          cs_ptr=None, nope=0, half=0,
                          SP: tl.constexpr = 2, BH: tl.constexpr = 16, BD: tl.constexpr = 128,
-                         ROPE: tl.constexpr = False, ASM: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         ROPE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l.
 
     ROPE: o's channels from ``nope`` on (within this program's column block) are then rotated
@@ -412,7 +410,7 @@ def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_o
     o = acc / l_tot[:, None]
     if ROPE:
         o = _inverse_rope_tail(round_as(o, o_ptr), tl.program_id(2) * BD,
-                               cs_ptr + t64 * (2 * half), nope, half, BH, BD, ASM)
+                               cs_ptr + t64 * (2 * half), nope, half, BH, BD)
     store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :], o,
               h_mask[:, None] & d_mask[None, :])
 
@@ -593,7 +591,7 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
             rope_here = nope // bd_c == (d - 1) // bd_c
         if rope_here:
             cs = torch.cat((rope_out[0].float(), rope_out[1].float()), dim=1).contiguous()
-            extra = dict(cs_ptr=cs, nope=nope, half=half, ROPE=True, ASM=q.is_cuda)
+            extra = dict(cs_ptr=cs, nope=nope, half=half, ROPE=True)
         _attn_combine_kernel[(T, triton.cdiv(H, 16), triton.cdiv(d, bd_c))](
             part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1), **extra,
             SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4, **pdl_args(part))

@@ -613,6 +613,47 @@ def _moe_fold() -> None:
         _moe(V4_FLASH, "fp4", "prefill")
 
 
+@scenario("moe_experts/v4_flash/fp4_prep_in_up")
+def _moe_prep_in_up() -> None:
+    """The up kernel storing the activation GEMM-ready (UP_PREP_ACT: official act quant +
+    MXFP4 split in its epilogue), K-chunk-major stacks, the one-token split-K plan and the
+    16-token one."""
+    import torch
+
+    from dsv4.ops import triton_moe as tm
+    m = V4_FLASH
+    old = tm.UP_PREP_ACT
+    tm.UP_PREP_ACT = 1
+    try:
+        ex = _experts(m, "fp4", True, False)
+        bk = tm._block_k(ex, m.dim, m.inter)
+        from dataclasses import replace
+        for T in (1, 16):
+            cfg = tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk)
+            tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
+                                       torch.randint(0, E_ALLOC, (T, m.topk)),
+                                       torch.rand(T, m.topk), replace(ex, kchunk=bk), 10.0, cfg)
+    finally:
+        tm.UP_PREP_ACT = old
+
+
+@scenario("sparse_attn/v4_record/rope_out")
+def _sparse_attn_rope_out() -> None:
+    """The split-KV merge with the output's inverse RoPE (explicit-rounding PTX multiplies) at
+    one and 16 decode tokens."""
+    import torch
+
+    from dsv4.ops import triton_attn as ta
+    m = V4_FLASH
+    win, comp = _kv_sources("v4_record", m)
+    for T in (1, 16):
+        q = _empty(T, m.heads, m.head_dim, dtype=torch.bfloat16)
+        cos = _empty(T, 32, dtype=torch.float32)
+        ta.sparse_attn(q, win, _empty(T, m.window, dtype=torch.int32), comp,
+                       _empty(T, m.index_topk, dtype=torch.int32),
+                       _empty(m.heads, dtype=torch.float32), 0.04, rope_out=(cos, cos))
+
+
 @scenario("index/picked_rows")
 def _picked_rows() -> None:
     """Top-k entry ids -> pool rows (dsv4.ops.triton_index.picked_rows) at decode and prefill
