@@ -351,6 +351,9 @@ LAUNCH_VARIANTS = {
     "pdl, inverse rope in its own launch": {"DSV4_PDL": "1",
                                             "triton_attn.ROPE_IN_COMBINE": "0"},
     "pdl, act prep in the up kernel": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1"},
+    "pdl, combine in the down kernel": {"DSV4_PDL": "1", "triton_moe.DOWN_COMBINE": "1"},
+    "pdl, act prep in up, combine in down": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1",
+                                             "triton_moe.DOWN_COMBINE": "1"},
     # The same launches captured a second time: their bits against the first capture's tell a
     # nondeterministic step (a race, an atomic order) from a variant's own rounding.
     "plain, second capture": {"DSV4_PDL": "0"},

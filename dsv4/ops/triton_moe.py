@@ -593,14 +593,24 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      FMT: tl.constexpr, SB: tl.constexpr, SW_E8M0: tl.constexpr,
                      FAST_FP4: tl.constexpr, SCALE_LE_128: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     KCHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
+                     KCHUNK: tl.constexpr = False, ids_ptr=None, out_ptr=None,
+                     shared_ptr=None, T=0, COMBINE: tl.constexpr = False,
+                     TOPK: tl.constexpr = 1, SHARED: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
-    SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N]."""
+    SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N].
+
+    COMBINE (decode): ``_moe_combine_kernel`` of this N tile too, by the program whose block
+    finishes the tile last — every row block (unused ones by their split 0) counts itself in at
+    the tile's counter ``arrivals[nb·tiles + pid_n]`` once its y rows are stored — for the T
+    tokens into ``out`` (+ ``shared`` under SHARED): the same sums in the same order."""
     grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + blk)
+    # Whether this program counts its block in at the combine's counter.
+    stored = (tl.program_id(2) == 0) & (e >= E)
     if e < E:
         rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -625,8 +635,46 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                 acc = _sum_partials(part_ptr, offs, mask, stride_part_s)
                 store_rne(y_ptrs, acc, mask)
                 tl.store(arrivals_ptr + tile, 0)
+                stored = pid_n >= 0
         else:
             store_rne(y_ptrs, acc, mask)
+            stored = pid_n >= 0
+    if COMBINE:
+        if stored:
+            tiles = tl.num_programs(1)
+            count = arrivals_ptr + tl.num_programs(0) * tiles + pid_n
+            tl.debug_barrier()
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+                tl.debug_barrier()
+                _combine_tile(y_ptr, ids_ptr, out_ptr, shared_ptr, T, N, E, stride_ym,
+                              pid_n * BN + tl.arange(0, BN), TOPK, SHARED)
+                tl.store(count, 0)
+
+
+@triton.jit
+def _combine_tile(y_ptr, ids_ptr, out_ptr, shared_ptr, T, D, E, stride_ym, rd,
+                  TOPK: tl.constexpr, SHARED: tl.constexpr):
+    """``_moe_combine_kernel``'s sums for columns ``rd`` of every token, the y rows read from L2
+    (``.cg``: other programs just stored them)."""
+    d_mask = rd < D
+    # Row pointers advanced per token (64-bit pointer arithmetic, no int32 row products).
+    y_row, out_row, sh_row = y_ptr + rd, out_ptr + rd, shared_ptr + rd
+    for t in range(T):
+        acc = tl.zeros(rd.shape, dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            e = tl.load(ids_ptr + t * TOPK + j)
+            ok = (e >= 0) & (e < E)
+            v = tl.load(y_row + j * stride_ym, mask=d_mask & ok, other=0.0,
+                        cache_modifier=".cg")
+            acc += v.to(tl.float32)
+        if SHARED:
+            sh = tl.load(sh_row, mask=d_mask, other=0.0)
+            store_rne(out_row, acc + sh.to(tl.float32), d_mask)
+        else:
+            tl.store(out_row, acc, mask=d_mask)
+        y_row += TOPK * stride_ym
+        out_row += D
+        sh_row += D
 
 
 @triton.jit
@@ -780,6 +828,13 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
 # DSV4_MOE_UP_PREP=1 turns it on (bench/flash_bench.py --launch-ab, "pdl, act prep in the up
 # kernel").
 UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "0"))
+
+# 1: at decode (the one-launch plan's pair counts) the down kernel also sums each token's picks
+# (+ the shared expert) into the output: the block that finishes an N tile last does the
+# combine kernel's sums for it (the same values), one launch less on the decode chain.
+# DSV4_MOE_DOWN_COMBINE=1 turns it on (bench/flash_bench.py --launch-ab, "pdl, combine in the
+# down kernel").
+DOWN_COMBINE = int(os.environ.get("DSV4_MOE_DOWN_COMBINE", "0"))
 
 # Pipeline stages of the 64-row expert blocks (DSV4_MOE_BM64_STAGES=3: the former plan, A/B).
 MOE_BM64_STAGES = int(os.environ.get("DSV4_MOE_BM64_STAGES", "2"))
@@ -1082,7 +1137,11 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     split_up = min(cfg.split_up, D // cfg.BK)
     split_down = min(cfg.split_down, inter // cfg.BK)
     tiles_up, tiles_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
-    need = max(nb * tiles_up if split_up > 1 else 0, nb * tiles_down if split_down > 1 else 0)
+    # Decode: the combine in the down kernel (its counters after the split arrivals').
+    combine_in_down = bool(DOWN_COMBINE) and fused_prep
+    need = max(nb * tiles_up if split_up > 1 else 0,
+               nb * tiles_down if split_down > 1 else 0,
+               (nb + 1) * tiles_down if combine_in_down else 0)
     arrivals = splitk_counters(x.device, need, "moe_experts") if need else block_expert
     # The activation, gathered into the plan's rows and made GEMM-ready once (not per N tile).
     if not fused_prep:
@@ -1117,13 +1176,24 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
     part_down = (torch.empty(split_down, rows, D, dtype=torch.float32, device=x.device)
                  if split_down > 1 else y[None])
+    combine = {}
+    if combine_in_down:
+        if shared is not None:
+            if wait_shared is not None:
+                wait_shared()
+            _check_shared(x, shared)
+        combine = dict(ids_ptr=ids, out_ptr=out,
+                       shared_ptr=out if shared is None else shared.contiguous(), T=T,
+                       COMBINE=True, TOPK=k, SHARED=shared is not None)
     _moe_down_kernel[(nb, tiles_down, split_down)](
         act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
         act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), SPLIT=split_down > 1,
         BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
-        num_stages=stages_down, **consts, **pdl_args(act_in))
+        num_stages=stages_down, **combine, **consts, **pdl_args(act_in))
     del part_down
+    if combine_in_down:
+        return out
     BD = min(1024, triton.next_power_of_2(D))
     if shared is not None:
         # The routed + shared sum in this launch (one launch less on the decode chain); the

@@ -616,25 +616,27 @@ def _moe_fold() -> None:
 @scenario("moe_experts/v4_flash/fp4_prep_in_up")
 def _moe_prep_in_up() -> None:
     """The up kernel storing the activation GEMM-ready (UP_PREP_ACT: official act quant +
-    MXFP4 split in its epilogue), K-chunk-major stacks, the one-token split-K plan and the
+    MXFP4 split in its epilogue) and the down kernel doing the combine (DOWN_COMBINE, with
+    the shared expert at 16 tokens), K-chunk-major stacks, the one-token split-K plan and the
     16-token one."""
     import torch
 
     from dsv4.ops import triton_moe as tm
     m = V4_FLASH
-    old = tm.UP_PREP_ACT
-    tm.UP_PREP_ACT = 1
+    old = tm.UP_PREP_ACT, tm.DOWN_COMBINE
+    tm.UP_PREP_ACT = tm.DOWN_COMBINE = 1
     try:
         ex = _experts(m, "fp4", True, False)
         bk = tm._block_k(ex, m.dim, m.inter)
         from dataclasses import replace
         for T in (1, 16):
             cfg = tm.pick_moe_config(T * m.topk, m.experts, m.dim, m.inter, bk)
-            tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16),
-                                       torch.randint(0, E_ALLOC, (T, m.topk)),
-                                       torch.rand(T, m.topk), replace(ex, kchunk=bk), 10.0, cfg)
+            x = _empty(T, m.dim, dtype=torch.bfloat16)
+            tm.moe_experts_with_config(x, torch.randint(0, E_ALLOC, (T, m.topk)),
+                                       torch.rand(T, m.topk), replace(ex, kchunk=bk), 10.0, cfg,
+                                       shared=x if T == 16 else None)
     finally:
-        tm.UP_PREP_ACT = old
+        tm.UP_PREP_ACT, tm.DOWN_COMBINE = old
 
 
 @scenario("sparse_attn/v4_record/rope_out")

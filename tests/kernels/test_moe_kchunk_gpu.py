@@ -90,3 +90,26 @@ def test_act_prep_in_up_kernel_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> N
     assert bool(torch.isfinite(got).all())
     assert torch.equal(got, tri.moe_experts_with_config(x, ids, w, ch, 10.0, cfg))
     assert _counters_clean()
+
+
+@pytest.mark.parametrize("T", [1, 2, 10])
+def test_combine_in_down_kernel_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DOWN_COMBINE: the decode combine (+ the shared expert) in the down kernel: the bits of
+    the combine launch, V4-Flash K-chunk-major stacks, default decode plans, NaN-poisoned
+    memory, twice (the counters reset), and under UP_PREP_ACT too."""
+    from dsv4.ops import triton_moe as tri
+    gen = torch.Generator(device=DEV).manual_seed(950 + T)
+    ch = _kchunk(_stacks(gen, 128))
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    shared = (torch.randn(T, D, generator=gen, device=DEV) * 0.1).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    cfg = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
+    want = tri.moe_experts_with_config(x, ids, w, ch, 10.0, cfg, shared=shared)
+    monkeypatch.setattr(tri, "DOWN_COMBINE", 1)
+    for prep in (0, 1, 1):
+        monkeypatch.setattr(tri, "UP_PREP_ACT", prep)
+        cfg = tri.pick_moe_config(T * TOPK, E, D, INTER, 128)
+        _poison()
+        got = tri.moe_experts_with_config(x, ids, w, ch, 10.0, cfg, shared=shared)
+        assert torch.equal(got, want)
+    assert _counters_clean()

@@ -256,3 +256,35 @@ def test_moe_act_prep_in_up_kernel_same_bits(fmt: str, act_block, dtype: torch.d
     assert tri.pick_moe_config(6, 256, 4096, 2048, 128).BN_up == 128
     monkeypatch.setattr(tri, "UP_PREP_ACT", 0)
     assert tri.pick_moe_config(6, 256, 4096, 2048, 128).BN_up == 64
+
+
+@pytest.mark.parametrize("T,split,with_shared", [(1, 2, True), (1, 1, False), (4, 1, True),
+                                                 (9, 2, False)])
+def test_moe_combine_in_down_kernel_same_bits(T: int, split: int, with_shared: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """DOWN_COMBINE: the block that finishes a down N tile last sums the tokens' picks (+ the
+    shared expert) there — the bits of the combine launch, with skipped ids (other shards),
+    split and unsplit down GEMMs, and the counters left at zero for the next call."""
+    from dsv4.ops.triton_dense import splitk_counters
+    gen = torch.Generator().manual_seed(T * 7 + split)
+    E, D, inter, k = 5, 256, 128, 3
+    ex = _experts("fp4", E, D, inter, gen, act_block=128)
+    x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16)
+    ids, w = _routing(T, E, k, gen)
+    ids[0, 1] = -1
+    if T > 1:
+        ids[1, 2] = E
+    shared = (torch.randn(T, D, generator=gen) * 0.1).to(torch.bfloat16) if with_shared else None
+    cfg = tri.MoeConfig(BM=16, BN_up=64, BN_down=64, split_up=split, split_down=split)
+    monkeypatch.setattr(tri, "DOWN_COMBINE", 0)
+    want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg, shared=shared)
+    monkeypatch.setattr(tri, "DOWN_COMBINE", 1)
+    launched = []
+    real = tri._moe_combine_kernel
+    monkeypatch.setattr(tri, "_moe_combine_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    for _ in range(2):      # a second call finds the counters at zero
+        got = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg, shared=shared)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert not launched
+    assert int(splitk_counters(x.device, 1).abs().sum()) == 0
