@@ -798,6 +798,11 @@ def main(argv: list[str] | None = None) -> int:
     global DEV
     DEV = args.device
     AB_ONLY[:] = [v.strip() for v in args.ab_variants.split(";") if v.strip()]
+    if os.environ.get("DSV4_RECORD_KERNELS"):
+        # Record this run's kernel specializations into a manifest (dsv4.ops.precompile), as
+        # an engine does: e.g. the launch variants' decode kernels.
+        from dsv4.ops import precompile
+        precompile.record_to(os.environ["DSV4_RECORD_KERNELS"])
     unknown = [v for v in AB_ONLY if v not in LAUNCH_VARIANTS]
     if unknown:
         ap.error(f"--ab-variants: unknown {unknown}; known: {list(LAUNCH_VARIANTS)}")

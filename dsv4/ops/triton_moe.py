@@ -821,10 +821,11 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
                      stages=3)
 
 
-# 1: the up kernel stores the activation GEMM-ready for the down kernel (FP8 fake quant per K
-# step, MXFP4's [even | odd] split) when its N tile is one K step of the down GEMM (BN_up =
-# BK), instead of a separate prep launch over the stored act: the same values, one launch less
-# on the decode chain; the one-token plans then take 128-wide up tiles too (64 otherwise).
+# 1: at decode (the one-launch plan's pair counts) the up kernel stores the activation
+# GEMM-ready for the down kernel (FP8 fake quant per K step, MXFP4's [even | odd] split) when
+# its N tile is one K step of the down GEMM (BN_up = BK), instead of a separate prep launch
+# over the stored act: the same values, one launch less on the decode chain; the one-token
+# plans then take 128-wide up tiles too (64 otherwise).
 # DSV4_MOE_UP_PREP=1 turns it on (bench/flash_bench.py --launch-ab, "pdl, act prep in the up
 # kernel").
 UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "0"))
@@ -1150,7 +1151,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     # The down GEMM's input: the act prepared GEMM-ready by the up kernel (PREP_ACT), or the
     # plain act, prepared by moe_prep below (FP8 act quant / MXFP4 split) or read as is.
     needs_prep = quant or fmt == _FMT_CODE["fp4"]
-    prep_in_up = bool(UP_PREP_ACT) and needs_prep and cfg.BN_up == cfg.BK
+    prep_in_up = bool(UP_PREP_ACT) and needs_prep and cfg.BN_up == cfg.BK and fused_prep
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     # fp32 partials of the splits (gate, up: [2, S, rows, I]); only real rows are written and
     # read.  Unsplit: never touched (act stands in).

@@ -71,7 +71,7 @@ def test_kchunk_in_a_cuda_graph() -> None:
     replays_match_eager(ex, tri.pick_moe_config(TOPK, E, D, INTER, 128), 600)
 
 
-@pytest.mark.parametrize("T", [1, 2, 16, 64, 1024])
+@pytest.mark.parametrize("T", [1, 2, 10])
 def test_act_prep_in_up_kernel_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """UP_PREP_ACT: the up kernel stores the activation GEMM-ready for the down kernel (no
     prep launch): the bits of the separate prep, V4-Flash K-chunk-major stacks under official
