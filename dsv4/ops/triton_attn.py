@@ -57,7 +57,9 @@ ATTN_ONE_LOOP = os.environ.get("DSV4_ATTN_ONE_LOOP", "1") == "1"
 # sparse_attn(rope_out=...): the output's inverse RoPE in the split-KV merge kernel (decode
 # steps of few tokens: one launch less on the layer's chain), where the rotated tail lies in
 # one of the merge's column blocks; otherwise (unsplit steps) the separate apply_rope launch.
-# Same bits either way.  DSV4_ATTN_ROPE_IN_COMBINE=0 keeps the separate launch always.
+# Same bits either way.  H100, 4 layers, interleaved graph replays (docs/PERFORMANCE.md,
+# twenty-seventh session): B=1 1,087.6 against 1,085.4 µs, B=2 1,233.9 against 1,241.2 — within
+# noise; on for the launch it saves.  DSV4_ATTN_ROPE_IN_COMBINE=0 keeps the separate launch.
 ROPE_IN_COMBINE = int(os.environ.get("DSV4_ATTN_ROPE_IN_COMBINE", "1"))
 
 # Source layouts of load_rows (FMT): rows of a float tensor, or records of dsv4.cache.formats.

@@ -825,16 +825,18 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
 # GEMM-ready for the down kernel (FP8 fake quant per K step, MXFP4's [even | odd] split) when
 # its N tile is one K step of the down GEMM (BN_up = BK), instead of a separate prep launch
 # over the stored act: the same values, one launch less on the decode chain; the one-token
-# plans then take 128-wide up tiles too (64 otherwise).
-# DSV4_MOE_UP_PREP=1 turns it on (bench/flash_bench.py --launch-ab, "pdl, act prep in the up
-# kernel").
-UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "0"))
+# plans then take 128-wide up tiles too (64 otherwise).  H100 (docs/PERFORMANCE.md,
+# twenty-seventh session), the same bits: 4 layers B=1 1,056.7 against 1,087.6 µs (graph
+# replays interleaved), B=2 1,228.6 against 1,233.9, B 16 / 64 unchanged (not applied there);
+# 43 layers B=1 ~8.51 against ~8.58 ms.  DSV4_MOE_UP_PREP=0 turns it off.
+UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "1"))
 
 # 1: at decode (the one-launch plan's pair counts) the down kernel also sums each token's picks
 # (+ the shared expert) into the output: the block that finishes an N tile last does the
 # combine kernel's sums for it (the same values), one launch less on the decode chain.
-# DSV4_MOE_DOWN_COMBINE=1 turns it on (bench/flash_bench.py --launch-ab, "pdl, combine in the
-# down kernel").
+# Measured no faster and left off (H100, 4 layers, interleaved graph replays, the same bits:
+# B=1 1,087.6 µs either way, B=2 1,240.0 against 1,233.9): the finisher's tail after the last
+# block costs what the launch did.  DSV4_MOE_DOWN_COMBINE=1 turns it on.
 DOWN_COMBINE = int(os.environ.get("DSV4_MOE_DOWN_COMBINE", "0"))
 
 # Pipeline stages of the 64-row expert blocks (DSV4_MOE_BM64_STAGES=3: the former plan, A/B).
