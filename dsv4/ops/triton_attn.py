@@ -360,17 +360,18 @@ def _rn_mul(a, b):
 
 
 @triton.jit
-def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.constexpr):
+def _inverse_rope_tail(o, col0, cos_row, sin_row, nope, half, BH: tl.constexpr,
+                       BD: tl.constexpr):
     """o [BH, BD] (columns col0.. of each head, values already rounded as stored) with the
     channels from ``nope`` on rotated back by pairs (2i, 2i+1) = a + ib times cos − i·sin of
-    the token (``cs_row``: its cos row; the sin row follows at ``half``), as
-    ``apply_rope(o, cos, sin, inverse=True)`` computes them; other channels unchanged."""
+    the token (its rows of cos / sin), as ``apply_rope(o, cos, sin, inverse=True)`` computes
+    them; other channels unchanged."""
     a, b = tl.split(tl.reshape(o, (BH, BD // 2, 2)))
     ch = col0 + 2 * tl.arange(0, BD // 2)                  # the even channel of each pair
     pair = (ch - nope) // 2
     tail = (ch >= nope) & (pair < half)
-    c = tl.load(cs_row + pair, mask=tail, other=1.0)[None, :]
-    s = -tl.load(cs_row + half + pair, mask=tail, other=0.0)[None, :]
+    c = tl.load(cos_row + pair, mask=tail, other=1.0)[None, :]
+    s = -tl.load(sin_row + pair, mask=tail, other=0.0)[None, :]
     ra = _rn_mul(a, c) - _rn_mul(b, s)
     rb = _rn_mul(a, s) + _rn_mul(b, c)
     ra = tl.where(tail[None, :], ra, a)
@@ -380,13 +381,13 @@ def _inverse_rope_tail(o, col0, cs_row, nope, half, BH: tl.constexpr, BD: tl.con
 
 @triton.jit
 def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_ot, stride_oh,
-                         cs_ptr=None, nope=0, half=0,
+                         cos_ptr=None, sin_ptr=None, stride_c=0, nope=0, half=0,
                          SP: tl.constexpr = 2, BH: tl.constexpr = 16, BD: tl.constexpr = 128,
                          ROPE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Merge the S slices of a split-KV attention with the sink: o = Σ_s w_s acc_s / l.
 
     ROPE: o's channels from ``nope`` on (within this program's column block) are then rotated
-    back by the token's row of ``cs`` [T, 2·half] (cos | sin), from o rounded as stored."""
+    back by the token's rows of ``cos`` / ``sin`` [T, half], from o rounded as stored."""
     grid_dependency_sync(PDL)
     t = tl.program_id(0)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -412,7 +413,8 @@ def _attn_combine_kernel(part_ptr, ml_ptr, sink_ptr, o_ptr, S, T, H, D, stride_o
     o = acc / l_tot[:, None]
     if ROPE:
         o = _inverse_rope_tail(round_as(o, o_ptr), tl.program_id(2) * BD,
-                               cs_ptr + t64 * (2 * half), nope, half, BH, BD)
+                               cos_ptr + t64 * stride_c, sin_ptr + t64 * stride_c, nope, half,
+                               BH, BD)
     store_rne(o_ptr + t64 * stride_ot + rh[:, None] * stride_oh + rd[None, :], o,
               h_mask[:, None] & d_mask[None, :])
 
@@ -592,8 +594,14 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
             # The rotated channels in one column block of the merge (V4: 448..511 of 384..511).
             rope_here = nope // bd_c == (d - 1) // bd_c
         if rope_here:
-            cs = torch.cat((rope_out[0].float(), rope_out[1].float()), dim=1).contiguous()
-            extra = dict(cs_ptr=cs, nope=nope, half=half, ROPE=True)
+            # (No copy on the model's path, whose cos / sin are fp32 rows already: a copy
+            # would be one more launch on the chain.)
+            cos, sin = rope_out
+            if (cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(1) != 1
+                    or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0)):
+                cos, sin = cos.float().contiguous(), sin.float().contiguous()
+            extra = dict(cos_ptr=cos, sin_ptr=sin, stride_c=cos.stride(0), nope=nope,
+                         half=half, ROPE=True)
         _attn_combine_kernel[(T, triton.cdiv(H, 16), triton.cdiv(d, bd_c))](
             part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1), **extra,
             SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4, **pdl_args(part))
