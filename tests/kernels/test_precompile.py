@@ -144,6 +144,32 @@ def test_shipped_manifest_applies_to_v4_flash_widths_on_sm90() -> None:
     assert pc.load_manifest(pc.SHIPPED_MANIFEST, 90, dim=64) == []   # a tiny model: not used
 
 
+def test_shipped_manifest_matches_the_kernels_arguments() -> None:
+    """Every shipped entry names its kernel's current arguments, and its specialized indices
+    fall on them: a kernel that gains or loses an argument (as the attention merge and the
+    expert kernels did in the twenty-seventh session) needs its entries re-recorded, else its
+    precompiled binaries are keys no launch looks up."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from dsv4.ops import precompile as pc
+
+    data = json.loads(pc.SHIPPED_MANIFEST.read_text())
+    stale = []
+    for e in data["kernels"]:
+        fn = getattr(importlib.import_module(e["module"]), e["qualname"])
+        names = list(fn.arg_names)
+        spec = e["spec"]
+        idx = [k[0] for k in spec["attrs_keys"] + spec["constant_keys"]]
+        if set(spec["signature"]) != set(names) or any(i >= len(names) for i in idx):
+            stale.append(f"{e['qualname']}: {sorted(set(spec['signature']) ^ set(names))}")
+        elif any(spec["signature"][names[k[0]]] != "constexpr" and v is None
+                 for k, v in zip(spec["constant_keys"], spec["constant_vals"])):
+            stale.append(f"{e['qualname']}: a None constant on a typed argument")
+    assert not stale, "re-record dsv4/ops/kernels_sm90.json (DSV4_RECORD_KERNELS):\n" + \
+        "\n".join(sorted(set(stale))[:20])
+
+
 def test_a_hung_worker_is_stopped_at_the_timeout() -> None:
     import threading
     import time
