@@ -807,7 +807,9 @@ def pick_moe_config(num_pairs: int, num_experts: int, dim: int, inter: int, bloc
     active = max(1, min(num_experts, num_pairs))
     rows = num_pairs / active
     if rows <= 16:
-        bn_up, bn_down = (64, 128) if num_pairs <= 8 and not UP_PREP_ACT else (128, 128)
+        # (128-wide up tiles at one token too where they are one K step: UP_PREP_ACT.)
+        narrow = num_pairs <= 8 and not (UP_PREP_ACT and block_k == 128)
+        bn_up, bn_down = (64, 128) if narrow else (128, 128)
         return MoeConfig(BM=16, BN_up=bn_up, BN_down=bn_down, BK=block_k, stages=3,
                          split_up=_pick_split(active * -(-inter // bn_up), dim),
                          split_down=_pick_split(active * -(-dim // bn_down), inter))

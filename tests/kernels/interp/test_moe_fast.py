@@ -241,12 +241,14 @@ def test_split_k_counter_buffer_grows(monkeypatch) -> None:
 
 
 def test_pick_moe_config_split_rule() -> None:
-    """Splits only for 16-row blocks whose programs are few (V4-Flash: one token up 4 / down 4,
-    the H200 sweep's best), powers of two <= 8, each split keeping >= 512 of K; none at tiny
-    widths (too few K steps) nor from 8 tokens on."""
+    """Splits only for 16-row blocks whose programs are few (V4-Flash: one token up 4 / down 4
+    on 64-wide up tiles, the H200 sweep's best; up 8 on the 128-wide tiles of UP_PREP_ACT),
+    powers of two <= 8, each split keeping >= 512 of K; none at tiny widths (too few K steps)
+    nor from 8 tokens on."""
     D, inter = 4096, 2048
     one = tri.pick_moe_config(6, 256, D, inter, 128)
-    assert (one.BM, one.BN_up, one.BN_down, one.split_up, one.split_down) == (16, 64, 128, 4, 4)
+    want = (16, 128, 128, 8, 4) if tri.UP_PREP_ACT else (16, 64, 128, 4, 4)
+    assert (one.BM, one.BN_up, one.BN_down, one.split_up, one.split_down) == want
     for T in (1, 2, 3, 4, 8, 16, 64, 256, 2048, 8192):
         cfg = tri.pick_moe_config(6 * T, 256, D, inter, 128)
         for split, k in ((cfg.split_up, D), (cfg.split_down, inter)):
@@ -295,7 +297,8 @@ def test_bench_sweep_plans_and_dry_run(capsys) -> None:
     out = mod.main(["--dry-run", "--sweep"])
     assert sorted(out["plans"]) == [1, 16, 64, 256, 8192]
     assert 22 <= out["distinct"] <= 40
-    assert any("split 4/2" in name for name in out["plans"][1])
+    one = tri.pick_moe_config(6, 256, D, inter, 128)   # the default splits' neighbours swept
+    assert any(f"split {one.split_up}/2" in name for name in out["plans"][1])
     assert f"{out['distinct']} distinct plans" in capsys.readouterr().out
     # Without --sweep only the default plan per token count; tiles wider than I are dropped.
     plain = mod.main(["--dry-run", "--tokens", "1,8192"])
