@@ -13,7 +13,7 @@ engine checks which of them are missing from the disk cache and compiles those i
 processes (:func:`start`) while it builds or loads the model; its own first uses then load the
 binaries from disk.  The kernels' current source is compiled (the manifest holds no code), so
 a manifest recorded on older code only costs the compiles of specializations nobody asks for
-any more; entries whose kernel or parameters no longer exist are skipped.
+any more; entries whose kernel no longer exists or whose arguments changed are skipped.
 
 The package ships :data:`SHIPPED_MANIFEST` (recorded on an H100: V4-Flash widths, the engine's
 default options).  A manifest names the hidden sizes of the models it was recorded with: an
@@ -206,10 +206,12 @@ def _source(entry: dict[str, Any], arch: int) -> tuple[Any, Any, Any]:
         constexprs[tuple(k)] = v
     attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
     signature = {k: tup(v) for k, v in spec["signature"].items()}
+    # A kernel that gained or lost an argument since the recording: its entry's binary would be
+    # a key no launch looks up.
     names = set(fn.arg_names)
-    if not set(signature) <= names:
-        raise ValueError(f"{entry['qualname']} has no parameter(s) "
-                         f"{sorted(set(signature) - names)} any more")
+    if set(signature) != names:
+        raise ValueError(f"{entry['qualname']}'s arguments changed since the recording: "
+                         f"{sorted(set(signature) ^ names)}")
     backend = make_backend(GPUTarget("cuda", arch, 32))
     options = backend.parse_options({k: tup(v) for k, v in spec["options"].items()})
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)

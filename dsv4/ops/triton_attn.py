@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.formats import PackedRows, RecordFormat
+from dsv4.ops import triton_norm
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.specialize import lengths
 from dsv4.ops.torch_norm import check_rope_args
@@ -606,7 +607,6 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
             part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1), **extra,
             SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4, **pdl_args(part))
     if rope_out is not None and not rope_here:
-        from dsv4.ops import triton_norm
         o = triton_norm.apply_rope(o, rope_out[0], rope_out[1], inverse=True)
     return o
 
