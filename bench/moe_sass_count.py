@@ -40,7 +40,9 @@ def compile_kernel(which: str, BM: int, BN: int, warps: int, fold: bool) -> obje
     """The sm_90 compiled kernel ``which`` ("up" / "down") at one plan."""
     fn = tm._moe_up_kernel if which == "up" else tm._moe_down_kernel
     consts = dict(FMT=1, SB=32, SW_E8M0=True, HAS_LIMIT=True, FAST_FP4=True, SCALE_LE_128=fold,
-                  SPLIT=False, KCHUNK=False, NBP=8, BM=BM, BN=BN, BK=128)
+                  SPLIT=False, KCHUNK=True, NBP=8, BM=BM, BN=BN, BK=128,
+                  TOKEN_ROWS=False, TOPK=6, PREP_ACT=False, QUANT_ACT=False, COMBINE=False,
+                  SHARED=False, PDL=False)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
