@@ -387,6 +387,7 @@ def gpu_main(args: argparse.Namespace) -> None:
         [f() for f in fns]
         t_tri = graph_time(lambda: [f() for f in fns], args.replays) / len(fns) * 1e6
         rows.append((T, "triton moe_experts (up+down+combine)", t_tri, "", ""))
+        print("| %d | %s | %.1f | %s | %s |" % rows[-1], flush=True)
         for name, (N, K) in shapes.items():
             w, s = stacks[name]
             ins = []
