@@ -145,7 +145,8 @@ def _fp4_gemv_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, blk_e_ptr, blk_t_ptr, out_ptr
 
 @gluon.jit
 def _fp4_wgmma_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, blk_e_ptr, blk_t_ptr, out_ptr,
-                      N: gl.constexpr, K: gl.constexpr, WARPS: gl.constexpr, MT: gl.constexpr, CPS: gl.constexpr,
+                      N: gl.constexpr, K: gl.constexpr, WARPS: gl.constexpr,
+                      MT: gl.constexpr, CPS: gl.constexpr, PF: gl.constexpr,
                       BYTE_L: gl.constexpr):
     """The contract of :func:`_fp4_gemv_kernel` (CPS chunks a split) on Hopper's native FP8
     wgmma: the decoded weight codes are its register A operand (64 rows a warpgroup), the
@@ -186,12 +187,19 @@ def _fp4_wgmma_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, blk_e_ptr, blk_t_ptr, out_pt
 
     acc = gl.zeros([BN, NTOK], gl.float32, acc_l)
     zero = gl.zeros([BN, NTOK], gl.float32, acc_l)
-    # Chunk c + 1's bytes and scales are loaded before chunk c's products are issued.
+    # Chunk c + PF's bytes and scales are loaded before chunk c's products are issued (PF
+    # chunks in flight a thread: the loads' latency is what bounds a one-token call).
     b0, b1, b2, b3, sw = _load_chunk(w_base, s_base, c0, N)
+    if PF >= 2:
+        if CPS > 1:
+            n0, n1, n2, n3, nsw = _load_chunk(w_base, s_base, c0 + 1, N)
+    if PF >= 3:
+        if CPS > 2:
+            m0, m1, m2, m3, msw = _load_chunk(w_base, s_base, c0 + 2, N)
     for ci in gl.static_range(CPS):
         c = c0 + ci
-        if ci + 1 < CPS:
-            n0, n1, n2, n3, nsw = _load_chunk(w_base, s_base, c + 1, N)
+        if ci + PF < CPS:
+            f0, f1, f2, f3, fsw = _load_chunk(w_base, s_base, c + PF, N)
         xs = gl.load(xs_base + c, mask=t_mask, other=0.0)
         xc = x_s.slice(ci * CHUNK, CHUNK, dim=1)
         p0 = warpgroup_mma(_decode(b0, BN, a_l), xc.slice(0, GROUP, dim=1).permute((1, 0)),
@@ -214,8 +222,22 @@ def _fp4_wgmma_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, blk_e_ptr, blk_t_ptr, out_pt
         acc_c = gl.fma(d3, ((((sw >> 24) & 255) + 6) << 23).to(gl.float32,
                                                                 bitcast=True)[:, None], acc_c)
         acc = gl.fma(acc_c, xs[None, :], acc)
-        if ci + 1 < CPS:
-            b0, b1, b2, b3, sw = n0, n1, n2, n3, nsw
+        # Rotate the slots: current <- next <- next but one <- the chunk just loaded.
+        if PF == 1:
+            if ci + 1 < CPS:
+                b0, b1, b2, b3, sw = f0, f1, f2, f3, fsw
+        if PF == 2:
+            if ci + 1 < CPS:
+                b0, b1, b2, b3, sw = n0, n1, n2, n3, nsw
+            if ci + 2 < CPS:
+                n0, n1, n2, n3, nsw = f0, f1, f2, f3, fsw
+        if PF == 3:
+            if ci + 1 < CPS:
+                b0, b1, b2, b3, sw = n0, n1, n2, n3, nsw
+            if ci + 2 < CPS:
+                n0, n1, n2, n3, nsw = m0, m1, m2, m3, msw
+            if ci + 3 < CPS:
+                m0, m1, m2, m3, msw = f0, f1, f2, f3, fsw
     ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
     co = gl.arange(0, NTOK, layout=gl.SliceLayout(0, acc_l))
     nblk = gl.num_programs(1)
@@ -246,7 +268,7 @@ _E2M1X8_TO_E4M3_C = gl.constexpr(_E2M1X8_TO_E4M3)
 
 
 # ------------------------------------------------------------------------------ offline SASS
-def compile_sm90(warps: int, mtiles: int, kind: str = "mma", cps: int = 8):
+def compile_sm90(warps: int, mtiles: int, kind: str = "mma", cps: int = 8, pf: int = 1):
     """The kernel compiled for sm_90 without a GPU (pointers and sizes divisible by 16)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -257,7 +279,7 @@ def compile_sm90(warps: int, mtiles: int, kind: str = "mma", cps: int = 8):
              "N": "i32", "K": "i32", "chunks_per_split": "i32"}
     consts = {"WARPS": warps, "MT": mtiles, "BYTE_L": byte_layout(warps, mtiles)}
     if kind != "mma":
-        consts.update(CPS=cps, N=4096, K=4096)
+        consts.update(CPS=cps, PF=pf, N=4096, K=4096)
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         sig[n] = "constexpr" if n in consts else types[n]
@@ -284,11 +306,11 @@ def _regs(k) -> str:
     return f"regs {m.group(1) if m else '?'}, stack {s.group(1) if s else '?'}"
 
 
-def sass_report(warps: int, mtiles: int, kind: str = "mma", cps: int = 8) -> str:
+def sass_report(warps: int, mtiles: int, kind: str = "mma", cps: int = 8, pf: int = 1) -> str:
     """Instructions of the K loop per weight (per thread), by opcode."""
     from bench.moe_sass_count import loop_counts
 
-    k = compile_sm90(warps, mtiles, kind, cps)
+    k = compile_sm90(warps, mtiles, kind, cps, pf)
     if kind == "mma":
         n, ops, sass = loop_counts(k.asm["cubin"])
     else:
@@ -307,7 +329,7 @@ def sass_report(warps: int, mtiles: int, kind: str = "mma", cps: int = 8) -> str
         ops = collections.Counter({o: -(-c // cps) for o, c in ops.items()})
         n = sum(ops.values())
     top = ", ".join(f"{o} {c}" for o, c in ops.most_common(10))
-    return (f"{kind} warps {warps} mtiles {mtiles}: {n} instr per chunk, {weights} weights a thread: "
+    return (f"{kind} warps {warps} mtiles {mtiles} cps {cps} pf {pf}: {n} instr per chunk, {weights} weights a thread: "
             f"{n / weights:.2f} per weight; {_regs(k)} | {top}")
 
 
@@ -342,7 +364,7 @@ def dequant_kchunk(w: torch.Tensor, s: torch.Tensor, e: int, N: int, K: int) -> 
 
 
 def launch(kind: str, w, s, xq, xs, blk_e, blk_t, N: int, K: int, warps: int, mt: int,
-           cps: int) -> torch.Tensor:
+           cps: int, pf: int = 1) -> torch.Tensor:
     """Partial sums [splits, blocks, N, 8] of one call."""
     bn = 16 * warps * mt
     splits = K // (cps * CHUNK.value)
@@ -353,7 +375,7 @@ def launch(kind: str, w, s, xq, xs, blk_e, blk_t, N: int, K: int, warps: int, mt
                                BYTE_L=byte_layout(warps, mt), num_warps=warps)
     else:
         _fp4_wgmma_kernel[grid](w, s, xq, xs, blk_e, blk_t, out, N, K, WARPS=warps, MT=mt,
-                                CPS=cps, BYTE_L=byte_layout(warps, mt), num_warps=warps)
+                                CPS=cps, PF=pf, BYTE_L=byte_layout(warps, mt), num_warps=warps)
     return out
 
 
@@ -408,11 +430,11 @@ def gpu_main(args: argparse.Namespace) -> None:
             xq, xsc, be, bt, codes, scale = ins[0]
             xdq = (codes.view(torch.float8_e4m3fn).double().view(T, K // 128, 128)
                    * scale.double()[..., None]).view(T, K)
-            for kind, warps, mt, cps in PLANS:
+            for kind, warps, mt, cps, pf in PLANS:
                 if K // (cps * CHUNK.value) < 1:
                     continue
                 try:
-                    out = launch(kind, w, s, xq, xsc, be, bt, N, K, warps, mt, cps).sum(0)
+                    out = launch(kind, w, s, xq, xsc, be, bt, N, K, warps, mt, cps, pf).sum(0)
                     errs = []
                     for bi in range(min(3, be.numel())):
                         wd = dequant_kchunk(w, s, int(be[bi]), N, K)
@@ -422,13 +444,13 @@ def gpu_main(args: argparse.Namespace) -> None:
                         errs.append(((got - ref).norm() / ref.norm()).item())
                     finite = bool(torch.isfinite(out).all())
                     fns = [lambda i=i: launch(kind, w, s, i[0], i[1], i[2], i[3], N, K, warps,
-                                              mt, cps) for i in ins]
+                                              mt, cps, pf) for i in ins]
                     us = graph_time(lambda: [f() for f in fns], args.replays) / len(fns) * 1e6
-                    rows.append((T, f"{name} {kind} w{warps} mt{mt} cps{cps}", us,
+                    rows.append((T, f"{name} {kind} w{warps} mt{mt} cps{cps} pf{pf}", us,
                                  f"{nbytes / us / 1e3:.0f} GB/s", f"rel {max(errs):.1e} "
                                  f"finite {finite}"))
                 except Exception as e:  # noqa: BLE001 - report and go on
-                    rows.append((T, f"{name} {kind} w{warps} mt{mt} cps{cps}", float("nan"),
+                    rows.append((T, f"{name} {kind} w{warps} mt{mt} cps{cps} pf{pf}", float("nan"),
                                  "", f"{type(e).__name__}: {str(e)[:150]}"))
                 print("| %d | %s | %.1f | %s | %s |" % rows[-1], flush=True)
         # The bytes alone: a copy of one call's up + down weights.
@@ -438,8 +460,11 @@ def gpu_main(args: argparse.Namespace) -> None:
         print(f"| {T} | copy of 6 experts' bytes (read + write: 2x) | {t_copy:.1f} | | |")
 
 
-PLANS = [("wgmma", 4, 1, 8), ("wgmma", 4, 2, 8), ("wgmma", 4, 2, 4), ("wgmma", 4, 1, 4),
-         ("wgmma", 4, 4, 8), ("wgmma", 4, 2, 16), ("mma", 4, 2, 8), ("mma", 4, 1, 8)]
+# (kind, warps, row tiles a warp, chunks a split, chunks prefetched)
+PLANS = [("wgmma", 4, 1, 8, 1), ("wgmma", 4, 1, 8, 2), ("wgmma", 4, 1, 8, 3),
+         ("wgmma", 4, 1, 4, 2), ("wgmma", 4, 1, 4, 3), ("wgmma", 4, 1, 16, 3),
+         ("wgmma", 4, 2, 8, 2), ("wgmma", 4, 2, 4, 2), ("wgmma", 8, 1, 8, 2),
+         ("wgmma", 8, 1, 4, 3), ("mma", 4, 1, 8, 1)]
 
 
 def main() -> None:
@@ -450,8 +475,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
     if args.sass:
-        for kind, warps, mt, cps in PLANS:
-            print(sass_report(warps, mt, kind, cps))
+        for kind, warps, mt, cps, pf in PLANS:
+            print(sass_report(warps, mt, kind, cps, pf))
         return
     gpu_main(args)
 
