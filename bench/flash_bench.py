@@ -352,6 +352,7 @@ LAUNCH_VARIANTS = {
                                             "triton_attn.ROPE_IN_COMBINE": "0"},
     "pdl, act prep in the up kernel": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1"},
     "pdl, combine in the down kernel": {"DSV4_PDL": "1", "triton_moe.DOWN_COMBINE": "1"},
+    "pdl, experts on wgmma": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1"},
     "pdl, act prep in up, combine in down": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1",
                                              "triton_moe.DOWN_COMBINE": "1"},
     # The same launches captured a second time: their bits against the first capture's tell a
@@ -369,7 +370,8 @@ def _ab_module(name: str) -> Any:
                                     "triton_dense": "dsv4.ops.triton_dense",
                                     "triton_linear32": "dsv4.ops.triton_linear32",
                                     "triton_attn": "dsv4.ops.triton_attn",
-                                    "triton_moe": "dsv4.ops.triton_moe"}[name])
+                                    "triton_moe": "dsv4.ops.triton_moe",
+                                    "gluon_moe_decode": "dsv4.ops.gluon_moe_decode"}[name])
 
 
 def _without_ops(names: str) -> contextlib.ExitStack:

@@ -467,9 +467,46 @@ PLANS = [("wgmma", 4, 1, 8, 1), ("wgmma", 4, 1, 8, 2), ("wgmma", 4, 1, 8, 3),
          ("wgmma", 8, 1, 4, 3), ("mma", 4, 1, 8, 1)]
 
 
+def op_main(args: argparse.Namespace) -> None:
+    """The whole decode expert call: Triton's grouped kernels against
+    ``dsv4.ops.gluon_moe_decode.moe_experts_wgmma`` (V4-Flash, 256 K-chunk-major experts,
+    official numerics), CUDA-graph replays of rotated routings, and their difference."""
+    from bench.flash_bench import graph_time
+    from bench.moe_decode import mxfp4_stacks, routing
+    from dsv4.ops import gluon_moe_decode as gm
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    E, D, inter = 256, 4096, 2048
+    ex = mxfp4_stacks(E, D, inter, gen, dev, kchunk=True)
+    print(f"# {torch.cuda.get_device_name()}: routed experts, V4-Flash widths, µs per call")
+    print("| tokens | Triton grouped | wgmma (Gluon) | ratio | rel diff | rel vs twin (Triton / "
+          "wgmma) |")
+    print("|---|---|---|---|---|---|")
+    for T in [int(t) for t in args.tokens.split(",")]:
+        calls = [(torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16),
+                  *routing(T, E, 6, gen, dev)) for _ in range(args.rotate)]
+        f_tri = [lambda c=c: tri.moe_experts_with_config(c[0], c[1], c[2], ex, 10.0)
+                 for c in calls]
+        f_wg = [lambda c=c: gm.moe_experts_wgmma(c[0], c[1], c[2], ex, 10.0) for c in calls]
+        a, b = f_tri[0](), f_wg[0]()
+        twin = ref.moe_experts(*calls[0], ex, 10.0)
+
+        def rel(u: torch.Tensor, v: torch.Tensor) -> float:
+            return ((u.double() - v.double()).norm() / v.double().norm()).item()
+        t_tri = graph_time(lambda: [f() for f in f_tri], args.replays) / len(calls) * 1e6
+        t_wg = graph_time(lambda: [f() for f in f_wg], args.replays) / len(calls) * 1e6
+        print(f"| {T} | {t_tri:.1f} | {t_wg:.1f} | {t_tri / t_wg:.2f}x | {rel(b, a):.1e} | "
+              f"{rel(a, twin):.1e} / {rel(b, twin):.1e} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sass", action="store_true", help="offline sm_90 SASS counts (CPU)")
+    ap.add_argument("--op", action="store_true",
+                    help="the whole expert call: Triton against dsv4.ops.gluon_moe_decode")
     ap.add_argument("--tokens", default="1,2")
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--replays", type=int, default=20)
@@ -478,7 +515,7 @@ def main() -> None:
         for kind, warps, mt, cps, pf in PLANS:
             print(sass_report(warps, mt, kind, cps, pf))
         return
-    gpu_main(args)
+    op_main(args) if args.op else gpu_main(args)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -233,8 +233,11 @@ def compile_launch(launch: Launch) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src = triton.compiler.ASTSource(fn=launch.kernel, signature=launch.signature,
-                                    constexprs=launch.constexprs, attrs=launch.attrs)
+    source = triton.compiler.ASTSource
+    if getattr(launch.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs,
+                 attrs=launch.attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", ARCH, 32),
                             options=launch.options.__dict__)
     shared = kernel.metadata.shared
@@ -637,6 +640,25 @@ def _moe_prep_in_up() -> None:
                                        shared=x if T == 16 else None)
     finally:
         tm.UP_PREP_ACT, tm.DOWN_COMBINE = old
+
+
+@scenario("moe_experts/v4_flash/fp4_wgmma_decode")
+def _moe_wgmma_decode() -> None:
+    """The decode experts on FP8 wgmma with the MXFP4 codes decoded in registers
+    (dsv4.ops.gluon_moe_decode, Gluon: this is its only CPU check): K-chunk-major V4-Flash
+    stacks, official numerics, 1 and 10 tokens (8- and 16-column products), with the shared
+    expert at 10."""
+    import torch
+
+    from dsv4.ops import gluon_moe_decode as gm
+    from dsv4.ops import triton_moe as tm
+    m = V4_FLASH
+    ex = _experts(m, "fp4", True, False)
+    ex = replace(ex, kchunk=tm._block_k(ex, m.dim, m.inter))
+    for T in (1, 10):
+        x = _empty(T, m.dim, dtype=torch.bfloat16)
+        gm.moe_experts_wgmma(x, torch.randint(0, E_ALLOC, (T, m.topk)), torch.rand(T, m.topk),
+                             ex, 10.0, shared=x if T == 10 else None)
 
 
 @scenario("sparse_attn/v4_record/rope_out")

@@ -1,0 +1,479 @@
+"""Routed MXFP4 experts at decode on Hopper's FP8 tensor cores, the codes decoded in registers
+(dsv4 issue #5: the decode expert GEMMs of :mod:`dsv4.ops.triton_moe` run at ~2.6x their bytes,
+bound by ~4 SASS instructions per weight).
+
+The same contract as :func:`dsv4.ops.triton_moe.moe_experts_with_config` for a decode call
+(at most :data:`MAX_PAIRS` (token, pick) pairs) of K-chunk-major MXFP4 stacks under official
+numerics (FP8 activations per 128 columns).  Five launches:
+
+1. ``_x_codes_kernel`` (Triton): each token row FP8-quantized per 128 columns, stored as e4m3
+   codes in the MMA column order (below) and fp32 powers of two;
+2. ``_wgmma_gemv_kernel`` (Gluon) on w1 and w3: per (N tile, row block of the plan, K split)
+   the weights are the M side of ``wgmma m64n8k32`` (64 rows a warpgroup), the block's pairs
+   its N side (8 or 16 columns), one asynchronous product per 32-wide scale group.  Each lane
+   loads exactly the packed bytes its A fragment wants (4 bytes = 8 codes of one row's group)
+   and turns them into e4m3 with a few integer operations (e2m1 · 2^-6 is an e4m3 code with
+   the e2m1 bits moved: exact); the layouts are chosen so that nothing moves between the load,
+   the decode and the MMA (``convert_layout(..., assert_trivial=True)`` checks it when the
+   kernel compiles).  Each product is scaled by its group's e8m0 power of two per row and the
+   chunk's sum by the activation's per token, in fp32.  Split-K partials are summed in split
+   order by the last split to arrive (the counters of ``triton_dense.splitk_counters``);
+3. ``_act_codes_kernel`` (Triton): act = w · swiglu(g, u) rounded to bf16 (the twin's
+   epilogue), FP8-quantized per 128 columns into codes in the MMA order;
+4. ``_wgmma_gemv_kernel`` on w2: each pair's output row rounded to bf16;
+5. ``triton_moe._moe_combine_kernel``: each token's picks summed (+ the shared expert).
+
+The MMA column order: inside each 32-wide group, MMA column 16h + 4q + i holds natural column
+8q + 2i + h (the even codes of a lane's 4 bytes, then the odd ones).  A dot does not depend on
+the order of K when both operands share it.
+
+Numerics: the products of e2m1 and e4m3 values are exact; the tensor cores add each group's 32
+products with their own (FP8 MMA) accumulation, then fp32 takes over — the result equals the
+twin's to ~1e-5 relative (GPU test), not bit for bit.
+
+Gluon has no interpreter (triton 3.6): the GEMM kernel runs on an sm_90 GPU and is compiled
+offline for sm_90 by the CPU tests (``tests/kernels/sm90_cases.py``); the two Triton kernels
+have interpreter tests.  Off unless :data:`WGMMA_DECODE` (``DSV4_MOE_WGMMA=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.torch_dense import ExpertWeights
+from dsv4.ops.triton_dense import quantize_block_rows, round_to_bf16, splitk_counters
+
+try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is off.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older triton
+    HAVE_GLUON = False
+
+__all__ = ["WGMMA_DECODE", "MAX_PAIRS", "qualifies", "moe_experts_wgmma", "x_codes",
+           "act_codes", "mma_column", "GemvPlan", "pick_plan"]
+
+# Off until measured faster in the decode step (docs/PERFORMANCE.md, twenty-eighth session).
+WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "0") == "1"
+# Decode calls only: the plan's 16-row blocks hold at most 16 pairs of one expert, the MMA's N.
+MAX_PAIRS = 64
+PLAN_BM = 16     # rows of the plan's blocks (triton_moe.moe_plan)
+CHUNK = 128      # the K-chunk-major stacks' chunk and the activation's FP8 block
+GROUP = 32       # MXFP4 scale group = one m64n8k32 product
+
+
+def mma_column(k: torch.Tensor | int) -> torch.Tensor | int:
+    """Position of natural column k in the MMA column order (see the module docstring)."""
+    r = k % GROUP
+    return k - r + 16 * (r % 2) + r // 2
+
+
+# ------------------------------------------------------------------------------ Triton kernels
+@triton.jit
+def _codes_store(codes_ptr, scale_ptr, row, kb, v, NKB):
+    """One row's 128 columns ``v`` [1, 128] (fp32) FP8-quantized: e4m3 codes at their MMA
+    columns of block kb, the power of two at scale[row, kb]."""
+    q, s = quantize_block_rows(v)
+    rk = tl.arange(0, 128)
+    pos = kb * 128 + (rk // 32) * 32 + 16 * (rk % 2) + (rk % 32) // 2
+    tl.store(codes_ptr + row.to(tl.int64) * (NKB * 128) + pos[None, :],
+             q.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+    tl.store(scale_ptr + row.to(tl.int64) * NKB + kb + tl.arange(0, 1), s)
+
+
+@triton.jit
+def _x_codes_kernel(x_ptr, codes_ptr, scale_ptr, stride_x, NKB, PDL: tl.constexpr = False):
+    """Grid (T, D / 128): one 128-column block of one token row."""
+    grid_dependency_sync(PDL)
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    v = tl.load(x_ptr + t.to(tl.int64) * stride_x + kb * 128 + tl.arange(0, 128)[None, :])
+    _codes_store(codes_ptr, scale_ptr, t, kb, v.to(tl.float32), NKB)
+
+
+@triton.jit
+def _act_codes_kernel(h_ptr, pair_ptr, bexp_ptr, wt_ptr, codes_ptr, scale_ptr, P, E, R, limit,
+                      NKB, BM: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (rows of the plan, I / 128): act = w · swiglu(g, u) of one row's 128 columns (g, u
+    rounded to bf16, the V4 clamp, the product rounded to bf16, as the twin), FP8-quantized
+    into codes.  Padding rows and unused blocks are skipped."""
+    grid_dependency_sync(PDL)
+    r = tl.program_id(0)
+    kb = tl.program_id(1)
+    pair = tl.load(pair_ptr + r)
+    e = tl.load(bexp_ptr + r // BM)
+    if (pair < P) & (e >= 0) & (e < E):
+        cols = kb * 128 + tl.arange(0, 128)[None, :]
+        base = h_ptr + r.to(tl.int64) * (NKB * 128)
+        g = round_to_bf16(tl.load(base + cols))
+        u = round_to_bf16(tl.load(base + R * (NKB * 128) + cols))
+        if HAS_LIMIT:
+            u = tl.clamp(u, -limit, limit)
+            g = tl.minimum(g, limit)
+        a = round_to_bf16(g * tl.sigmoid(g) * u * tl.load(wt_ptr + pair))
+        _codes_store(codes_ptr, scale_ptr, r, kb, a, NKB)
+
+
+def x_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] (bf16) -> (e4m3 codes uint8 [T, D] in the MMA column order, fp32 scales
+    [T, D / 128]): the FP8 fake quantization of ``formats.act_quant`` (block 128)."""
+    T, D = x.shape
+    if D % CHUNK or x.stride(1) != 1:
+        raise ValueError(f"x_codes: x must be row-contiguous with D a multiple of {CHUNK}; "
+                         f"found {tuple(x.shape)} strides {x.stride()}")
+    codes = torch.empty(T, D, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(T, D // CHUNK, dtype=torch.float32, device=x.device)
+    if T:
+        _x_codes_kernel[(T, D // CHUNK)](x, codes, scale, x.stride(0), D // CHUNK, num_warps=4,
+                                         **pdl_args(x))
+    return codes, scale
+
+
+def act_codes(h: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
+              weights: torch.Tensor, P: int, E: int, BM: int, limit: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [2, R, I] fp32 (the gate and up GEMMs per plan row) -> the down GEMM's activation:
+    (codes uint8 [R, I] in the MMA column order, fp32 scales [R, I / 128]); rows of padding or
+    unused blocks are left unwritten."""
+    _, R, inter = h.shape
+    codes = torch.empty(R, inter, dtype=torch.uint8, device=h.device)
+    scale = torch.empty(R, inter // CHUNK, dtype=torch.float32, device=h.device)
+    _act_codes_kernel[(R, inter // CHUNK)](
+        h, pairs, block_expert, weights, codes, scale, P, E, R, float(limit), inter // CHUNK,
+        BM=BM, HAS_LIMIT=limit > 0, num_warps=4, **pdl_args(h))
+    return codes, scale
+
+
+# ------------------------------------------------------------------------------ Gluon kernel
+def _log2(n: int) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"expected a power of two; found {n}")
+    return n.bit_length() - 1
+
+
+def byte_layout(warps: int, mtiles: int) -> "gl.DistributedLinearLayout":
+    """[16·warps·mtiles, 16] packed bytes of one scale group, each lane holding what its wgmma
+    A fragment wants: lane (r, q) the 4 bytes 4q..4q+3 of rows r and r + 8 of each 16-row
+    slice (a warp's 16 rows; warps stacked, then the row tiles)."""
+    rows = 16 * warps * mtiles
+    regs = [[0, 1], [0, 2], [8, 0]] + [[16 * warps << j, 0] for j in range(_log2(mtiles))]
+    lanes = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    wbases = [[16 << j, 0] for j in range(_log2(warps))]
+    return gl.DistributedLinearLayout(regs, lanes, wbases, [], [rows, 16])
+
+
+if HAVE_GLUON:
+    # Four packed bytes (8 e2m1 codes, lo nibble = even column) -> the e4m3 bytes of
+    # e2m1 · 2^-6 of the even codes ($0) and of the odd ones ($1): sign to bit 7, the
+    # magnitude's 3 bits to bits 2-4 (an e4m3 subnormal for e2m1's 0.5, exact).
+    _E2M1X8_TO_E4M3 = gl.constexpr("""{
+    .reg .b32 a, b;
+    shl.b32 a, $2, 4;
+    shl.b32 b, $2, 2;
+    and.b32 a, a, 0x80808080;
+    and.b32 b, b, 0x1C1C1C1C;
+    or.b32 $0, a, b;
+    shr.b32 b, $2, 2;
+    and.b32 a, $2, 0x80808080;
+    and.b32 b, b, 0x1C1C1C1C;
+    or.b32 $1, a, b;
+    }""")
+    _GROUP = gl.constexpr(GROUP)
+    _CHUNK = gl.constexpr(CHUNK)
+
+    @gluon.jit
+    def _load_chunk(w_base, s_base, c, N: gl.constexpr):
+        """Chunk c's packed bytes group by group ([BN, 16] each, the byte layout) and the four
+        scale bytes of each row as one int32 ([BN], the accumulator's row layout)."""
+        w = w_base + c * (N * 64)
+        return (gl.load(w), gl.load(w + 16), gl.load(w + 32), gl.load(w + 48),
+                gl.load((s_base + c * (N * 4)).to(gl.pointer_type(gl.int32), bitcast=True)))
+
+    @gluon.jit
+    def _decode(byte, BN: gl.constexpr, a_l: gl.constexpr):
+        """Packed bytes [BN, 16] of one group -> e4m3 codes [BN, 32] in the A operand layout
+        (MMA column 16h + 4q + i)."""
+        lo, hi = gl.inline_asm_elementwise(_E2M1X8_TO_E4M3, "=r,=r,r", [byte],
+                                           dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+        codes = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [BN, 4, 4, 2]),
+                                      [0, 3, 1, 2]), [BN, _GROUP])
+        return gl.convert_layout(codes.to(gl.float8e4nv, bitcast=True), a_l,
+                                 assert_trivial=True)
+
+    @gluon.jit
+    def _pow2_group(sw, g: gl.constexpr):
+        """2^(s - 127) · 2^6 of scale byte g of each row's word (the codes are e2m1 · 2^-6)."""
+        return ((((sw >> (8 * g)) & 255) + 6) << 23).to(gl.float32, bitcast=True)[:, None]
+
+    @gluon.jit
+    def _chunk_sum(ch, xc, zero, BN: gl.constexpr, a_l: gl.constexpr):
+        """Σ_g 2^s_g · (codes_g · x_g) of one loaded chunk ``ch`` (4 byte tiles + the scale
+        words) against the activation chunk ``xc`` [8|16, 128] in shared memory: four
+        asynchronous products, then their scaled sum in fp32."""
+        p0 = warpgroup_mma(_decode(ch[0], BN, a_l),
+                           xc.slice(0, _GROUP, dim=1).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+        p1 = warpgroup_mma(_decode(ch[1], BN, a_l),
+                           xc.slice(_GROUP, _GROUP, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        p2 = warpgroup_mma(_decode(ch[2], BN, a_l),
+                           xc.slice(2 * _GROUP, _GROUP, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        p3 = warpgroup_mma(_decode(ch[3], BN, a_l),
+                           xc.slice(3 * _GROUP, _GROUP, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, p1, p2, p3))
+        acc = d0 * _pow2_group(ch[4], 0)
+        acc = gl.fma(d1, _pow2_group(ch[4], 1), acc)
+        acc = gl.fma(d2, _pow2_group(ch[4], 2), acc)
+        return gl.fma(d3, _pow2_group(ch[4], 3), acc)
+
+    @gluon.jit
+    def _wgmma_gemv_kernel(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xq_ptr, xs_ptr, pair_ptr, bexp_ptr,
+                           part_ptr, arrivals_ptr, out_ptr, P, E, R,
+                           N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr,
+                           TWO: gl.constexpr, TOKEN_ROWS: gl.constexpr, BM: gl.constexpr,
+                           NT: gl.constexpr, WARPS: gl.constexpr, MT: gl.constexpr,
+                           CPS: gl.constexpr, PF: gl.constexpr, S: gl.constexpr,
+                           BYTE_L: gl.constexpr):
+        """One N tile of BN = 64·WARPS/4·MT rows of expert e = bexp[blk] (w1 and, with TWO,
+        w3) against the block's pairs (columns j < NT: plan rows blk·BM + j), over K split
+        ``program_id(2)`` of CPS chunks.  The activation rows: the pairs' tokens (TOKEN_ROWS)
+        or the plan rows, as MMA-ordered codes + scales.  Result (last split to arrive, in
+        split order): TWO -> h[st, row, n] fp32 (out [2, R, N]); else y[pair, n] bf16."""
+        BN: gl.constexpr = 16 * WARPS * MT
+        NS: gl.constexpr = 2 if TWO else 1
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, NT, 32])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                  rank=2)
+        xl_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+        KR: gl.constexpr = CPS * _CHUNK
+        pid_n = gl.program_id(0)
+        blk = gl.program_id(1)
+        split = gl.program_id(2)
+        nblk = gl.num_programs(1)
+        e = gl.load(bexp_ptr + blk)
+        if (e >= 0) & (e < E):
+            e64 = e.to(gl.int64)
+            c0 = split * CPS
+            # The split's activation rows into shared memory, once.
+            px = gl.load(pair_ptr + blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(1, xl_l)))
+            rx = blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(1, xl_l))
+            if TOKEN_ROWS:
+                rx = px // TOPK
+            kx = gl.arange(0, KR, layout=gl.SliceLayout(0, xl_l))
+            xv = gl.load(xq_ptr + rx.to(gl.int64)[:, None] * K + c0 * _CHUNK + kx[None, :],
+                         mask=(px < P)[:, None] & (kx >= 0)[None, :], other=0)
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [NT, KR], x_sl)
+            x_s.store(xv.to(gl.float8e4nv, bitcast=True))
+            fence_async_shared()
+            gl.thread_barrier()
+            # Columns of the accumulator: their pairs, activation rows and scales.
+            pc = gl.load(pair_ptr + blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(0, acc_l)))
+            valid = pc < P
+            rc = blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(0, acc_l))
+            if TOKEN_ROWS:
+                rc = pc // TOPK
+            xs_base = xs_ptr + rc.to(gl.int64) * (K // _CHUNK)
+            # This program's weight rows: bytes in the byte layout, scales by accumulator row.
+            rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BYTE_L))
+            cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
+            w_off = e64 * (N * (K // 2)) + rb[:, None] * 64 + cb[None, :]
+            rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+            s_off = e64 * (N * (K // 32)) + rs * 4
+            zero = gl.zeros([BN, NT], gl.float32, acc_l)
+            acc1 = gl.zeros([BN, NT], gl.float32, acc_l)
+            acc3 = gl.zeros([BN, NT], gl.float32, acc_l)
+            # Chunk c + PF is loaded before chunk c's products are issued (PF chunks in flight
+            # a thread: the loads' latency is what bounds a one-token call).
+            cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
+            if TWO:
+                cur3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0, N)
+            if PF >= 2:
+                if CPS > 1:
+                    nxt1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0 + 1, N)
+                    if TWO:
+                        nxt3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0 + 1, N)
+            for ci in gl.static_range(CPS):
+                c = c0 + ci
+                if ci + PF < CPS:
+                    new1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c + PF, N)
+                    if TWO:
+                        new3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c + PF, N)
+                xs = gl.load(xs_base + c, mask=valid, other=0.0)[None, :]
+                xc = x_s.slice(ci * _CHUNK, _CHUNK, dim=1)
+                acc1 = gl.fma(_chunk_sum(cur1, xc, zero, BN, a_l), xs, acc1)
+                if TWO:
+                    acc3 = gl.fma(_chunk_sum(cur3, xc, zero, BN, a_l), xs, acc3)
+                if PF == 1:
+                    if ci + 1 < CPS:
+                        cur1 = new1
+                        if TWO:
+                            cur3 = new3
+                if PF == 2:
+                    if ci + 1 < CPS:
+                        cur1 = nxt1
+                        if TWO:
+                            cur3 = nxt3
+                    if ci + 2 < CPS:
+                        nxt1 = new1
+                        if TWO:
+                            nxt3 = new3
+            rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
+            cols = gl.arange(0, NT, layout=gl.SliceLayout(0, acc_l))
+            if S > 1:
+                # fp32 partials [S, blocks, NS, N, NT]; the last split sums them in split order.
+                tile = (blk * NS * N + rn.to(gl.int64))[:, None] * NT + cols[None, :]
+                gl.store(part_ptr + (split * nblk) * (NS * N * NT) + tile, acc1)
+                if TWO:
+                    gl.store(part_ptr + (split * nblk) * (NS * N * NT) + N * NT + tile, acc3)
+                gl.thread_barrier()
+                count = arrivals_ptr + blk * gl.num_programs(0) + pid_n
+                old = gl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+                if old == S - 1:
+                    gl.thread_barrier()
+                    acc1 = gl.load(part_ptr + tile, cache_modifier=".cg")
+                    if TWO:
+                        acc3 = gl.load(part_ptr + N * NT + tile, cache_modifier=".cg")
+                    for s in range(1, S):
+                        acc1 += gl.load(part_ptr + (s * nblk) * (NS * N * NT) + tile,
+                                        cache_modifier=".cg")
+                        if TWO:
+                            acc3 += gl.load(part_ptr + (s * nblk) * (NS * N * NT) + N * NT
+                                            + tile, cache_modifier=".cg")
+                    gl.store(count, 0)
+                    _store_result(out_ptr, acc1, acc3, pc, valid, blk, cols, rn, R, N, BM, TWO)
+            else:
+                _store_result(out_ptr, acc1, acc3, pc, valid, blk, cols, rn, R, N, BM, TWO)
+
+    @gluon.jit
+    def _store_result(out_ptr, acc1, acc3, pc, valid, blk, cols, rn, R, N: gl.constexpr,
+                      BM: gl.constexpr, TWO: gl.constexpr):
+        """TWO: the gate and up sums at h[0 / 1, plan row, n] (fp32); else each pair's row
+        y[pair, n] rounded to bf16."""
+        m = valid[None, :] & (rn >= 0)[:, None]
+        if TWO:
+            h = out_ptr + (blk * BM + cols)[None, :].to(gl.int64) * N + rn[:, None]
+            gl.store(h, acc1, mask=m)
+            gl.store(h + R * N, acc3, mask=m)
+        else:
+            gl.store(out_ptr + pc[None, :].to(gl.int64) * N + rn[:, None],
+                     acc1.to(gl.bfloat16), mask=m)
+
+
+# ------------------------------------------------------------------------------ host side
+@dataclass(frozen=True)
+class GemvPlan:
+    """Tile plan of one GEMM: warps (one warpgroup of 64 rows per 4), row tiles a warp (MT),
+    K chunks a split (CPS) and chunks in flight (PF, 1 or 2)."""
+
+    warps: int = 4
+    mt: int = 1
+    cps: int = 8
+    pf: int = 2
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps * self.mt
+
+
+def pick_plan(n: int, k: int) -> GemvPlan:
+    """The plan of an [n, k] GEMM (H100 prototype sweep, docs/PERFORMANCE.md twenty-eighth
+    session: 64-row tiles, 8 chunks a split, 2 in flight); fewer chunks where K is short."""
+    return GemvPlan(cps=min(8, k // CHUNK))
+
+
+def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
+    """Whether :func:`moe_experts_wgmma` serves this call (the flag, Gluon, an sm_90 GPU, a
+    decode call of bf16 tokens, K-chunk-major MXFP4 stacks with e8m0 scales, FP8 activations
+    per 128 columns, widths the tiles divide)."""
+    if not (WGMMA_DECODE and HAVE_GLUON and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    P = topk_ids.numel()
+    D, inter = x.shape[1], experts.inter_dim
+    return (0 < P <= MAX_PAIRS and experts.fmt == "fp4" and experts.kchunk == CHUNK
+            and experts.act_block == CHUNK and experts.s1 is not None
+            and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
+            and D % pick_plan(inter, D).rows == 0 and inter % pick_plan(D, inter).rows == 0
+            and D % (pick_plan(inter, D).cps * CHUNK) == 0
+            and inter % (pick_plan(D, inter).cps * CHUNK) == 0)
+
+
+def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch.Tensor | None,
+          codes: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor,
+          block_expert: torch.Tensor, out: torch.Tensor, P: int, E: int, N: int, K: int,
+          topk: int, token_rows: bool, BM: int, NT: int, plan: GemvPlan) -> None:
+    """One launch of ``_wgmma_gemv_kernel`` (w1 alone, or w1 and w3)."""
+    nb = block_expert.numel()
+    tiles = N // plan.rows
+    splits = K // (plan.cps * CHUNK)
+    two = w3 is not None
+    part = (torch.empty(splits, nb, 2 if two else 1, N, NT, dtype=torch.float32,
+                        device=codes.device) if splits > 1 else out)
+    arrivals = (splitk_counters(codes.device, nb * tiles, "moe_experts_wgmma") if splits > 1
+                else block_expert)
+    R = pairs.numel()
+    _wgmma_gemv_kernel[(tiles, nb, splits)](
+        w1, s1, w3 if two else w1, s3 if two else s1, codes, scales, pairs, block_expert, part,
+        arrivals, out, P, E, R, N=N, K=K, TOPK=topk, TWO=two, TOKEN_ROWS=token_rows, BM=BM,
+        NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
+        BYTE_L=byte_layout(plan.warps, plan.mt), num_warps=plan.warps)
+
+
+def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      experts: ExpertWeights, swiglu_limit: float,
+                      pairs: torch.Tensor | None = None, block_expert: torch.Tensor | None = None,
+                      shared: torch.Tensor | None = None,
+                      wait_shared: Callable[[], None] | None = None) -> torch.Tensor:
+    """:func:`dsv4.ops.triton_moe.moe_experts_with_config` of a decode call that
+    :func:`qualifies`: fp32 [T, D], or with ``shared`` the routed + shared sum in x's dtype.
+    ``pairs`` / ``block_expert``: the plan of 16-row blocks (:func:`triton_moe.moe_plan`, or
+    the gate's), made here when not given; ``wait_shared`` runs before ``shared`` is read."""
+    from dsv4.ops import triton_moe as tm
+
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    E, inter = experts.num_experts, experts.inter_dim
+    P = T * k
+    BM = PLAN_BM
+    ids = topk_ids.contiguous()
+    if pairs is None or block_expert is None:
+        pairs, block_expert = tm.moe_plan(ids, E, BM)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    wts = topk_weights.reshape(-1).float().contiguous()
+    NT = 8 if T <= 8 else 16      # an expert holds at most T pairs (one a token)
+    R = pairs.numel()
+    u8 = torch.uint8
+    xq, xsc = x_codes(x)
+    h = torch.empty(2, R, inter, dtype=torch.float32, device=x.device)
+    _gemv(experts.w1.view(u8), experts.s1.view(u8), experts.w3.view(u8), experts.s3.view(u8),
+          xq, xsc, pairs, block_expert, h, P, E, inter, D, k, True, BM, NT,
+          pick_plan(inter, D))
+    aq, asc = act_codes(h, pairs, block_expert, wts, P, E, BM, swiglu_limit)
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    _gemv(experts.w2.view(u8), experts.s2.view(u8), None, None, aq, asc, pairs, block_expert,
+          y, P, E, D, inter, k, False, BM, NT, pick_plan(D, inter))
+    out = torch.empty(T, D, dtype=torch.float32 if shared is None else x.dtype,
+                      device=x.device)
+    if shared is not None:
+        if wait_shared is not None:
+            wait_shared()
+        tm._check_shared(x, shared)
+    BD = min(1024, triton.next_power_of_2(D))
+    tm._moe_combine_kernel[(T, triton.cdiv(D, BD))](
+        y, ids, out, out if shared is None else shared.contiguous(), D, E, TOPK=k, BD=BD,
+        SHARED=shared is not None, num_warps=4, **pdl_args(y))
+    return out

@@ -1,0 +1,104 @@
+"""The decode experts on FP8 wgmma with the MXFP4 codes decoded in registers
+(dsv4.ops.gluon_moe_decode) on an sm_90 GPU at V4-Flash widths (256 K-chunk-major experts,
+top-6, official numerics): the torch twin agrees (FP8 tensor-core accumulation: ~1e-5 of the
+GEMMs, bf16 roundings after them), as closely as the grouped Triton kernels do; every output
+element is written (NaN-poisoned memory); skipped picks (ids outside 0..E-1) are left out; the
+shared expert's sum matches; a CUDA-graph replay on new inputs equals the eager call bit for
+bit and the split-K counters end clean; the op table routes decode calls to it under the flag.
+Skipped without an sm_90 GPU and Gluon."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.kernels.test_gpu_kernels import _poison, _rel
+from tests.kernels.test_moe_fast import D, DEV, E, TOPK, _counters_clean, _routing, _stacks
+
+
+def _sm90() -> bool:
+    return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+pytestmark = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (TRITON_INTERPRET unset)")
+
+
+def _experts(seed: int):
+    from dsv4.ops import torch_dense as ref
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return ref.kchunk_experts(_stacks(gen, 128), 128), gen
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 10])
+def test_wgmma_decode_matches_the_twin_gpu(T: int) -> None:
+    from dsv4.ops import gluon_moe_decode as gm
+    from dsv4.ops import torch_dense as ref
+    from dsv4.ops import triton_moe as tri
+    ch, gen = _experts(1100 + T)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    if T >= 4:
+        ids[2, 1] = -1                     # another shard's pick: skipped
+    _poison()
+    got = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+    assert bool(torch.isfinite(got).all())
+    twin = ref.moe_experts(x, ids, w, ch, 10.0)
+    grouped = tri.moe_experts_with_config(x, ids, w, ch, 10.0,
+                                          tri.pick_moe_config(T * TOPK, E, D, ch.inter_dim, 128))
+    err, err_grouped = _rel(got, twin), _rel(grouped, twin)
+    assert err < max(3 * err_grouped, 2e-3), (err, err_grouped)
+    assert _counters_clean()
+
+
+def test_wgmma_decode_with_shared_gpu() -> None:
+    from dsv4.ops import gluon_moe_decode as gm
+    from dsv4.ops import triton_moe as tri
+    ch, gen = _experts(1200)
+    T = 3
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    shared = (torch.randn(T, D, generator=gen, device=DEV) * 0.1).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    routed = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+    got = gm.moe_experts_wgmma(x, ids, w, ch, 10.0, shared=shared)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (routed + shared.float()).to(torch.bfloat16))
+    assert _rel(got, tri.moe_experts_with_config(x, ids, w, ch, 10.0, None, shared=shared)) < 1e-2
+
+
+def test_wgmma_decode_graph_replays_gpu() -> None:
+    from dsv4.ops import gluon_moe_decode as gm
+    ch, gen = _experts(1300)
+    T = 2
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    gm.moe_experts_wgmma(x, ids, w, ch, 10.0)          # compile / warm up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+    for _ in range(3):
+        x.copy_(torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16))
+        nid, nw = _routing(T, gen)
+        ids.copy_(nid)
+        w.copy_(nw)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gm.moe_experts_wgmma(x, ids, w, ch, 10.0))
+    assert _counters_clean()
+
+
+def test_op_routes_decode_calls_under_the_flag_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.ops import gluon_moe_decode as gm
+    from dsv4.ops import triton_moe as tri
+    ch, gen = _experts(1400)
+    x = torch.randn(1, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(1, gen)
+    monkeypatch.setattr(gm, "WGMMA_DECODE", True)
+    assert gm.qualifies(x, ids, ch)
+    assert torch.equal(tri.moe_experts(x, ids, w, ch, 10.0), gm.moe_experts_wgmma(x, ids, w, ch,
+                                                                                 10.0))
+    monkeypatch.setattr(gm, "WGMMA_DECODE", False)
+    assert not gm.qualifies(x, ids, ch)
