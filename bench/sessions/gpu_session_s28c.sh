@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Twenty-eighth session: the decode experts on FP8 wgmma (dsv4.ops.gluon_moe_decode, new):
-# GPU tests, the whole expert call against Triton's, the prototype's prefetch plans, then the
-# 4-layer decode A/B (B 1 / 2 / 4) with the variant.
+# GPU tests, the whole expert call against Triton's, then the 4-layer decode A/B (B 1 / 2)
+# with the variant.
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
@@ -10,8 +10,6 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage tests 150 python -m pytest -q -x tests/kernels/test_moe_wgmma_gpu.py
 stage op 90 python bench/gluon_fp4_gemv.py --op --tokens 1,2,4,10
 grep "^|" "$LOGS/op.log"
-stage proto 90 python bench/gluon_fp4_gemv.py --tokens 1
-grep "^|" "$LOGS/proto.log"
-stage ab 200 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1,2,4 \
+stage ab 170 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1,2 \
     --ctx 8192 --steps 2 --launch-ab --ab-variants "pdl;pdl, experts on wgmma"
 grep -h "variant\|pdl\|B=" "$LOGS/ab.log" | tail -20
