@@ -97,7 +97,7 @@ def _fp4_gemv_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, blk_e_ptr, blk_t_ptr, out_ptr
     rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BYTE_L))
     cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
     w_base = w_ptr + e * N * (K // 2) + rb[:, None] * 64 + cb[None, :]
-    # Scales of the rows, in the accumulator's row layout: s + e·(N·K/32) + c·(N·4) + row·4 + g.
+    # Scales of the rows (the accumulator's row layout): s + e·(N·K/32) + c·(N·4) + row·4 + g.
     rs = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     s_base = s_ptr + e * N * (K // 32) + rs * 4
     # Activation codes [32, 8] of group g in the B operand's layout, and the token columns.
@@ -329,7 +329,8 @@ def sass_report(warps: int, mtiles: int, kind: str = "mma", cps: int = 8, pf: in
         ops = collections.Counter({o: -(-c // cps) for o, c in ops.items()})
         n = sum(ops.values())
     top = ", ".join(f"{o} {c}" for o, c in ops.most_common(10))
-    return (f"{kind} warps {warps} mtiles {mtiles} cps {cps} pf {pf}: {n} instr per chunk, {weights} weights a thread: "
+    return (f"{kind} warps {warps} mtiles {mtiles} cps {cps} pf {pf}: {n} instr per chunk, "
+            f"{weights} weights a thread: "
             f"{n / weights:.2f} per weight; {_regs(k)} | {top}")
 
 
