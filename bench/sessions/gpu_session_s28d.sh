@@ -13,7 +13,7 @@ if [ "$EXPERTS" = 128 ]; then
         --decode-batches 1,64 --ctx 8192 --steps 2 --reps 1 --budget 190
     grep -h "prefill\|decode B\|B=" "$LOGS/full43.log" | head -12
 else
-    for v in 0 1 0 1; do
+    for v in 0 1; do
         stage b1_$v 80 env DSV4_MOE_WGMMA=$v python bench/flash_bench.py --layers 43 --experts 64 \
             --prefill "" --decode-batches 1 --ctx 8192 --steps 2
         grep -h "decode B=1" "$LOGS/b1_$v.log" | cut -c1-120
