@@ -64,9 +64,10 @@ except ImportError:  # pragma: no cover - older triton
 __all__ = ["WGMMA_DECODE", "MAX_TOKENS", "MAX_PAIRS", "qualifies", "moe_experts_wgmma",
            "x_codes", "act_codes", "mma_column", "GemvPlan", "pick_plan"]
 
-# Off: H100 (docs/PERFORMANCE.md, twenty-eighth session), the expert call 57.4 -> 47.9 µs at
-# one token, 85.9 -> 81.8 at two, slower from four; the 4-layer B=1 step 1,060.6 -> 1,039.6 µs
-# (-2%), B=2 -0.9%; and 1e-3 of the twin where the grouped kernels are at 1e-7.
+# Off until the GPU suite has run with it on (H100, docs/PERFORMANCE.md, twenty-eighth
+# session): the expert call 57.4 -> 47.9 µs at one token, 85.9 -> 81.8 at two, slower from
+# four; all 43 V4-Flash layers (64 experts) B=1 8.56-8.60 -> 8.02-8.05 ms (-6.2%), B=2 9.97 ->
+# 9.82 ms; 1e-3 of the twin where the grouped kernels are at 1e-7 (the FP8-MMA prefill's class).
 WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "0") == "1"
 # The token counts it serves (faster at 1-2 tokens only); the kernels themselves take up to
 # 64 pairs (the plan's 16-row blocks hold at most 16 pairs of one expert, the MMA's N).
