@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dsv4.ops import gluon_moe_decode as gm
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights, expert_k_step
 from dsv4.ops.triton_dense import (
@@ -1096,17 +1097,16 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     if T == 0 or k == 0:
         return _with_shared(torch.zeros(T, D, dtype=torch.float32, device=x.device), x, shared,
                             wait_shared)
-    # fp32 routed rows, or (with shared) the MoE output in x's dtype.
-    out = torch.empty(T, D, dtype=torch.float32 if shared is None else x.dtype, device=x.device)
-    bk = _block_k(experts, D, inter)
     P = T * k
-    from dsv4.ops import gluon_moe_decode as gm
     if cfg is None and gm.qualifies(x, topk_ids, experts):
         # Decode on FP8 wgmma with the codes decoded in registers (DSV4_MOE_WGMMA=1).
         own = plan is not None and plan.P == P and plan.BM == gm.PLAN_BM
         return gm.moe_experts_wgmma(x, topk_ids, topk_weights, experts, swiglu_limit,
                                     plan.pairs if own else None,
                                     plan.block_expert if own else None, shared, wait_shared)
+    # fp32 routed rows, or (with shared) the MoE output in x's dtype.
+    out = torch.empty(T, D, dtype=torch.float32 if shared is None else x.dtype, device=x.device)
+    bk = _block_k(experts, D, inter)
     if cfg is None:
         cfg = pick_moe_config(P, E, D, inter, bk)
     if cfg.BK != bk:
