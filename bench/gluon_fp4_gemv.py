@@ -95,14 +95,13 @@ def sass_report(plan: gm.GemvPlan, two: bool = True) -> str:
 
 # ------------------------------------------------------------------------------ GPU
 def dequant_kchunk(w: torch.Tensor, s: torch.Tensor, e: int, N: int, K: int) -> torch.Tensor:
-    """Expert e of a K-chunk-major MXFP4 stack as fp64 [N, K] (the spec's e2m1 values)."""
-    lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
-                       dtype=torch.float64, device=w.device)
-    b = w[e].reshape(K // gm.CHUNK, N, 64).to(torch.int32) & 255
-    vals = torch.stack([lut[b & 15], lut[b >> 4]], dim=-1).reshape(K // gm.CHUNK, N, 128)
-    sc = s[e].reshape(K // gm.CHUNK, N, 4).to(torch.float64)
-    vals = vals * torch.exp2(sc - 127).repeat_interleave(32, dim=-1)
-    return vals.permute(1, 0, 2).reshape(N, K)
+    """Expert e of a K-chunk-major MXFP4 stack as fp64 [N, K] (``formats.dequant_mxfp4`` of
+    its row-major bytes)."""
+    from dsv4.formats import dequant_mxfp4
+    from dsv4.ops.torch_dense import kchunk_rows
+    codes = kchunk_rows(w[e].reshape(N, K // 2), gm.CHUNK // 2).view(torch.int8)
+    scales = kchunk_rows(s[e].reshape(N, K // 32), gm.CHUNK // 32)
+    return dequant_mxfp4(codes, scales.view(torch.uint8), torch.float32).double()
 
 
 def _dequant_codes(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -185,7 +184,6 @@ def op_main(args: argparse.Namespace) -> None:
     official numerics), CUDA-graph replays of rotated routings, and their difference."""
     from bench.flash_bench import graph_time
     from bench.moe_decode import mxfp4_stacks, routing
-    from dsv4.ops import gluon_moe_decode as gm
     from dsv4.ops import torch_dense as ref
     from dsv4.ops import triton_moe as tri
 

@@ -50,7 +50,9 @@ import triton.language as tl
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
+from dsv4.ops import triton_moe as tm
 from dsv4.ops.triton_dense import quantize_block_rows, round_to_bf16, splitk_counters
+from dsv4.ops.triton_moe import weighted_swiglu
 
 try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is off.
     from triton.experimental import gluon
@@ -121,13 +123,10 @@ def _act_codes_kernel(h_ptr, pair_ptr, bexp_ptr, wt_ptr, codes_ptr, scale_ptr, P
     if (pair < P) & (e >= 0) & (e < E):
         cols = kb * 128 + tl.arange(0, 128)[None, :]
         base = h_ptr + r.to(tl.int64) * (NKB * 128)
-        g = round_to_bf16(tl.load(base + cols))
-        u = round_to_bf16(tl.load(base + R * (NKB * 128) + cols))
-        if HAS_LIMIT:
-            u = tl.clamp(u, -limit, limit)
-            g = tl.minimum(g, limit)
-        a = round_to_bf16(g * tl.sigmoid(g) * u * tl.load(wt_ptr + pair))
-        _codes_store(codes_ptr, scale_ptr, r, kb, a, NKB)
+        wt = tl.load(wt_ptr + pair + tl.arange(0, 1))
+        a = weighted_swiglu(tl.load(base + cols), tl.load(base + R * (NKB * 128) + cols), wt,
+                            limit, tl.bfloat16, HAS_LIMIT)
+        _codes_store(codes_ptr, scale_ptr, r, kb, round_to_bf16(a), NKB)
 
 
 def x_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,12 +410,12 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
         return False
     P = topk_ids.numel()
     D, inter = x.shape[1], experts.inter_dim
+    up, down = pick_plan(inter, D), pick_plan(D, inter)
     return (x.shape[0] <= MAX_TOKENS and 0 < P <= MAX_PAIRS and experts.fmt == "fp4"
             and experts.kchunk == CHUNK and experts.act_block == CHUNK and experts.s1 is not None
             and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
-            and D % pick_plan(inter, D).rows == 0 and inter % pick_plan(D, inter).rows == 0
-            and D % (pick_plan(inter, D).cps * CHUNK) == 0
-            and inter % (pick_plan(D, inter).cps * CHUNK) == 0)
+            and inter % up.rows == 0 and D % down.rows == 0
+            and D % (up.cps * CHUNK) == 0 and inter % (down.cps * CHUNK) == 0)
 
 
 def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch.Tensor | None,
@@ -449,8 +448,6 @@ def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     :func:`qualifies`: fp32 [T, D], or with ``shared`` the routed + shared sum in x's dtype.
     ``pairs`` / ``block_expert``: the plan of 16-row blocks (:func:`triton_moe.moe_plan`, or
     the gate's), made here when not given; ``wait_shared`` runs before ``shared`` is read."""
-    from dsv4.ops import triton_moe as tm
-
     T, D = x.shape
     k = topk_ids.shape[1]
     E, inter = experts.num_experts, experts.inter_dim

@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dsv4.ops import gluon_moe_decode as gm
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights, expert_k_step
 from dsv4.ops.triton_dense import (
@@ -1098,6 +1097,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         return _with_shared(torch.zeros(T, D, dtype=torch.float32, device=x.device), x, shared,
                             wait_shared)
     P = T * k
+    from dsv4.ops import gluon_moe_decode as gm   # (it imports this module)
     if cfg is None and gm.qualifies(x, topk_ids, experts):
         # Decode on FP8 wgmma with the codes decoded in registers (DSV4_MOE_WGMMA=1).
         own = plan is not None and plan.P == P and plan.BM == gm.PLAN_BM
