@@ -39,19 +39,24 @@ PLANS = [gm.pick_plan(INTER, D), gm.GemvPlan(4, 1, 8, 1), gm.GemvPlan(4, 1, 4, 2
 
 
 # ------------------------------------------------------------------------------ offline SASS
-def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8):
+def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool = True):
     """``_wgmma_gemv_kernel`` compiled for sm_90 without a GPU (the up GEMM's widths with
-    ``two``, else the down GEMM's; pointers divisible by 16)."""
+    ``two``, else the down GEMM's; pointers divisible by 16); ``fused``: the activation
+    quantized in the kernel's fill (the default path), else read as codes."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gm._wgmma_gemv_kernel
     n, k = (INTER, D) if two else (D, INTER)
-    consts = dict(N=n, K=k, TOPK=TOPK, TWO=two, TOKEN_ROWS=two, BM=gm.PLAN_BM, NT=nt,
-                  WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf,
-                  S=k // (plan.cps * gm.CHUNK), BYTE_L=gm.byte_layout(plan.warps, plan.mt))
-    types = {"xs_ptr": "*fp32", "part_ptr": "*fp32", "pair_ptr": "*i32", "bexp_ptr": "*i32",
-             "arrivals_ptr": "*i32", "out_ptr": "*fp32" if two else "*bf16"}
+    act = (gm.ACT_TOKENS if two else gm.ACT_SWIGLU) if fused else gm.ACT_CODES
+    consts = dict(N=n, K=k, TOPK=TOPK, TWO=two, ACT=act, TOKEN_ROWS=two and not fused,
+                  HAS_LIMIT=not two, BM=gm.PLAN_BM, NT=nt, WARPS=plan.warps, MT=plan.mt,
+                  CPS=plan.cps, PF=plan.pf, S=k // (plan.cps * gm.CHUNK),
+                  BYTE_L=gm.byte_layout(plan.warps, plan.mt), PDL=True)
+    a_type = ("*bf16" if two else "*fp32") if fused else "*u8"
+    types = {"a_ptr": a_type, "as_ptr": "*fp32", "wt_ptr": "*fp32", "part_ptr": "*fp32",
+             "pair_ptr": "*i32", "bexp_ptr": "*i32", "arrivals_ptr": "*i32",
+             "out_ptr": "*fp32" if two else "*bf16", "limit": "fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -60,7 +65,7 @@ def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8):
             sig[name] = types.get(name, "*u8")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[name] = "i32"
+            sig[name] = types.get(name, "i32")
     src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
                          constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -76,10 +81,11 @@ def _cuobjdump(kernel, flag: str) -> str:
                               check=True).stdout
 
 
-def sass_report(plan: gm.GemvPlan, two: bool = True) -> str:
+def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True) -> str:
     """SASS instructions per chunk and per weight a thread (the K loop is unrolled: the whole
-    kernel over its chunks, prologue and epilogue included), registers, top opcodes."""
-    k = compile_sm90(plan, two)
+    kernel over its chunks, prologue, activation fill and epilogue included), registers, top
+    opcodes."""
+    k = compile_sm90(plan, two, fused=fused)
     body = [m.group(1) for ln in _cuobjdump(k, "--dump-sass").splitlines()
             for m in [re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", ln)] if m]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
@@ -88,9 +94,10 @@ def sass_report(plan: gm.GemvPlan, two: bool = True) -> str:
     weights = (2 if two else 1) * 16 * plan.mt * gm.CHUNK // 32     # a thread, a chunk
     regs = re.search(r"REG:(\d+)", _cuobjdump(k, "--dump-resource-usage"))
     top = ", ".join(f"{o} {-(-c // plan.cps)}" for o, c in ops.most_common(8))
-    return (f"{'up' if two else 'down'} {plan}: {per_chunk:.0f} instr a chunk, {weights} weights "
-            f"a thread: {per_chunk / weights:.2f} a weight; regs {regs.group(1) if regs else '?'}"
-            f" | {top}")
+    what = ("tokens' fill" if two else "swiglu fill") if fused else "codes"
+    return (f"{'up' if two else 'down'} ({what}) {plan}: {per_chunk:.0f} instr a chunk, "
+            f"{weights} weights a thread: {per_chunk / weights:.2f} a weight; "
+            f"regs {regs.group(1) if regs else '?'} | {top}")
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -114,7 +121,9 @@ def _dequant_codes(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def gemm_main(args: argparse.Namespace) -> None:
     """The two GEMMs alone per plan: µs, GB/s of the distinct experts' bytes, error of the
-    first call's first three blocks against float64."""
+    first call's first three blocks against float64.  "codes": the activation read as codes
+    (x_codes / act_codes made them, untimed); "fill": quantized in the kernel (the default
+    path; the default plan only)."""
     from bench.flash_bench import graph_time
     from bench.moe_decode import mxfp4_stacks, routing
     from dsv4.ops import triton_moe as tm
@@ -127,37 +136,47 @@ def gemm_main(args: argparse.Namespace) -> None:
     w2, s2 = ex.w2.view(u8), ex.s2.view(u8)
     print(f"# {torch.cuda.get_device_name()}: the GEMMs of gluon_moe_decode, µs per call "
           f"({args.rotate} routings rotated)")
-    print("| tokens | GEMM | plan | µs | GB/s | rel err vs float64 |")
-    print("|---|---|---|---|---|---|")
+    print("| tokens | GEMM | activation | plan | µs | GB/s | rel err vs float64 |")
+    print("|---|---|---|---|---|---|---|")
     for T in [int(t) for t in args.tokens.split(",")]:
+        P, nt = T * TOPK, 8 if T <= 8 else 16
         calls = []
         for _ in range(args.rotate):
-            ids, _ = routing(T, E, TOPK, gen, dev)
+            ids, w = routing(T, E, TOPK, gen, dev)
             pairs, bexp = tm.moe_plan(ids, E, gm.PLAN_BM)
             x = torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16)
-            act = torch.randn(pairs.numel(), INTER, generator=gen, device=dev).to(torch.bfloat16)
-            calls.append((ids, pairs, bexp, gm.x_codes(x), gm.x_codes(act)))
+            h = torch.randn(2, pairs.numel(), INTER, generator=gen, device=dev)
+            wts = w.reshape(-1).float().contiguous()
+            ac = gm.act_codes(h, pairs, bexp, wts, P, E, gm.PLAN_BM, 10.0)
+            calls.append((ids, pairs, bexp, x, gm.x_codes(x), h, wts, ac))
         distinct = sum(int(torch.unique(c[0]).numel()) for c in calls) / len(calls)
-        P, nt = T * TOPK, 8 if T <= 8 else 16
         for name, n, k in (("up", INTER, D), ("down", D, INTER)):
             nbytes = distinct * n * k * (0.5 + 1 / 32) * (2 if name == "up" else 1)
-            for plan in PLANS:
+            for plan, fill in [(pl, False) for pl in PLANS] + [(PLANS[0], True)]:
                 if k % (plan.cps * gm.CHUNK) or n % plan.rows:
                     continue
 
-                def run(c, plan=plan, name=name, n=n, k=k) -> torch.Tensor:
-                    ids, pairs, bexp, xc, ac = c
+                def run(c, plan=plan, name=name, n=n, k=k, fill=fill) -> torch.Tensor:
+                    ids, pairs, bexp, x, xc, h, wts, ac = c
                     if name == "up":
                         out = torch.empty(2, pairs.numel(), n, device=dev)
-                        gm._gemv(w1, s1, w3, s3, *xc, pairs, bexp, out, P, E, n, k, TOPK, True,
-                                 gm.PLAN_BM, nt, plan)
+                        if fill:
+                            gm._gemv(w1, s1, w3, s3, x, gm.ACT_TOKENS, pairs, bexp, out, P, E,
+                                     n, k, TOPK, nt, plan)
+                        else:
+                            gm._gemv(w1, s1, w3, s3, xc[0], gm.ACT_CODES, pairs, bexp, out, P,
+                                     E, n, k, TOPK, nt, plan, act_scale=xc[1], token_rows=True)
                     else:
                         out = torch.empty(P, n, dtype=torch.bfloat16, device=dev)
-                        gm._gemv(w2, s2, None, None, *ac, pairs, bexp, out, P, E, n, k, TOPK,
-                                 False, gm.PLAN_BM, nt, plan)
+                        if fill:
+                            gm._gemv(w2, s2, None, None, h, gm.ACT_SWIGLU, pairs, bexp, out, P,
+                                     E, n, k, TOPK, nt, plan, weights=wts, limit=10.0)
+                        else:
+                            gm._gemv(w2, s2, None, None, ac[0], gm.ACT_CODES, pairs, bexp, out,
+                                     P, E, n, k, TOPK, nt, plan, act_scale=ac[1])
                     return out
                 out = run(calls[0])
-                ids, pairs, bexp, xc, ac = calls[0]
+                ids, pairs, bexp, x, xc, h, wts, ac = calls[0]
                 errs = []
                 for b in range(3):
                     e = int(bexp[b])
@@ -174,8 +193,8 @@ def gemm_main(args: argparse.Namespace) -> None:
                         got = out[pairs[rows].long()].double()
                     errs.append(((got - ref).norm() / ref.norm()).item())
                 us = graph_time(lambda: [run(c) for c in calls], args.replays) / len(calls) * 1e6
-                print(f"| {T} | {name} | {plan} | {us:.1f} | {nbytes / us / 1e3:.0f} | "
-                      f"{max(errs):.1e} |", flush=True)
+                print(f"| {T} | {name} | {'fill' if fill else 'codes'} | {plan} | {us:.1f} | "
+                      f"{nbytes / us / 1e3:.0f} | {max(errs):.1e} |", flush=True)
 
 
 def op_main(args: argparse.Namespace) -> None:
@@ -192,24 +211,33 @@ def op_main(args: argparse.Namespace) -> None:
     E, D, inter = 256, 4096, 2048
     ex = mxfp4_stacks(E, D, inter, gen, dev, kchunk=True)
     print(f"# {torch.cuda.get_device_name()}: routed experts, V4-Flash widths, µs per call")
-    print("| tokens | Triton grouped | wgmma (Gluon) | ratio | rel diff | rel vs twin (Triton / "
-          "wgmma) |")
-    print("|---|---|---|---|---|---|")
+    print("| tokens | Triton grouped | wgmma, 5 launches | wgmma (3) | ratio | rel diff | "
+          "rel vs twin (Triton / wgmma) | 3 = 5 launches' bits |")
+    print("|---|---|---|---|---|---|---|---|")
+    fused = gm.FUSED_FILL
     for T in [int(t) for t in args.tokens.split(",")]:
         calls = [(torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16),
                   *routing(T, E, 6, gen, dev)) for _ in range(args.rotate)]
-        f_tri = [lambda c=c: tri.moe_experts_with_config(c[0], c[1], c[2], ex, 10.0)
+        cfg = tri.pick_moe_config(T * 6, E, D, inter, 128)   # the grouped kernels' own plan
+        f_tri = [lambda c=c: tri.moe_experts_with_config(c[0], c[1], c[2], ex, 10.0, cfg)
                  for c in calls]
         f_wg = [lambda c=c: gm.moe_experts_wgmma(c[0], c[1], c[2], ex, 10.0) for c in calls]
-        a, b = f_tri[0](), f_wg[0]()
+        times = []
+        outs = []
+        for fill in (False, True):
+            gm.FUSED_FILL = fill
+            outs.append(f_wg[0]())
+            times.append(graph_time(lambda: [f() for f in f_wg], args.replays) / len(calls) * 1e6)
+        gm.FUSED_FILL = fused
+        a, b = f_tri[0](), outs[1]
         twin = ref.moe_experts(*calls[0], ex, 10.0)
 
         def rel(u: torch.Tensor, v: torch.Tensor) -> float:
             return ((u.double() - v.double()).norm() / v.double().norm()).item()
         t_tri = graph_time(lambda: [f() for f in f_tri], args.replays) / len(calls) * 1e6
-        t_wg = graph_time(lambda: [f() for f in f_wg], args.replays) / len(calls) * 1e6
-        print(f"| {T} | {t_tri:.1f} | {t_wg:.1f} | {t_tri / t_wg:.2f}x | {rel(b, a):.1e} | "
-              f"{rel(a, twin):.1e} / {rel(b, twin):.1e} |", flush=True)
+        print(f"| {T} | {t_tri:.1f} | {times[0]:.1f} | {times[1]:.1f} | {t_tri / times[1]:.2f}x"
+              f" | {rel(b, a):.1e} | {rel(a, twin):.1e} / {rel(b, twin):.1e} | "
+              f"{torch.equal(outs[0], outs[1])} |", flush=True)
 
 
 def main() -> None:
@@ -223,7 +251,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         for plan in PLANS:
-            print(sass_report(plan))
+            print(sass_report(plan, fused=False))
+        print(sass_report(PLANS[0], two=False, fused=False))
+        print(sass_report(PLANS[0]))
         print(sass_report(PLANS[0], two=False))
         return
     op_main(args) if args.op else gemm_main(args)

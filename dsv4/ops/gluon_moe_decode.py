@@ -4,24 +4,28 @@ bound by ~4 SASS instructions per weight).
 
 The same contract as :func:`dsv4.ops.triton_moe.moe_experts_with_config` for a decode call
 (at most :data:`MAX_PAIRS` (token, pick) pairs) of K-chunk-major MXFP4 stacks under official
-numerics (FP8 activations per 128 columns), 1-2 tokens (:data:`MAX_TOKENS`).  Five launches:
+numerics (FP8 activations per 128 columns), 1-2 tokens (:data:`MAX_TOKENS`).  Three launches:
 
-1. ``_x_codes_kernel`` (Triton): each token row FP8-quantized per 128 columns, stored as e4m3
-   codes in the MMA column order (below) and fp32 powers of two;
-2. ``_wgmma_gemv_kernel`` (Gluon) on w1 and w3: per (N tile, row block of the plan, K split)
+1. ``_wgmma_gemv_kernel`` (Gluon) on w1 and w3: per (N tile, row block of the plan, K split)
    the weights are the M side of ``wgmma m64n8k32`` (64 rows a warpgroup), the block's pairs
    its N side (8 or 16 columns), one asynchronous product per 32-wide scale group.  Each lane
    loads exactly the packed bytes its A fragment wants (4 bytes = 8 codes of one row's group)
    and turns them into e4m3 with a few integer operations (e2m1 · 2^-6 is an e4m3 code with
    the e2m1 bits moved: exact); the layouts are chosen so that nothing moves between the load,
    the decode and the MMA (``convert_layout(..., assert_trivial=True)`` checks it when the
-   kernel compiles).  Each product is scaled by its group's e8m0 power of two per row and the
-   chunk's sum by the activation's per token, in fp32.  Split-K partials are summed in split
-   order by the last split to arrive (the counters of ``triton_dense.splitk_counters``);
-3. ``_act_codes_kernel`` (Triton): act = w · swiglu(g, u) rounded to bf16 (the twin's
-   epilogue), FP8-quantized per 128 columns into codes in the MMA order;
-4. ``_wgmma_gemv_kernel`` on w2: each pair's output row rounded to bf16;
-5. ``triton_moe._moe_combine_kernel``: each token's picks summed (+ the shared expert).
+   kernel compiles).  The activation (the pairs' token rows) is FP8-quantized per 128 columns
+   by each program for its own K split into shared memory, as e4m3 codes in the MMA column
+   order (below) and fp32 powers of two.  Each product is scaled by its group's e8m0 power of
+   two per row and the chunk's sum by the activation's per token, in fp32.  Split-K partials
+   are summed in split order by the last split to arrive (the counters of
+   ``triton_dense.splitk_counters``): h = the gate and up sums, fp32;
+2. ``_wgmma_gemv_kernel`` on w2, its activation act = w · swiglu(g, u) of h rounded to bf16
+   (the twin's epilogue), FP8-quantized the same way: each pair's output row rounded to bf16;
+3. ``triton_moe._moe_combine_kernel``: each token's picks summed (+ the shared expert).
+
+:data:`FUSED_FILL` off: the activations are quantized by two Triton launches instead
+(``_x_codes_kernel`` before 1, ``_act_codes_kernel`` between 1 and 2) into codes the GEMMs
+read; the same functions (``quantize_block_rows``, ``weighted_swiglu``), the same bits.
 
 The MMA column order: inside each 32-wide group, MMA column 16h + 4q + i holds natural column
 8q + 2i + h (the even codes of a lane's 4 bytes, then the odd ones).  A dot does not depend on
@@ -35,7 +39,7 @@ class, bound 5e-3), where the grouped bf16-MMA kernels are within ~1e-7.
 
 Gluon has no interpreter (triton 3.6): the GEMM kernel runs on an sm_90 GPU and is compiled
 offline for sm_90 by the CPU tests (``tests/kernels/sm90_cases.py``); the two Triton kernels
-have interpreter tests.  Off unless :data:`WGMMA_DECODE` (``DSV4_MOE_WGMMA=1``).
+have interpreter tests, and the GPU tests check that the fused fill gives their chain's bits.  Off unless :data:`WGMMA_DECODE` (``DSV4_MOE_WGMMA=1``).
 """
 
 from __future__ import annotations
@@ -78,6 +82,12 @@ MAX_PAIRS = 64
 PLAN_BM = 16     # rows of the plan's blocks (triton_moe.moe_plan)
 CHUNK = 128      # the K-chunk-major stacks' chunk and the activation's FP8 block
 GROUP = 32       # MXFP4 scale group = one m64n8k32 product
+# Where a GEMM's activation comes from (_wgmma_gemv_kernel's ACT): e4m3 codes + scales made by
+# x_codes / act_codes; the tokens' bf16 rows; the gate / up sums (w · swiglu).  Quantized in the
+# GEMMs' own fill by default (three launches a call, not five); FUSED_FILL = False (or
+# DSV4_MOE_WGMMA_FUSED=0) launches the two Triton kernels instead (the same bits).
+ACT_CODES, ACT_TOKENS, ACT_SWIGLU = 0, 1, 2
+FUSED_FILL = os.environ.get("DSV4_MOE_WGMMA_FUSED", "1") == "1"
 
 
 def mma_column(k: torch.Tensor | int) -> torch.Tensor | int:
@@ -195,6 +205,9 @@ if HAVE_GLUON:
     }""")
     _GROUP = gl.constexpr(GROUP)
     _CHUNK = gl.constexpr(CHUNK)
+    _ACT_CODES = gl.constexpr(ACT_CODES)
+    _ACT_TOKENS = gl.constexpr(ACT_TOKENS)
+    _ACT_SWIGLU = gl.constexpr(ACT_SWIGLU)
 
     @gluon.jit
     def _load_chunk(w_base, s_base, c, N: gl.constexpr):
@@ -244,18 +257,64 @@ if HAVE_GLUON:
         return gl.fma(d3, _pow2_group(ch[4], 3), acc)
 
     @gluon.jit
-    def _wgmma_gemv_kernel(w1_ptr, s1_ptr, w3_ptr, s3_ptr, xq_ptr, xs_ptr, pair_ptr, bexp_ptr,
-                           part_ptr, arrivals_ptr, out_ptr, P, E, R,
+    def _quantize_fill(x_s, s_s, a_ptr, wt_ptr, pair_ptr, blk, c0, P, R, stride_a, limit,
+                       K: gl.constexpr, TOPK: gl.constexpr, ACT: gl.constexpr,
+                       HAS_LIMIT: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr,
+                       WARPS: gl.constexpr, CPS: gl.constexpr):
+        """Row j < (the block's pairs) of x_s [NT, CPS·128]: the split's CPS activation chunks
+        of pair j FP8-quantized (a warp a chunk; MMA column order: each lane loads the natural
+        columns of its MMA positions, so no register moves), their powers of two into column
+        j of s_s [CPS, NT].  The pairs are a prefix of the block (triton_moe.moe_plan), so
+        one token's call quantizes one row, not NT; rows past them are left unwritten (their
+        MMA columns are never stored)."""
+        f_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+        ch = gl.arange(0, CPS, layout=gl.SliceLayout(1, f_l))
+        m = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, f_l))
+        natural = m - m % 32 + 8 * ((m % 16) // 4) + 2 * (m % 4) + (m % 32) // 16
+        cols = (c0 + ch)[:, None] * _CHUNK + natural[None, :]
+        pairs = gl.load(pair_ptr + blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(0, f_l)))
+        count = gl.sum((pairs < P).to(gl.int32), axis=0)
+        for j in gl.static_range(NT):
+            if j < count:
+                pair = gl.load(pair_ptr + blk * BM + j)
+                if ACT == _ACT_TOKENS:
+                    v = gl.load(a_ptr + (pair // TOPK).to(gl.int64) * stride_a + cols)
+                    v = v.to(gl.float32)
+                else:
+                    row = a_ptr + (blk * BM + j).to(gl.int64) * K + cols
+                    wt = gl.load(wt_ptr + pair + ch * 0)
+                    v = round_to_bf16(weighted_swiglu(gl.load(row), gl.load(row + R * K), wt,
+                                                      limit, gl.bfloat16, HAS_LIMIT))
+                q, sc = quantize_block_rows(v)
+                x_s.slice(j, 1, dim=0).store(gl.reshape(q.to(gl.float8e4nv), [1, CPS * _CHUNK]))
+                s_s.slice(j, 1, dim=1).store(gl.reshape(sc, [CPS, 1]))
+
+    @gluon.jit
+    def _wgmma_gemv_kernel(w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr, as_ptr, wt_ptr, pair_ptr,
+                           bexp_ptr, part_ptr, arrivals_ptr, out_ptr, P, E, R, stride_a, limit,
                            N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr,
-                           TWO: gl.constexpr, TOKEN_ROWS: gl.constexpr, BM: gl.constexpr,
-                           NT: gl.constexpr, WARPS: gl.constexpr, MT: gl.constexpr,
-                           CPS: gl.constexpr, PF: gl.constexpr, S: gl.constexpr,
-                           BYTE_L: gl.constexpr):
+                           TWO: gl.constexpr, ACT: gl.constexpr, TOKEN_ROWS: gl.constexpr,
+                           HAS_LIMIT: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr,
+                           WARPS: gl.constexpr, MT: gl.constexpr, CPS: gl.constexpr,
+                           PF: gl.constexpr, S: gl.constexpr, BYTE_L: gl.constexpr,
+                           PDL: gl.constexpr = False):
         """One N tile of BN = 64·WARPS/4·MT rows of expert e = bexp[blk] (w1 and, with TWO,
         w3) against the block's pairs (columns j < NT: plan rows blk·BM + j), over K split
-        ``program_id(2)`` of CPS chunks.  The activation rows: the pairs' tokens (TOKEN_ROWS)
-        or the plan rows, as MMA-ordered codes + scales.  Result (last split to arrive, in
-        split order): TWO -> h[st, row, n] fp32 (out [2, R, N]); else y[pair, n] bf16."""
+        ``program_id(2)`` of CPS chunks.  The activation (its split's columns into shared
+        memory as MMA-ordered e4m3 codes, once):
+
+        * ACT_CODES: read as codes (a) + scales (as), rows the pairs' tokens (TOKEN_ROWS) or
+          the plan rows (``x_codes`` / ``act_codes`` made them);
+        * ACT_TOKENS: the pairs' token rows of x (a, bf16, row stride ``stride_a``),
+          FP8-quantized here;
+        * ACT_SWIGLU: w · swiglu of the plan rows of h (a, fp32 [2, R, K]; w = wt[pair], the
+          V4 clamp under HAS_LIMIT), rounded to bf16 and FP8-quantized here.
+
+        The last two run the Triton kernels' own functions (``weighted_swiglu``,
+        ``quantize_block_rows``), so they give ``x_codes`` / ``act_codes``' bits.  Result (last
+        split to arrive, in split order): TWO -> h[st, row, n] fp32 (out [2, R, N]); else
+        y[pair, n] bf16."""
+        grid_dependency_sync(PDL)
         BN: gl.constexpr = 16 * WARPS * MT
         NS: gl.constexpr = 2 if TWO else 1
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -264,6 +323,7 @@ if HAVE_GLUON:
         x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
                                                   rank=2)
         xl_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+        s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         KR: gl.constexpr = CPS * _CHUNK
         pid_n = gl.program_id(0)
         blk = gl.program_id(1)
@@ -273,25 +333,13 @@ if HAVE_GLUON:
         if (e >= 0) & (e < E):
             e64 = e.to(gl.int64)
             c0 = split * CPS
-            # The split's activation rows into shared memory, once.
-            px = gl.load(pair_ptr + blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(1, xl_l)))
-            rx = blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(1, xl_l))
-            if TOKEN_ROWS:
-                rx = px // TOPK
-            kx = gl.arange(0, KR, layout=gl.SliceLayout(0, xl_l))
-            xv = gl.load(xq_ptr + rx.to(gl.int64)[:, None] * K + c0 * _CHUNK + kx[None, :],
-                         mask=(px < P)[:, None] & (kx >= 0)[None, :], other=0)
-            x_s = gl.allocate_shared_memory(gl.float8e4nv, [NT, KR], x_sl)
-            x_s.store(xv.to(gl.float8e4nv, bitcast=True))
-            fence_async_shared()
-            gl.thread_barrier()
             # Columns of the accumulator: their pairs, activation rows and scales.
             pc = gl.load(pair_ptr + blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(0, acc_l)))
             valid = pc < P
             rc = blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(0, acc_l))
             if TOKEN_ROWS:
                 rc = pc // TOPK
-            xs_base = xs_ptr + rc.to(gl.int64) * (K // _CHUNK)
+            xs_base = as_ptr + rc.to(gl.int64) * (K // _CHUNK)
             # This program's weight rows: bytes in the byte layout, scales by accumulator row.
             rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BYTE_L))
             cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
@@ -303,6 +351,30 @@ if HAVE_GLUON:
             acc3 = gl.zeros([BN, NT], gl.float32, acc_l)
             # Chunk c + PF is loaded before chunk c's products are issued (PF chunks in flight
             # a thread: the loads' latency is what bounds a one-token call).
+            # The split's activation rows into shared memory, once (while the first
+            # chunks' weights are on their way).
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [NT, KR], x_sl)
+            if ACT == _ACT_CODES:
+                px = gl.load(pair_ptr + blk * BM
+                             + gl.arange(0, NT, layout=gl.SliceLayout(1, xl_l)))
+                rx = blk * BM + gl.arange(0, NT, layout=gl.SliceLayout(1, xl_l))
+                if TOKEN_ROWS:
+                    rx = px // TOPK
+                kx = gl.arange(0, KR, layout=gl.SliceLayout(0, xl_l))
+                xv = gl.load(a_ptr + rx.to(gl.int64)[:, None] * K + c0 * _CHUNK + kx[None, :],
+                             mask=(px < P)[:, None] & (kx >= 0)[None, :], other=0)
+                x_s.store(xv.to(gl.float8e4nv, bitcast=True))
+            else:
+                # Quantized row by row into a plain buffer (a swizzled one cannot be split by
+                # row), then copied into x_s whole.
+                f_s = gl.allocate_shared_memory(gl.float8e4nv, [NT, KR], s_sl)
+                s_s = gl.allocate_shared_memory(gl.float32, [CPS, NT], s_sl)
+                _quantize_fill(f_s, s_s, a_ptr, wt_ptr, pair_ptr, blk, c0, P, R, stride_a,
+                               limit, K, TOPK, ACT, HAS_LIMIT, BM, NT, WARPS, CPS)
+                gl.thread_barrier()
+                x_s.store(f_s.load(xl_l))
+            fence_async_shared()
+            gl.thread_barrier()
             cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
             if TWO:
                 cur3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0, N)
@@ -317,7 +389,10 @@ if HAVE_GLUON:
                     new1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c + PF, N)
                     if TWO:
                         new3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c + PF, N)
-                xs = gl.load(xs_base + c, mask=valid, other=0.0)[None, :]
+                if ACT == _ACT_CODES:
+                    xs = gl.load(xs_base + c, mask=valid, other=0.0)[None, :]
+                else:
+                    xs = s_s.slice(ci, 1, dim=0).load(acc_l)
                 xc = x_s.slice(ci * _CHUNK, _CHUNK, dim=1)
                 acc1 = gl.fma(_chunk_sum(cur1, xc, zero, BN, a_l), xs, acc1)
                 if TWO:
@@ -419,24 +494,30 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
 
 
 def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch.Tensor | None,
-          codes: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor,
-          block_expert: torch.Tensor, out: torch.Tensor, P: int, E: int, N: int, K: int,
-          topk: int, token_rows: bool, BM: int, NT: int, plan: GemvPlan) -> None:
-    """One launch of ``_wgmma_gemv_kernel`` (w1 alone, or w1 and w3)."""
+          act: torch.Tensor, act_mode: int, pairs: torch.Tensor, block_expert: torch.Tensor,
+          out: torch.Tensor, P: int, E: int, N: int, K: int, topk: int, NT: int,
+          plan: GemvPlan, act_scale: torch.Tensor | None = None, token_rows: bool = False,
+          weights: torch.Tensor | None = None, limit: float = 0.0) -> None:
+    """One launch of ``_wgmma_gemv_kernel`` (w1 alone, or w1 and w3) on the activation
+    ``act`` of kind ``act_mode`` (ACT_CODES with ``act_scale`` and ``token_rows``;
+    ACT_TOKENS; ACT_SWIGLU with ``weights`` and ``limit``)."""
     nb = block_expert.numel()
     tiles = N // plan.rows
     splits = K // (plan.cps * CHUNK)
     two = w3 is not None
-    part = (torch.empty(splits, nb, 2 if two else 1, N, NT, dtype=torch.float32,
-                        device=codes.device) if splits > 1 else out)
-    arrivals = (splitk_counters(codes.device, nb * tiles, "moe_experts_wgmma") if splits > 1
+    dev = act.device
+    part = (torch.empty(splits, nb, 2 if two else 1, N, NT, dtype=torch.float32, device=dev)
+            if splits > 1 else out)
+    arrivals = (splitk_counters(dev, nb * tiles, "moe_experts_wgmma") if splits > 1
                 else block_expert)
     R = pairs.numel()
     _wgmma_gemv_kernel[(tiles, nb, splits)](
-        w1, s1, w3 if two else w1, s3 if two else s1, codes, scales, pairs, block_expert, part,
-        arrivals, out, P, E, R, N=N, K=K, TOPK=topk, TWO=two, TOKEN_ROWS=token_rows, BM=BM,
-        NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
-        BYTE_L=byte_layout(plan.warps, plan.mt), num_warps=plan.warps)
+        w1, s1, w3 if two else w1, s3 if two else s1, act,
+        act if act_scale is None else act_scale, out if weights is None else weights, pairs,
+        block_expert, part, arrivals, out, P, E, R, act.stride(-2), float(limit), N=N, K=K,
+        TOPK=topk, TWO=two, ACT=act_mode, TOKEN_ROWS=token_rows, HAS_LIMIT=limit > 0,
+        BM=PLAN_BM, NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
+        BYTE_L=byte_layout(plan.warps, plan.mt), num_warps=plan.warps, **pdl_args(act))
 
 
 def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -461,15 +542,22 @@ def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     NT = 8 if T <= 8 else 16      # an expert holds at most T pairs (one a token)
     R = pairs.numel()
     u8 = torch.uint8
-    xq, xsc = x_codes(x)
     h = torch.empty(2, R, inter, dtype=torch.float32, device=x.device)
-    _gemv(experts.w1.view(u8), experts.s1.view(u8), experts.w3.view(u8), experts.s3.view(u8),
-          xq, xsc, pairs, block_expert, h, P, E, inter, D, k, True, BM, NT,
-          pick_plan(inter, D))
-    aq, asc = act_codes(h, pairs, block_expert, wts, P, E, BM, swiglu_limit)
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    _gemv(experts.w2.view(u8), experts.s2.view(u8), None, None, aq, asc, pairs, block_expert,
-          y, P, E, D, inter, k, False, BM, NT, pick_plan(D, inter))
+    up, down = pick_plan(inter, D), pick_plan(D, inter)
+    w1, s1, w3, s3, w2, s2 = (t.view(u8) for t in (experts.w1, experts.s1, experts.w3,
+                                                    experts.s3, experts.w2, experts.s2))
+    if FUSED_FILL:   # each GEMM quantizes its own activation
+        _gemv(w1, s1, w3, s3, x, ACT_TOKENS, pairs, block_expert, h, P, E, inter, D, k, NT, up)
+        _gemv(w2, s2, None, None, h, ACT_SWIGLU, pairs, block_expert, y, P, E, D, inter, k, NT,
+              down, weights=wts, limit=swiglu_limit)
+    else:
+        xq, xsc = x_codes(x)
+        _gemv(w1, s1, w3, s3, xq, ACT_CODES, pairs, block_expert, h, P, E, inter, D, k, NT, up,
+              act_scale=xsc, token_rows=True)
+        aq, asc = act_codes(h, pairs, block_expert, wts, P, E, BM, swiglu_limit)
+        _gemv(w2, s2, None, None, aq, ACT_CODES, pairs, block_expert, y, P, E, D, inter, k, NT,
+              down, act_scale=asc)
     out = torch.empty(T, D, dtype=torch.float32 if shared is None else x.dtype,
                       device=x.device)
     if shared is not None:

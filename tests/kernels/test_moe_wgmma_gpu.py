@@ -4,7 +4,9 @@ top-6, official numerics): the torch twin agrees within the FP8-MMA bound of the
 (the tensor cores' FP8 accumulation, ~2.5e-5 of each GEMM, flips a few e4m3 roundings of the
 activation between the GEMMs: the H100 measured 1e-3 to 2.5e-3 at 1-10 tokens); every output
 element is written (NaN-poisoned memory); skipped picks (ids outside 0..E-1) are left out; the
-shared expert's sum matches; a CUDA-graph replay on new inputs equals the eager call bit for
+GEMMs quantizing their own activation (three launches) give the five-launch chain's bits (its
+two Triton kernels equal ``act_quant`` in the interpreter tests), with PDL and without, also
+when one token picks an expert twice (two rows of one block); the shared expert's sum matches; a CUDA-graph replay on new inputs equals the eager call bit for
 bit and the split-K counters end clean; the op table routes decode calls to it under the flag.
 Skipped without an sm_90 GPU and Gluon."""
 
@@ -55,6 +57,27 @@ def test_wgmma_decode_matches_the_twin_gpu(T: int) -> None:
                                           tri.pick_moe_config(T * TOPK, E, D, ch.inter_dim, 128))
     err, err_grouped = _rel(got, twin), _rel(grouped, twin)
     assert err < REL_BOUND and err_grouped < 1e-3, (err, err_grouped)
+    assert _counters_clean()
+
+
+@pytest.mark.parametrize("T", [1, 2, 10])
+def test_fused_fill_gives_the_launch_chains_bits_gpu(T: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.ops import gluon_moe_decode as gm
+    ch, gen = _experts(1500 + T)
+    x = torch.randn(T, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[0, 1] = ids[0, 0]                  # one expert picked twice: two rows of its block
+    if T > 1:
+        ids[1, 2] = -1
+    monkeypatch.setattr(gm, "FUSED_FILL", False)
+    chain = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+    monkeypatch.setattr(gm, "FUSED_FILL", True)
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("DSV4_PDL", pdl)
+        _poison()
+        got = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+        assert torch.equal(got, chain), (pdl, _rel(got, chain))
     assert _counters_clean()
 
 

@@ -3,8 +3,9 @@
 With PDL a kernel's blocks may run while the previous kernel of the stream still does, so a
 kernel that touches global memory before its grid dependency wait races with it; a launch that
 passes ``launch_pdl=True`` to a kernel compiled without the wait loses the ordering altogether.
-These tests read every Triton module of ``dsv4.ops``: each kernel (a ``@triton.jit`` function
-named ``*_kernel``) takes ``PDL: tl.constexpr = False`` and calls ``grid_dependency_sync(PDL)``
+These tests read every Triton and Gluon module of ``dsv4.ops``: each kernel (a ``@triton.jit``
+or ``@gluon.jit`` function named ``*_kernel``) takes ``PDL: tl.constexpr = False`` (Gluon:
+``gl.constexpr``) and calls ``grid_dependency_sync(PDL)``
 as its first statement, and each launch (``kernel[grid](...)``) passes ``**pdl_args(...)``.
 The GPU side (same bits with PDL on and off, eager and in CUDA graphs) is
 ``tests/model/test_side_stream_gpu.py``.
@@ -19,11 +20,12 @@ import pytest
 import torch
 
 OPS = Path(__file__).resolve().parents[2] / "dsv4" / "ops"
-TRITON_MODULES = sorted(OPS.glob("triton_*.py"))
+TRITON_MODULES = sorted(OPS.glob("triton_*.py")) + sorted(OPS.glob("gluon_*.py"))
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:
-    return any(ast.unparse(d).startswith(("triton.jit", "jit")) for d in fn.decorator_list)
+    return any(ast.unparse(d).startswith(("triton.jit", "gluon.jit", "jit"))
+               for d in fn.decorator_list)
 
 
 def _kernels(tree: ast.Module) -> list[ast.FunctionDef]:
@@ -46,7 +48,7 @@ def test_every_kernel_waits_first(path: Path) -> None:
     for fn in _kernels(ast.parse(path.read_text())):
         args = fn.args.args
         assert args and args[-1].arg == "PDL", f"{fn.name}: last parameter must be PDL"
-        assert ast.unparse(args[-1].annotation) == "tl.constexpr", fn.name
+        assert ast.unparse(args[-1].annotation) in ("tl.constexpr", "gl.constexpr"), fn.name
         assert fn.args.defaults and ast.unparse(fn.args.defaults[-1]) == "False", \
             f"{fn.name}: PDL must default to False (plain launches)"
         body = fn.body
