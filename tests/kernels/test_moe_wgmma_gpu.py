@@ -81,6 +81,27 @@ def test_fused_fill_gives_the_launch_chains_bits_gpu(T: int,
     assert _counters_clean()
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_toy_widths_one_split_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/flash_bench.py --tiny's expert widths (D 256, I 128, 16 experts): the whole K in
+    one split (no partials), two chunks and one."""
+    from bench.moe_decode import mxfp4_stacks
+    from dsv4.ops import gluon_moe_decode as gm
+    from dsv4.ops import torch_dense as ref
+    gen = torch.Generator(device=DEV).manual_seed(1600 + T)
+    ex = mxfp4_stacks(16, 256, 128, gen, DEV, kchunk=True)
+    x = torch.randn(T, 256, generator=gen, device=DEV).to(torch.bfloat16)
+    ids = torch.rand(T, 16, generator=gen, device=DEV).topk(TOPK, dim=-1).indices
+    w = torch.rand(T, TOPK, generator=gen, device=DEV) + 0.1
+    monkeypatch.setattr(gm, "WGMMA_DECODE", True)
+    assert gm.qualifies(x, ids, ex)
+    _poison()
+    got = gm.moe_experts_wgmma(x, ids, w, ex, 10.0)
+    assert _rel(got, ref.moe_experts(x, ids, w, ex, 10.0)) < REL_BOUND
+    monkeypatch.setattr(gm, "FUSED_FILL", False)
+    assert torch.equal(got, gm.moe_experts_wgmma(x, ids, w, ex, 10.0))
+
+
 def test_wgmma_decode_with_shared_gpu() -> None:
     from dsv4.ops import gluon_moe_decode as gm
     from dsv4.ops import triton_moe as tri
