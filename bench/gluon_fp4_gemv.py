@@ -123,7 +123,7 @@ def gemm_main(args: argparse.Namespace) -> None:
     """The two GEMMs alone per plan: µs, GB/s of the distinct experts' bytes, error of the
     first call's first three blocks against float64.  "codes": the activation read as codes
     (x_codes / act_codes made them, untimed); "fill": quantized in the kernel (the default
-    path; the default plan only)."""
+    path, with ``pick_plan``'s plan)."""
     from bench.flash_bench import graph_time
     from bench.moe_decode import mxfp4_stacks, routing
     from dsv4.ops import triton_moe as tm
@@ -152,7 +152,8 @@ def gemm_main(args: argparse.Namespace) -> None:
         distinct = sum(int(torch.unique(c[0]).numel()) for c in calls) / len(calls)
         for name, n, k in (("up", INTER, D), ("down", D, INTER)):
             nbytes = distinct * n * k * (0.5 + 1 / 32) * (2 if name == "up" else 1)
-            for plan, fill in [(pl, False) for pl in PLANS] + [(PLANS[0], True)]:
+            for plan, fill in ([(pl, False) for pl in PLANS]
+                               + [(gm.pick_plan(n, k, name == "up"), True)]):
                 if k % (plan.cps * gm.CHUNK) or n % plan.rows:
                     continue
 
@@ -252,9 +253,10 @@ def main() -> None:
     if args.sass:
         for plan in PLANS:
             print(sass_report(plan, fused=False))
-        print(sass_report(PLANS[0], two=False, fused=False))
+        down = gm.pick_plan(D, INTER, two=False)
+        print(sass_report(down, two=False, fused=False))
         print(sass_report(PLANS[0]))
-        print(sass_report(PLANS[0], two=False))
+        print(sass_report(down, two=False))
         return
     op_main(args) if args.op else gemm_main(args)
 

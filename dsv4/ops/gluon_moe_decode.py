@@ -4,7 +4,7 @@ bound by ~4 SASS instructions per weight).
 
 The same contract as :func:`dsv4.ops.triton_moe.moe_experts_with_config` for a decode call
 (at most :data:`MAX_PAIRS` (token, pick) pairs) of K-chunk-major MXFP4 stacks under official
-numerics (FP8 activations per 128 columns), 1-2 tokens (:data:`MAX_TOKENS`).  Three launches:
+numerics (FP8 activations per 128 columns), one token (:data:`MAX_TOKENS`).  Three launches:
 
 1. ``_wgmma_gemv_kernel`` (Gluon) on w1 and w3: per (N tile, row block of the plan, K split)
    the weights are the M side of ``wgmma m64n8k32`` (64 rows a warpgroup), the block's pairs
@@ -39,7 +39,8 @@ class, bound 5e-3), where the grouped bf16-MMA kernels are within ~1e-7.
 
 Gluon has no interpreter (triton 3.6): the GEMM kernel runs on an sm_90 GPU and is compiled
 offline for sm_90 by the CPU tests (``tests/kernels/sm90_cases.py``); the two Triton kernels
-have interpreter tests, and the GPU tests check that the fused fill gives their chain's bits.  Off unless :data:`WGMMA_DECODE` (``DSV4_MOE_WGMMA=1``).
+have interpreter tests, and the GPU tests check that the fused fill gives their chain's bits.
+On unless :data:`WGMMA_DECODE` is off (``DSV4_MOE_WGMMA=0``).
 """
 
 from __future__ import annotations
@@ -70,14 +71,16 @@ except ImportError:  # pragma: no cover - older triton
 __all__ = ["WGMMA_DECODE", "MAX_TOKENS", "MAX_PAIRS", "qualifies", "moe_experts_wgmma",
            "x_codes", "act_codes", "mma_column", "GemvPlan", "pick_plan"]
 
-# Off until the GPU suite has run with it on (H100, docs/PERFORMANCE.md, twenty-eighth
-# session): the expert call 57.4 -> 47.9 µs at one token, 85.9 -> 81.8 at two, slower from
-# four; all 43 V4-Flash layers (64 experts) B=1 8.56-8.60 -> 8.02-8.05 ms (-6.2%), B=2 9.97 ->
-# 9.82 ms; 1e-3 of the twin where the grouped kernels are at 1e-7 (the FP8-MMA prefill's class).
-WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "0") == "1"
-# The token counts it serves (faster at 1-2 tokens only); the kernels themselves take up to
-# 64 pairs (the plan's 16-row blocks hold at most 16 pairs of one expert, the MMA's N).
-MAX_TOKENS = 2
+# On by default for one-token decode calls on sm_90 (DSV4_MOE_WGMMA=0: Triton's grouped kernels).
+# H100, docs/PERFORMANCE.md twenty-ninth session: the expert call 57.4 -> 44.5 µs at one token
+# (80.9 against 85.6 at two, but the 43-layer B=2 step was 1% slower with it, so two tokens
+# stay on the grouped kernels); all 43 V4-Flash layers (64 experts) B=1 8,209 -> 8,035 µs
+# (-2.1%, interleaved graph replays); ~1e-3 of the twin where the grouped kernels are at 1e-7
+# (the FP8-MMA prefill experts' class, also on by default).
+WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "1") == "1"
+# The token counts it serves; the kernels themselves take up to 64 pairs (the plan's 16-row
+# blocks hold at most 16 pairs of one expert, the MMA's N).
+MAX_TOKENS = 1
 MAX_PAIRS = 64
 PLAN_BM = 16     # rows of the plan's blocks (triton_moe.moe_plan)
 CHUNK = 128      # the K-chunk-major stacks' chunk and the activation's FP8 block
@@ -469,10 +472,12 @@ class GemvPlan:
         return 16 * self.warps * self.mt
 
 
-def pick_plan(n: int, k: int) -> GemvPlan:
-    """The plan of an [n, k] GEMM (H100 prototype sweep, docs/PERFORMANCE.md twenty-eighth
-    session: 64-row tiles, 8 chunks a split, 2 in flight); fewer chunks where K is short."""
-    return GemvPlan(cps=min(8, k // CHUNK))
+def pick_plan(n: int, k: int, two: bool = True) -> GemvPlan:
+    """The plan of an [n, k] GEMM (H100 sweeps, docs/PERFORMANCE.md twenty-eighth and
+    twenty-ninth sessions: 64-row tiles, 8 chunks a split; 2 chunks in flight for the w1 + w3
+    GEMM (``two``), 1 for w2, whose loads of one matrix need fewer registers); fewer chunks
+    where K is short."""
+    return GemvPlan(cps=min(8, k // CHUNK), pf=2 if two else 1)
 
 
 def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
@@ -485,7 +490,7 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
         return False
     P = topk_ids.numel()
     D, inter = x.shape[1], experts.inter_dim
-    up, down = pick_plan(inter, D), pick_plan(D, inter)
+    up, down = pick_plan(inter, D), pick_plan(D, inter, two=False)
     return (x.shape[0] <= MAX_TOKENS and 0 < P <= MAX_PAIRS and experts.fmt == "fp4"
             and experts.kchunk == CHUNK and experts.act_block == CHUNK and experts.s1 is not None
             and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
@@ -544,7 +549,7 @@ def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     u8 = torch.uint8
     h = torch.empty(2, R, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    up, down = pick_plan(inter, D), pick_plan(D, inter)
+    up, down = pick_plan(inter, D), pick_plan(D, inter, two=False)
     w1, s1, w3, s3, w2, s2 = (t.view(u8) for t in (experts.w1, experts.s1, experts.w3,
                                                     experts.s3, experts.w2, experts.s2))
     if FUSED_FILL:   # each GEMM quantizes its own activation

@@ -176,13 +176,21 @@ def test_refusals(tiny_v4) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("prework", [False, True])
-def test_gpu_graph_replays_match_eager(prework: bool) -> None:
+def test_gpu_graph_replays_match_eager(prework: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """V4-Flash's layer kinds at toy widths on the GPU (bench/flash_bench.py --tiny: FP8
     Linears, MXFP4 experts, fp8 records): captured replays against the eager forward over a
     schedule of prefill and mixed steps, and (``prework``: the cache part's token-local inputs
-    made in the graphs) bit for bit against the same segments run eagerly."""
+    made in the graphs) bit for bit against the same segments run eagerly.
+
+    The one-token experts on FP8 wgmma are off here: the graphs pad a step into its bucket, so
+    their expert calls never have one token and take the grouped kernels, and the eager
+    forward's would not — another FP8 class of rounding that the random model's routing
+    amplifies (bench/wgmma_model_check.py: ~1e-3 a call, 1e-1 in the logits)."""
     from bench.flash_bench import build_model
     from dsv4.cache.formats import RECORD_DTYPE
+    from dsv4.ops import gluon_moe_decode as gm
+
+    monkeypatch.setattr(gm, "WGMMA_DECODE", False)
 
     model = build_model(5, tiny=True)
 

@@ -1,14 +1,15 @@
 """The decode experts on FP8 wgmma with the MXFP4 codes decoded in registers
 (dsv4.ops.gluon_moe_decode) on an sm_90 GPU at V4-Flash widths (256 K-chunk-major experts,
-top-6, official numerics): the torch twin agrees within the FP8-MMA bound of the prefill experts
-(the tensor cores' FP8 accumulation, ~2.5e-5 of each GEMM, flips a few e4m3 roundings of the
-activation between the GEMMs: the H100 measured 1e-3 to 2.5e-3 at 1-10 tokens); every output
-element is written (NaN-poisoned memory); skipped picks (ids outside 0..E-1) are left out; the
-GEMMs quantizing their own activation (three launches) give the five-launch chain's bits (its
-two Triton kernels equal ``act_quant`` in the interpreter tests), with PDL and without, also
-when one token picks an expert twice (two rows of one block); the shared expert's sum matches; a CUDA-graph replay on new inputs equals the eager call bit for
-bit and the split-K counters end clean; the op table routes decode calls to it under the flag.
-Skipped without an sm_90 GPU and Gluon."""
+top-6, official numerics) and at toy widths (one split): the torch twin agrees within the
+FP8-MMA bound of the prefill experts (the tensor cores' FP8 accumulation, ~2.5e-5 of each GEMM,
+flips a few e4m3 roundings of the activation between the GEMMs: the H100 measured 1e-3 to
+2.5e-3 at 1-10 tokens); every output element is written (NaN-poisoned memory); skipped picks
+(ids outside 0..E-1) are left out; the GEMMs quantizing their own activation (three launches)
+give the five-launch chain's bits (its two Triton kernels equal ``act_quant`` in the
+interpreter tests), with PDL and without, also when one token picks an expert twice (two rows
+of one block); the shared expert's sum matches; a CUDA-graph replay on new inputs equals the
+eager call bit for bit and the split-K counters end clean; the op table routes one-token calls
+to it under the flag (on by default).  Skipped without an sm_90 GPU and Gluon."""
 
 from __future__ import annotations
 
@@ -149,5 +150,7 @@ def test_op_routes_decode_calls_under_the_flag_gpu(monkeypatch: pytest.MonkeyPat
     assert gm.qualifies(x, ids, ch)
     assert torch.equal(tri.moe_experts(x, ids, w, ch, 10.0), gm.moe_experts_wgmma(x, ids, w, ch,
                                                                                  10.0))
+    x2 = torch.randn(2, D, generator=gen, device=DEV).to(torch.bfloat16)
+    assert not gm.qualifies(x2, _routing(2, gen)[0], ch)    # two tokens: the grouped kernels
     monkeypatch.setattr(gm, "WGMMA_DECODE", False)
     assert not gm.qualifies(x, ids, ch)
