@@ -139,7 +139,7 @@ def gemm_main(args: argparse.Namespace) -> None:
     print("| tokens | GEMM | activation | plan | µs | GB/s | rel err vs float64 |")
     print("|---|---|---|---|---|---|---|")
     for T in [int(t) for t in args.tokens.split(",")]:
-        P, nt = T * TOPK, 8 if T <= 8 else 16
+        P, nt = T * TOPK, gm.mma_columns(T)
         calls = []
         for _ in range(args.rotate):
             ids, w = routing(T, E, TOPK, gen, dev)

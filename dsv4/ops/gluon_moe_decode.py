@@ -68,8 +68,9 @@ try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is of
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
-__all__ = ["WGMMA_DECODE", "MAX_TOKENS", "MAX_PAIRS", "qualifies", "moe_experts_wgmma",
-           "x_codes", "act_codes", "mma_column", "GemvPlan", "pick_plan"]
+__all__ = ["WGMMA_DECODE", "FUSED_FILL", "MAX_TOKENS", "MAX_PAIRS", "qualifies",
+           "moe_experts_wgmma", "x_codes", "act_codes", "mma_column", "mma_columns", "GemvPlan",
+           "pick_plan"]
 
 # On by default for one-token decode calls on sm_90 (DSV4_MOE_WGMMA=0: Triton's grouped kernels).
 # H100, docs/PERFORMANCE.md twenty-ninth session: the expert call 57.4 -> 44.5 µs at one token
@@ -480,6 +481,12 @@ def pick_plan(n: int, k: int, two: bool = True) -> GemvPlan:
     return GemvPlan(cps=min(8, k // CHUNK), pf=2 if two else 1)
 
 
+def mma_columns(tokens: int) -> int:
+    """The products' N (columns = pairs of one expert's block): 8 up to 8 tokens, else 16.  An
+    expert holds at most one pair a token when no token picks it twice."""
+    return 8 if tokens <= 8 else 16
+
+
 def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
     """Whether :func:`moe_experts_wgmma` serves this call (the flag, Gluon, an sm_90 GPU, a
     decode call of bf16 tokens, K-chunk-major MXFP4 stacks with e8m0 scales, FP8 activations
@@ -491,7 +498,9 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
     P = topk_ids.numel()
     D, inter = x.shape[1], experts.inter_dim
     up, down = pick_plan(inter, D), pick_plan(D, inter, two=False)
-    return (x.shape[0] <= MAX_TOKENS and 0 < P <= MAX_PAIRS and experts.fmt == "fp4"
+    # P <= the MMA's columns: even a token picking one expert twice fits its block's columns.
+    return (x.shape[0] <= MAX_TOKENS and 0 < P <= min(MAX_PAIRS, mma_columns(x.shape[0]))
+            and experts.fmt == "fp4"
             and experts.kchunk == CHUNK and experts.act_block == CHUNK and experts.s1 is not None
             and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
             and inter % up.rows == 0 and D % down.rows == 0
@@ -533,7 +542,9 @@ def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     """:func:`dsv4.ops.triton_moe.moe_experts_with_config` of a decode call that
     :func:`qualifies`: fp32 [T, D], or with ``shared`` the routed + shared sum in x's dtype.
     ``pairs`` / ``block_expert``: the plan of 16-row blocks (:func:`triton_moe.moe_plan`, or
-    the gate's), made here when not given; ``wait_shared`` runs before ``shared`` is read."""
+    the gate's), made here when not given; ``wait_shared`` runs before ``shared`` is read.
+    An expert's pairs must fit :func:`mma_columns` (true when no token picks an expert twice,
+    or when T·k does, as :func:`qualifies` requires)."""
     T, D = x.shape
     k = topk_ids.shape[1]
     E, inter = experts.num_experts, experts.inter_dim
@@ -544,7 +555,7 @@ def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         pairs, block_expert = tm.moe_plan(ids, E, BM)
     x = x if x.stride(1) == 1 else x.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
-    NT = 8 if T <= 8 else 16      # an expert holds at most T pairs (one a token)
+    NT = mma_columns(T)
     R = pairs.numel()
     u8 = torch.uint8
     h = torch.empty(2, R, inter, dtype=torch.float32, device=x.device)
