@@ -357,6 +357,8 @@ LAUNCH_VARIANTS = {
     "pdl, experts on wgmma": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1"},
     "pdl, experts on wgmma, 5 launches": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1",
                                           "gluon_moe_decode.FUSED_FILL": "0"},
+    "pdl, wgmma weights before the fill": {"DSV4_PDL": "1",
+                                           "gluon_moe_decode.EARLY_WEIGHTS": "1"},
     "pdl, act prep in up, combine in down": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1",
                                              "triton_moe.DOWN_COMBINE": "1"},
     # The same launches captured a second time: their bits against the first capture's tell a

@@ -39,7 +39,8 @@ PLANS = [gm.pick_plan(INTER, D), gm.GemvPlan(4, 1, 8, 1), gm.GemvPlan(4, 1, 4, 2
 
 
 # ------------------------------------------------------------------------------ offline SASS
-def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool = True):
+def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool = True,
+                 early: bool = False):
     """``_wgmma_gemv_kernel`` compiled for sm_90 without a GPU (the up GEMM's widths with
     ``two``, else the down GEMM's; pointers divisible by 16); ``fused``: the activation
     quantized in the kernel's fill (the default path), else read as codes."""
@@ -52,7 +53,7 @@ def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool =
     consts = dict(N=n, K=k, TOPK=TOPK, TWO=two, ACT=act, TOKEN_ROWS=two and not fused,
                   HAS_LIMIT=not two, BM=gm.PLAN_BM, NT=nt, WARPS=plan.warps, MT=plan.mt,
                   CPS=plan.cps, PF=plan.pf, S=k // (plan.cps * gm.CHUNK),
-                  BYTE_L=gm.byte_layout(plan.warps, plan.mt), PDL=True)
+                  BYTE_L=gm.byte_layout(plan.warps, plan.mt), EARLY=early, PDL=True)
     a_type = ("*bf16" if two else "*fp32") if fused else "*u8"
     types = {"a_ptr": a_type, "as_ptr": "*fp32", "wt_ptr": "*fp32", "part_ptr": "*fp32",
              "pair_ptr": "*i32", "bexp_ptr": "*i32", "arrivals_ptr": "*i32",
@@ -81,11 +82,12 @@ def _cuobjdump(kernel, flag: str) -> str:
                               check=True).stdout
 
 
-def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True) -> str:
+def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True,
+                early: bool = False) -> str:
     """SASS instructions per chunk and per weight a thread (the K loop is unrolled: the whole
     kernel over its chunks, prologue, activation fill and epilogue included), registers, top
     opcodes."""
-    k = compile_sm90(plan, two, fused=fused)
+    k = compile_sm90(plan, two, fused=fused, early=early)
     body = [m.group(1) for ln in _cuobjdump(k, "--dump-sass").splitlines()
             for m in [re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", ln)] if m]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
@@ -95,6 +97,7 @@ def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True) -> str:
     regs = re.search(r"REG:(\d+)", _cuobjdump(k, "--dump-resource-usage"))
     top = ", ".join(f"{o} {-(-c // plan.cps)}" for o, c in ops.most_common(8))
     what = ("tokens' fill" if two else "swiglu fill") if fused else "codes"
+    what += ", first chunk early" if early else ""
     return (f"{'up' if two else 'down'} ({what}) {plan}: {per_chunk:.0f} instr a chunk, "
             f"{weights} weights a thread: {per_chunk / weights:.2f} a weight; "
             f"regs {regs.group(1) if regs else '?'} | {top}")
@@ -257,6 +260,8 @@ def main() -> None:
         print(sass_report(down, two=False, fused=False))
         print(sass_report(PLANS[0]))
         print(sass_report(down, two=False))
+        print(sass_report(PLANS[0], early=True))
+        print(sass_report(down, two=False, early=True))
         return
     op_main(args) if args.op else gemm_main(args)
 

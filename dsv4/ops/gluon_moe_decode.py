@@ -92,6 +92,10 @@ GROUP = 32       # MXFP4 scale group = one m64n8k32 product
 # DSV4_MOE_WGMMA_FUSED=0) launches the two Triton kernels instead (the same bits).
 ACT_CODES, ACT_TOKENS, ACT_SWIGLU = 0, 1, 2
 FUSED_FILL = os.environ.get("DSV4_MOE_WGMMA_FUSED", "1") == "1"
+# With the fill: each GEMM requests its first weight chunk before quantizing its activation,
+# so the fill overlaps that load (DSV4_MOE_WGMMA_EARLY=1).  Written after the twenty-ninth
+# session's last device call: compiled offline, not yet timed on a GPU, so off.
+EARLY_WEIGHTS = os.environ.get("DSV4_MOE_WGMMA_EARLY", "0") == "1"
 
 
 def mma_column(k: torch.Tensor | int) -> torch.Tensor | int:
@@ -301,7 +305,7 @@ if HAVE_GLUON:
                            HAS_LIMIT: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr,
                            WARPS: gl.constexpr, MT: gl.constexpr, CPS: gl.constexpr,
                            PF: gl.constexpr, S: gl.constexpr, BYTE_L: gl.constexpr,
-                           PDL: gl.constexpr = False):
+                           EARLY: gl.constexpr, PDL: gl.constexpr = False):
         """One N tile of BN = 64·WARPS/4·MT rows of expert e = bexp[blk] (w1 and, with TWO,
         w3) against the block's pairs (columns j < NT: plan rows blk·BM + j), over K split
         ``program_id(2)`` of CPS chunks.  The activation (its split's columns into shared
@@ -315,7 +319,8 @@ if HAVE_GLUON:
           V4 clamp under HAS_LIMIT), rounded to bf16 and FP8-quantized here.
 
         The last two run the Triton kernels' own functions (``weighted_swiglu``,
-        ``quantize_block_rows``), so they give ``x_codes`` / ``act_codes``' bits.  Result (last
+        ``quantize_block_rows``), so they give ``x_codes`` / ``act_codes``' bits.  EARLY: w1's
+        first chunk is requested before the fill (the same bits).  Result (last
         split to arrive, in split order): TWO -> h[st, row, n] fp32 (out [2, R, N]); else
         y[pair, n] bf16."""
         grid_dependency_sync(PDL)
@@ -353,10 +358,11 @@ if HAVE_GLUON:
             zero = gl.zeros([BN, NT], gl.float32, acc_l)
             acc1 = gl.zeros([BN, NT], gl.float32, acc_l)
             acc3 = gl.zeros([BN, NT], gl.float32, acc_l)
-            # Chunk c + PF is loaded before chunk c's products are issued (PF chunks in flight
-            # a thread: the loads' latency is what bounds a one-token call).
-            # The split's activation rows into shared memory, once (while the first
-            # chunks' weights are on their way).
+            if EARLY:   # w1's first chunk on its way during the fill (~9 registers live)
+                cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
+            # The split's activation rows into shared memory, once.  (The fill comes before
+            # the weight loads: with all PF chunks of w1 and w3 in flight across it, the up
+            # GEMM needs 150 registers, not 72, and an SM holds half the programs.)
             x_s = gl.allocate_shared_memory(gl.float8e4nv, [NT, KR], x_sl)
             if ACT == _ACT_CODES:
                 px = gl.load(pair_ptr + blk * BM
@@ -379,7 +385,10 @@ if HAVE_GLUON:
                 x_s.store(f_s.load(xl_l))
             fence_async_shared()
             gl.thread_barrier()
-            cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
+            # Chunk c + PF is loaded before chunk c's products are issued (PF chunks in flight
+            # a thread: the loads' latency is what bounds a one-token call).
+            if not EARLY:
+                cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
             if TWO:
                 cur3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0, N)
             if PF >= 2:
@@ -531,7 +540,8 @@ def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch
         block_expert, part, arrivals, out, P, E, R, act.stride(-2), float(limit), N=N, K=K,
         TOPK=topk, TWO=two, ACT=act_mode, TOKEN_ROWS=token_rows, HAS_LIMIT=limit > 0,
         BM=PLAN_BM, NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
-        BYTE_L=byte_layout(plan.warps, plan.mt), num_warps=plan.warps, **pdl_args(act))
+        BYTE_L=byte_layout(plan.warps, plan.mt), EARLY=EARLY_WEIGHTS and act_mode != ACT_CODES,
+        num_warps=plan.warps, **pdl_args(act))
 
 
 def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
