@@ -53,7 +53,7 @@ def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool =
     consts = dict(N=n, K=k, TOPK=TOPK, TWO=two, ACT=act, TOKEN_ROWS=two and not fused,
                   HAS_LIMIT=not two, BM=gm.PLAN_BM, NT=nt, WARPS=plan.warps, MT=plan.mt,
                   CPS=plan.cps, PF=plan.pf, S=k // (plan.cps * gm.CHUNK),
-                  BYTE_L=gm.byte_layout(plan.warps, plan.mt), EARLY=early, PDL=True)
+                  EARLY=early, PDL=True)
     a_type = ("*bf16" if two else "*fp32") if fused else "*u8"
     types = {"a_ptr": a_type, "as_ptr": "*fp32", "wt_ptr": "*fp32", "part_ptr": "*fp32",
              "pair_ptr": "*i32", "bexp_ptr": "*i32", "arrivals_ptr": "*i32",

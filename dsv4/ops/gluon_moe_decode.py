@@ -64,6 +64,7 @@ try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is of
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon._runtime import constexpr_function
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
@@ -178,20 +179,19 @@ def act_codes(h: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ Gluon kernel
-def _log2(n: int) -> int:
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"expected a power of two; found {n}")
-    return n.bit_length() - 1
-
-
 def byte_layout(warps: int, mtiles: int) -> "gl.DistributedLinearLayout":
     """[16·warps·mtiles, 16] packed bytes of one scale group, each lane holding what its wgmma
     A fragment wants: lane (r, q) the 4 bytes 4q..4q+3 of rows r and r + 8 of each 16-row
-    slice (a warp's 16 rows; warps stacked, then the row tiles)."""
+    slice (a warp's 16 rows; warps stacked, then the row tiles).  Built in the kernel from its
+    integer constexprs (a layout object as a launch argument would not serialize into the
+    kernel manifest's JSON, nor through any Triton compile hook)."""
+    if min(warps, mtiles) < 1 or warps & (warps - 1) or mtiles & (mtiles - 1):
+        raise ValueError(f"warps and row tiles must be powers of two; found {warps}, {mtiles}")
     rows = 16 * warps * mtiles
-    regs = [[0, 1], [0, 2], [8, 0]] + [[16 * warps << j, 0] for j in range(_log2(mtiles))]
+    regs = [[0, 1], [0, 2], [8, 0]] + [[16 * warps << j, 0]
+                                       for j in range(mtiles.bit_length() - 1)]
     lanes = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
-    wbases = [[16 << j, 0] for j in range(_log2(warps))]
+    wbases = [[16 << j, 0] for j in range(warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(regs, lanes, wbases, [], [rows, 16])
 
 
@@ -211,6 +211,7 @@ if HAVE_GLUON:
     and.b32 b, b, 0x1C1C1C1C;
     or.b32 $1, a, b;
     }""")
+    _byte_layout = constexpr_function(byte_layout)
     _GROUP = gl.constexpr(GROUP)
     _CHUNK = gl.constexpr(CHUNK)
     _ACT_CODES = gl.constexpr(ACT_CODES)
@@ -304,8 +305,8 @@ if HAVE_GLUON:
                            TWO: gl.constexpr, ACT: gl.constexpr, TOKEN_ROWS: gl.constexpr,
                            HAS_LIMIT: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr,
                            WARPS: gl.constexpr, MT: gl.constexpr, CPS: gl.constexpr,
-                           PF: gl.constexpr, S: gl.constexpr, BYTE_L: gl.constexpr,
-                           EARLY: gl.constexpr, PDL: gl.constexpr = False):
+                           PF: gl.constexpr, S: gl.constexpr, EARLY: gl.constexpr,
+                           PDL: gl.constexpr = False):
         """One N tile of BN = 64·WARPS/4·MT rows of expert e = bexp[blk] (w1 and, with TWO,
         w3) against the block's pairs (columns j < NT: plan rows blk·BM + j), over K split
         ``program_id(2)`` of CPS chunks.  The activation (its split's columns into shared
@@ -325,6 +326,7 @@ if HAVE_GLUON:
         y[pair, n] bf16."""
         grid_dependency_sync(PDL)
         BN: gl.constexpr = 16 * WARPS * MT
+        BYTE_L: gl.constexpr = _byte_layout(WARPS, MT)
         NS: gl.constexpr = 2 if TWO else 1
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, NT, 32])
@@ -540,8 +542,7 @@ def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch
         block_expert, part, arrivals, out, P, E, R, act.stride(-2), float(limit), N=N, K=K,
         TOPK=topk, TWO=two, ACT=act_mode, TOKEN_ROWS=token_rows, HAS_LIMIT=limit > 0,
         BM=PLAN_BM, NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
-        BYTE_L=byte_layout(plan.warps, plan.mt), EARLY=EARLY_WEIGHTS and act_mode != ACT_CODES,
-        num_warps=plan.warps, **pdl_args(act))
+        EARLY=EARLY_WEIGHTS and act_mode != ACT_CODES, num_warps=plan.warps, **pdl_args(act))
 
 
 def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

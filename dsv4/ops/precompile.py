@@ -214,7 +214,10 @@ def _source(entry: dict[str, Any], arch: int) -> tuple[Any, Any, Any]:
                          f"{sorted(set(signature) ^ names)}")
     backend = make_backend(GPUTarget("cuda", arch, 32))
     options = backend.parse_options({k: tup(v) for k, v in spec["options"].items()})
-    src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    source = triton.compiler.ASTSource
+    if fn.is_gluon():   # dsv4.ops.gluon_moe_decode
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, signature, constexprs, attrs)
     return src, backend, options
 
 

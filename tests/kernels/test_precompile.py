@@ -1,6 +1,7 @@
 """Kernel manifests (dsv4/ops/precompile.py): a specialization recorded through Triton's own
 post-compile hook, compiled for sm_90 by a worker process into an empty disk cache, is the
-binary the launch path then finds (the same cache key), without a GPU.
+binary the launch path then finds (the same cache key), without a GPU — a Triton kernel and
+the Gluon one.
 
 The launch comes from the offline sm_90 recorder (tests/kernels/sm90_cases.py) in a child
 process without ``TRITON_INTERPRET`` (the kernels branch on it)."""
@@ -32,8 +33,8 @@ from dsv4.ops import precompile as pc
 
 c.RECORDER.launches.clear()
 with c.RECORDER.active():
-    c.SCENARIOS["act_quant"]()
-launch = c.RECORDER.launches[0]
+    c.SCENARIOS[sys.argv[3]]()
+launch = next(x for x in c.RECORDER.launches if x.kernel_name == sys.argv[4])
 out = {"kernel": launch.kernel_name}
 
 # The hook as Triton calls it after a compile (JITFunction._call_hook serializes the launch).
@@ -72,19 +73,32 @@ print(json.dumps(out))
 """
 
 
-def test_recorded_kernel_precompiles_to_the_launch_paths_cache_entry(tmp_path: Path) -> None:
+def _child_env(tmp_path: Path) -> dict[str, str]:
     pytest.importorskip("triton")
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), str(tmp_path / "m.json")],
+    return env
+
+
+def _record_and_precompile(tmp_path: Path, env: dict[str, str], scenario: str,
+                           kernel: str) -> dict:
+    """CHILD on the first launch of ``kernel`` in the offline recorder's ``scenario``."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), str(tmp_path / "m.json"),
+                           scenario, kernel],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in out:
         pytest.skip(f"cannot compile for sm_90 here: {out['skip']}")
+    return out
+
+
+def test_recorded_kernel_precompiles_to_the_launch_paths_cache_entry(tmp_path: Path) -> None:
+    env = _child_env(tmp_path)
+    out = _record_and_precompile(tmp_path, env, "act_quant", "_act_quant_kernel")
     assert out["kernel"] == "_act_quant_kernel"
     assert out["written"] == 1 and out["entries"] == 1          # recorded twice, kept once
     assert out["derived_options_dropped"]
@@ -113,6 +127,20 @@ def test_recorded_kernel_precompiles_to_the_launch_paths_cache_entry(tmp_path: P
                           str(tmp_path / "m.json"), "--arch", "80"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "holds nothing for sm_80" in bad.stderr
+
+
+def test_gluon_kernel_records_and_precompiles(tmp_path: Path) -> None:
+    """The one-token expert GEMM (Gluon, dsv4.ops.gluon_moe_decode): its specialization goes
+    through Triton's compile hook into a manifest (its constexprs serialize: no layout object
+    among them) and a worker compiles the launch path's own cache entry."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = _record_and_precompile(tmp_path, _child_env(tmp_path),
+                                 "moe_experts/v4_flash/fp4_wgmma_decode", "_wgmma_gemv_kernel")
+    assert out["written"] == 1 and out["entries"] == 1
+    assert out["missing_before"] == 1
+    assert out["stats"]["compiled"] == 1 and out["stats"]["failed"] == 0
+    assert out["missing_after"] == 0
+    assert out["new_cache_dirs"] == []
 
 
 def test_manifest_of_another_triton_is_ignored(tmp_path: Path) -> None:
