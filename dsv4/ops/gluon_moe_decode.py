@@ -74,11 +74,11 @@ __all__ = ["WGMMA_DECODE", "FUSED_FILL", "MAX_TOKENS", "MAX_PAIRS", "qualifies",
            "pick_plan"]
 
 # On by default for one-token decode calls on sm_90 (DSV4_MOE_WGMMA=0: Triton's grouped kernels).
-# H100, docs/PERFORMANCE.md twenty-ninth session: the expert call 57.4 -> 44.5 µs at one token
+# H100, docs/PERFORMANCE.md twenty-ninth session: the expert call 56.6 -> 44.3 µs at one token
 # (80.9 against 85.6 at two, but the 43-layer B=2 step was 1% slower with it, so two tokens
-# stay on the grouped kernels); all 43 V4-Flash layers (64 experts) B=1 8,209 -> 8,035 µs
-# (-2.1%, interleaved graph replays); ~1e-3 of the twin where the grouped kernels are at 1e-7
-# (the FP8-MMA prefill experts' class, also on by default).
+# stay on the grouped kernels); all 43 V4-Flash layers (64 experts) B=1 8,356 -> 7,976 µs
+# (-4.5%, interleaved graph replays; -2.1% in an earlier run); ~1e-3 of the twin where the
+# grouped kernels are at 1e-7 (the FP8-MMA prefill experts' class, also on by default).
 WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "1") == "1"
 # The token counts it serves; the kernels themselves take up to 64 pairs (the plan's 16-row
 # blocks hold at most 16 pairs of one expert, the MMA's N).
