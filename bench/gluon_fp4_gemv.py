@@ -35,6 +35,8 @@ from dsv4.ops import gluon_moe_decode as gm  # noqa: E402
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 # Tile plans timed (the default first): warps, row tiles a warp, chunks a split, in flight.
 PLANS = [gm.pick_plan(INTER, D), gm.GemvPlan(4, 1, 8, 1), gm.GemvPlan(4, 1, 4, 2),
+         gm.GemvPlan(4, 1, 8, 2, stages=3), gm.GemvPlan(4, 1, 8, 2, stages=4),
+         gm.GemvPlan(4, 1, 8, 2, stages=6),
          gm.GemvPlan(4, 2, 8, 2), gm.GemvPlan(8, 1, 8, 2), gm.GemvPlan(4, 1, 16, 2)]
 
 
@@ -53,7 +55,7 @@ def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool =
     consts = dict(N=n, K=k, TOPK=TOPK, TWO=two, ACT=act, TOKEN_ROWS=two and not fused,
                   HAS_LIMIT=not two, BM=gm.PLAN_BM, NT=nt, WARPS=plan.warps, MT=plan.mt,
                   CPS=plan.cps, PF=plan.pf, S=k // (plan.cps * gm.CHUNK),
-                  EARLY=early, PDL=True)
+                  EARLY=early, ST=plan.stages, PDL=True)
     a_type = ("*bf16" if two else "*fp32") if fused else "*u8"
     types = {"a_ptr": a_type, "as_ptr": "*fp32", "wt_ptr": "*fp32", "part_ptr": "*fp32",
              "pair_ptr": "*i32", "bexp_ptr": "*i32", "arrivals_ptr": "*i32",

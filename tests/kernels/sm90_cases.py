@@ -647,8 +647,9 @@ def _moe_wgmma_decode() -> None:
     """The decode experts on FP8 wgmma with the MXFP4 codes decoded in registers
     (dsv4.ops.gluon_moe_decode, Gluon: this is its only CPU check): K-chunk-major V4-Flash
     stacks, official numerics, 1 and 10 tokens (8- and 16-column products), with the shared
-    expert at 10; the GEMMs quantizing their own activation (the default, and with the first
-    weight chunk requested before the fill) and the five-launch chain."""
+    expert at 10; the GEMMs quantizing their own activation (the default, with the first
+    weight chunk requested before the fill, with the weights staged through a cp.async ring)
+    and the five-launch chain."""
     import torch
 
     from dsv4.ops import gluon_moe_decode as gm
@@ -656,16 +657,17 @@ def _moe_wgmma_decode() -> None:
     m = V4_FLASH
     ex = _experts(m, "fp4", True, False)
     ex = replace(ex, kchunk=tm._block_k(ex, m.dim, m.inter))
-    old = gm.FUSED_FILL, gm.EARLY_WEIGHTS
+    old = gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES
     try:
-        for gm.FUSED_FILL, gm.EARLY_WEIGHTS in ((True, False), (False, False), (True, True)):
+        for gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES in (
+                (True, False, 0), (False, False, 0), (True, True, 0), (True, False, 4)):
             for T in (1, 10):
                 x = _empty(T, m.dim, dtype=torch.bfloat16)
                 gm.moe_experts_wgmma(x, torch.randint(0, E_ALLOC, (T, m.topk)),
                                      torch.rand(T, m.topk), ex, 10.0,
                                      shared=x if T == 10 else None)
     finally:
-        gm.FUSED_FILL, gm.EARLY_WEIGHTS = old
+        gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES = old
 
 
 @scenario("sparse_attn/v4_record/rope_out")
