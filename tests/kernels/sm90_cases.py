@@ -659,9 +659,11 @@ def _moe_wgmma_decode() -> None:
     ex = replace(ex, kchunk=tm._block_k(ex, m.dim, m.inter))
     old = gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES
     try:
-        for gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES in (
-                (True, False, 0), (False, False, 0), (True, True, 0), (True, False, 4)):
-            for T in (1, 10):
+        # The default also at ten tokens (16-column products); the variants at one.
+        for gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES, tokens in (
+                (True, False, 0, (1, 10)), (False, False, 0, (1,)), (True, True, 0, (1,)),
+                (True, False, 4, (1,))):
+            for T in tokens:
                 x = _empty(T, m.dim, dtype=torch.bfloat16)
                 gm.moe_experts_wgmma(x, torch.randint(0, E_ALLOC, (T, m.topk)),
                                      torch.rand(T, m.topk), ex, 10.0,
