@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -91,7 +92,7 @@ def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True,
     opcodes."""
     k = compile_sm90(plan, two, fused=fused, early=early)
     body = [m.group(1) for ln in _cuobjdump(k, "--dump-sass").splitlines()
-            for m in [re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", ln)] if m]
+            for m in [re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)] if m]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
                               for b in body)
     per_chunk = len(body) / plan.cps
@@ -102,7 +103,7 @@ def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True,
     what += ", first chunk early" if early else ""
     return (f"{'up' if two else 'down'} ({what}) {plan}: {per_chunk:.0f} instr a chunk, "
             f"{weights} weights a thread: {per_chunk / weights:.2f} a weight; "
-            f"regs {regs.group(1) if regs else '?'} | {top}")
+            f"regs {regs.group(1) if regs else '?'}, shared {k.metadata.shared} B | {top}")
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -264,6 +265,8 @@ def main() -> None:
         print(sass_report(down, two=False))
         print(sass_report(PLANS[0], early=True))
         print(sass_report(down, two=False, early=True))
+        print(sass_report(dataclasses.replace(PLANS[0], stages=4)))
+        print(sass_report(dataclasses.replace(down, stages=4), two=False))
         return
     op_main(args) if args.op else gemm_main(args)
 

@@ -70,9 +70,9 @@ try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is of
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
-__all__ = ["WGMMA_DECODE", "FUSED_FILL", "MAX_TOKENS", "MAX_PAIRS", "qualifies",
-           "moe_experts_wgmma", "x_codes", "act_codes", "mma_column", "mma_columns", "GemvPlan",
-           "pick_plan"]
+__all__ = ["WGMMA_DECODE", "FUSED_FILL", "EARLY_WEIGHTS", "WEIGHT_STAGES", "MAX_TOKENS",
+           "MAX_PAIRS", "qualifies", "moe_experts_wgmma", "x_codes", "act_codes", "mma_column",
+           "mma_columns", "GemvPlan", "pick_plan"]
 
 # On by default for one-token decode calls on sm_90 (DSV4_MOE_WGMMA=0: Triton's grouped kernels).
 # H100, docs/PERFORMANCE.md twenty-ninth session: the expert call 56.6 -> 44.3 µs at one token
@@ -580,7 +580,7 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
     D, inter = x.shape[1], experts.inter_dim
     up, down = pick_plan(inter, D), pick_plan(D, inter, two=False)
     # P <= the MMA's columns: even a token picking one expert twice fits its block's columns.
-    return (x.shape[0] <= MAX_TOKENS and 0 < P <= min(MAX_PAIRS, mma_columns(x.shape[0]))
+    return (x.shape[0] <= MAX_TOKENS and 0 < P <= mma_columns(x.shape[0])
             and experts.fmt == "fp4"
             and experts.kchunk == CHUNK and experts.act_block == CHUNK and experts.s1 is not None
             and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))

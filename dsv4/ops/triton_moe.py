@@ -1099,7 +1099,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     P = T * k
     from dsv4.ops import gluon_moe_decode as gm   # (it imports this module)
     if cfg is None and gm.qualifies(x, topk_ids, experts):
-        # Decode on FP8 wgmma with the codes decoded in registers (DSV4_MOE_WGMMA=1).
+        # One-token decode on FP8 wgmma, the codes decoded in registers (DSV4_MOE_WGMMA=0: off).
         own = plan is not None and plan.P == P and plan.BM == gm.PLAN_BM
         return gm.moe_experts_wgmma(x, topk_ids, topk_weights, experts, swiglu_limit,
                                     plan.pairs if own else None,
