@@ -21,6 +21,7 @@ stage ab43 110 python bench/flash_bench.py --layers 43 --experts $EXPERTS --pref
     --decode-batches 1 --ctx 8192 --steps 2 --launch-ab \
     --ab-variants "pdl;pdl, experts on Triton;pdl, wgmma weights before the fill;pdl, wgmma weights staged (4)"
 grep -h "decode B=" "$LOGS/ab43.log" | head -3
-stage engine 230 python -m pytest -q -rf tests/model/test_side_stream_gpu.py \
+stage engine 190 python -m pytest -q -rf tests/model/test_side_stream_gpu.py \
     tests/engine/test_warmup.py -k "gpu or cuda"
 grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/engine.log" | head -20
+TCACHE_MAX_MB=56 save_triton_cache   # once, at the end: the Gluon kernels for later calls

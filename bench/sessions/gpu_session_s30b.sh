@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Thirtieth session: the targets of #5 re-measured with the wgmma decode experts on by default
+# (43 layers: B=1 / B=64 decode at an 8K context, the 8K prefill), then transformers against
+# dsv4 on the 4-layer workload of the fifteenth session (B=1 at a 4K context).
+set -u
+cd "$(dirname "$0")/../.."
+export TCACHE_MAX_MB=0
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage full43 230 python bench/flash_bench.py --layers 43 --experts $EXPERTS --prefill 8192 \
+    --decode-batches 1,64 --ctx 8192 --steps 2 --reps 2 --budget 200 --out "$LOGS/full43.json"
+grep -h "prefill S\|decode B\|model built" "$LOGS/full43.log" | tail -n 12
+stage hf 230 python bench/flash_bench.py --layers 4 --prefill 4096 --decode-batches 1 \
+    --ctx 4096 --steps 3 --budget 100 --hf "4096;1:4096" --out "$LOGS/hf.json"
+grep -h "prefill S\|decode B\|transformers\|hf " "$LOGS/hf.log" | grep -v "moe B" | tail -n 12
