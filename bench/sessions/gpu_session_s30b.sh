@@ -7,9 +7,19 @@ cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-stage full43 230 python bench/flash_bench.py --layers 43 --experts $EXPERTS --prefill 8192 \
+# Where a layer's B=1 step goes with the wgmma experts (as run: PDL, lanes; kernel by kernel).
+stage tl 90 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1 \
+    --ctx 8192 --steps 2 --budget 75 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
+grep -h "decode B" "$LOGS/tl.log"
+# The 43-layer run also records its kernels into a copy of the shipped manifest (the Gluon
+# GEMMs of the one-token experts are not in it yet).
+cp dsv4/ops/kernels_sm90.json "$OUT/kernels_sm90.json"
+export DSV4_RECORD_KERNELS="$OUT/kernels_sm90.json"
+stage full43 220 python bench/flash_bench.py --layers 43 --experts $EXPERTS --prefill 8192 \
     --decode-batches 1,64 --ctx 8192 --steps 2 --reps 2 --budget 200 --out "$LOGS/full43.json"
 grep -h "prefill S\|decode B\|model built" "$LOGS/full43.log" | tail -n 12
-stage hf 230 python bench/flash_bench.py --layers 4 --prefill 4096 --decode-batches 1 \
+unset DSV4_RECORD_KERNELS
+python -c "import json; d=json.load(open('$OUT/kernels_sm90.json')); k=d['kernels']; print(len(k), 'kernels,', sum('gluon' in e['module'] for e in k), 'gluon')"
+stage hf 200 python bench/flash_bench.py --layers 4 --prefill 4096 --decode-batches 1 \
     --ctx 4096 --steps 3 --budget 100 --hf "4096;1:4096" --out "$LOGS/hf.json"
 grep -h "prefill S\|decode B\|transformers\|hf " "$LOGS/hf.log" | grep -v "moe B" | tail -n 12
