@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Thirtieth session's first call (device starts kept failing: s30a + s30b cut to one call).
+# The wgmma GPU tests (early / staged weights: same bits), the 43-layer B=1 A/B of the default
+# against the grouped kernels and the two options, a 4-layer B=1 timeline, and the 43-layer
+# targets (B=1 / B=64 at an 8K context, the 8K prefill) recording their kernels into a copy of
+# the shipped manifest (the Gluon GEMMs are not in it yet).
+set -u
+cd "$(dirname "$0")/../.."
+export TCACHE_MAX_MB=0
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage tests 80 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
+grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -20
+stage ab43 110 python bench/flash_bench.py --layers 43 --experts $EXPERTS --prefill "" \
+    --decode-batches 1 --ctx 8192 --steps 2 --launch-ab \
+    --ab-variants "pdl;pdl, experts on Triton;pdl, wgmma weights before the fill;pdl, wgmma weights staged (4)"
+grep -h "decode B=" "$LOGS/ab43.log" | head -3
+stage tl 80 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1 \
+    --ctx 8192 --steps 2 --budget 65 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
+grep -h "decode B" "$LOGS/tl.log"
+cp dsv4/ops/kernels_sm90.json "$OUT/kernels_sm90.json"
+export DSV4_RECORD_KERNELS="$OUT/kernels_sm90.json"
+stage full43 200 python bench/flash_bench.py --layers 43 --experts $EXPERTS --prefill 8192 \
+    --decode-batches 1,64 --ctx 8192 --steps 2 --reps 2 --budget 180 --out "$LOGS/full43.json"
+grep -h "prefill S\|decode B\|model built" "$LOGS/full43.log" | tail -n 12
+unset DSV4_RECORD_KERNELS
+python -c "import json; d=json.load(open('$OUT/kernels_sm90.json')); k=d['kernels']; print(len(k), 'kernels,', sum('gluon' in e['module'] for e in k), 'gluon')"
+TCACHE_MAX_MB=56 save_triton_cache
