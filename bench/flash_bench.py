@@ -360,6 +360,11 @@ LAUNCH_VARIANTS = {
     "pdl, wgmma weights before the fill": {"DSV4_PDL": "1",
                                            "gluon_moe_decode.EARLY_WEIGHTS": "1"},
     "pdl, wgmma weights staged (4)": {"DSV4_PDL": "1", "gluon_moe_decode.WEIGHT_STAGES": "4"},
+    # Past one token (measurements only: MAX_TOKENS is 1 by default).
+    "pdl, wgmma experts to 64 tokens": {"DSV4_PDL": "1", "gluon_moe_decode.MAX_TOKENS": "64"},
+    "pdl, wgmma experts to 64 tokens, 5 launches": {"DSV4_PDL": "1",
+                                                    "gluon_moe_decode.MAX_TOKENS": "64",
+                                                    "gluon_moe_decode.FUSED_FILL": "0"},
     "pdl, act prep in up, combine in down": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1",
                                              "triton_moe.DOWN_COMBINE": "1"},
     # The same launches captured a second time: their bits against the first capture's tell a

@@ -81,9 +81,10 @@ __all__ = ["WGMMA_DECODE", "FUSED_FILL", "EARLY_WEIGHTS", "WEIGHT_STAGES", "MAX_
 # (-4.5%, interleaved graph replays; -2.1% in an earlier run); ~1e-3 of the twin where the
 # grouped kernels are at 1e-7 (the FP8-MMA prefill experts' class, also on by default).
 WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "1") == "1"
-# The token counts it serves; the kernels themselves take up to 64 pairs (the plan's 16-row
-# blocks hold at most 16 pairs of one expert, the MMA's N).
-MAX_TOKENS = 1
+# The token counts it serves (DSV4_MOE_WGMMA_MAX_TOKENS, for measurements past one token).
+# From 9 tokens the products are 16 columns wide, the plan's blocks' 16 rows, so any number of
+# pairs fits; up to 8 they are 8 wide and the call's pairs must fit them (one token).
+MAX_TOKENS = int(os.environ.get("DSV4_MOE_WGMMA_MAX_TOKENS", "1"))
 MAX_PAIRS = 64
 PLAN_BM = 16     # rows of the plan's blocks (triton_moe.moe_plan)
 CHUNK = 128      # the K-chunk-major stacks' chunk and the activation's FP8 block
@@ -579,8 +580,10 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
     P = topk_ids.numel()
     D, inter = x.shape[1], experts.inter_dim
     up, down = pick_plan(inter, D), pick_plan(D, inter, two=False)
-    # P <= the MMA's columns: even a token picking one expert twice fits its block's columns.
-    return (x.shape[0] <= MAX_TOKENS and 0 < P <= mma_columns(x.shape[0])
+    # P <= the MMA's columns: even a token picking one expert twice fits its block's columns;
+    # columns as wide as the plan's blocks hold any block.
+    nt = mma_columns(x.shape[0])
+    return (x.shape[0] <= MAX_TOKENS and 0 < P and (P <= nt or nt >= PLAN_BM)
             and experts.fmt == "fp4"
             and experts.kchunk == CHUNK and experts.act_block == CHUNK and experts.s1 is not None
             and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))
