@@ -2,9 +2,9 @@
 (dsv4 issue #5: the decode expert GEMMs of :mod:`dsv4.ops.triton_moe` run at ~2.6x their bytes,
 bound by ~4 SASS instructions per weight).
 
-The same contract as :func:`dsv4.ops.triton_moe.moe_experts_with_config` for a decode call
-(at most :data:`MAX_PAIRS` (token, pick) pairs) of K-chunk-major MXFP4 stacks under official
-numerics (FP8 activations per 128 columns), one token (:data:`MAX_TOKENS`).  Three launches:
+The same contract as :func:`dsv4.ops.triton_moe.moe_experts_with_config` for a decode call of
+K-chunk-major MXFP4 stacks under official numerics (FP8 activations per 128 columns), one token
+by default (:data:`MAX_TOKENS`).  Three launches:
 
 1. ``_wgmma_gemv_kernel`` (Gluon) on w1 and w3: per (N tile, row block of the plan, K split)
    the weights are the M side of ``wgmma m64n8k32`` (64 rows a warpgroup), the block's pairs
@@ -71,7 +71,7 @@ except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
 __all__ = ["WGMMA_DECODE", "FUSED_FILL", "EARLY_WEIGHTS", "WEIGHT_STAGES", "MAX_TOKENS",
-           "MAX_PAIRS", "qualifies", "moe_experts_wgmma", "x_codes", "act_codes", "mma_column",
+           "qualifies", "pairs_fit", "moe_experts_wgmma", "x_codes", "act_codes", "mma_column",
            "mma_columns", "GemvPlan", "pick_plan"]
 
 # On by default for one-token decode calls on sm_90 (DSV4_MOE_WGMMA=0: Triton's grouped kernels).
@@ -85,7 +85,6 @@ WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "1") == "1"
 # From 9 tokens the products are 16 columns wide, the plan's blocks' 16 rows, so any number of
 # pairs fits; up to 8 they are 8 wide and the call's pairs must fit them (one token).
 MAX_TOKENS = int(os.environ.get("DSV4_MOE_WGMMA_MAX_TOKENS", "1"))
-MAX_PAIRS = 64
 PLAN_BM = 16     # rows of the plan's blocks (triton_moe.moe_plan)
 CHUNK = 128      # the K-chunk-major stacks' chunk and the activation's FP8 block
 GROUP = 32       # MXFP4 scale group = one m64n8k32 product
@@ -569,6 +568,15 @@ def mma_columns(tokens: int) -> int:
     return 8 if tokens <= 8 else 16
 
 
+def pairs_fit(tokens: int, pairs: int) -> bool:
+    """Whether every plan block of a call's ``pairs`` fits the products' columns
+    (:func:`mma_columns`): all of them do when the columns are as wide as the blocks; narrower
+    ones hold a block whatever the routing only if they hold all the pairs (a token may pick
+    one expert twice)."""
+    nt = mma_columns(tokens)
+    return pairs > 0 and (pairs <= nt or nt >= PLAN_BM)
+
+
 def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -> bool:
     """Whether :func:`moe_experts_wgmma` serves this call (the flag, Gluon, an sm_90 GPU, a
     decode call of bf16 tokens, K-chunk-major MXFP4 stacks with e8m0 scales, FP8 activations
@@ -580,10 +588,7 @@ def qualifies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeights) -
     P = topk_ids.numel()
     D, inter = x.shape[1], experts.inter_dim
     up, down = pick_plan(inter, D), pick_plan(D, inter, two=False)
-    # P <= the MMA's columns: even a token picking one expert twice fits its block's columns;
-    # columns as wide as the plan's blocks hold any block.
-    nt = mma_columns(x.shape[0])
-    return (x.shape[0] <= MAX_TOKENS and 0 < P and (P <= nt or nt >= PLAN_BM)
+    return (x.shape[0] <= MAX_TOKENS and pairs_fit(x.shape[0], P)
             and experts.fmt == "fp4"
             and experts.kchunk == CHUNK and experts.act_block == CHUNK and experts.s1 is not None
             and experts.s1.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", None))

@@ -40,6 +40,16 @@ def test_mma_column_is_a_permutation_within_groups() -> None:
     assert cols[8 * 1 + 2 * 3 + 1] == 16 + 4 * 1 + 3
 
 
+def test_pairs_fit_the_products_columns() -> None:
+    # One token (8 columns): its top-6, even with one expert picked twice.
+    assert gm.pairs_fit(1, 6) and gm.pairs_fit(1, 8) and not gm.pairs_fit(1, 9)
+    assert not gm.pairs_fit(2, 12)          # 8 columns could meet a block of 9..12 pairs
+    # From 9 tokens the products are as wide as the plan's 16-row blocks: any number of pairs.
+    assert gm.mma_columns(9) == gm.PLAN_BM
+    assert gm.pairs_fit(16, 96) and gm.pairs_fit(64, 384)
+    assert not gm.pairs_fit(64, 0)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_x_codes_match_act_quant(T: int) -> None:
     gen = torch.Generator().manual_seed(T)
