@@ -9,7 +9,7 @@ export TCACHE_MAX_MB=0
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 cp dsv4/ops/kernels_sm90.json "$OUT/kernels_sm90.json"
-DSV4_RECORD_KERNELS="$OUT/kernels_sm90.json" stage ab43 130 python bench/flash_bench.py \
+stage ab43 130 env DSV4_RECORD_KERNELS="$OUT/kernels_sm90.json" python bench/flash_bench.py \
     --layers 43 --experts $EXPERTS --prefill "" --decode-batches 1 --ctx 8192 --steps 2 \
     --launch-ab --ab-variants \
     "pdl;pdl, experts on Triton;pdl, wgmma weights before the fill;pdl, wgmma weights staged (4)"
