@@ -3,8 +3,8 @@
 top-6, official numerics) and at toy widths (one split): the torch twin agrees within the
 FP8-MMA bound of the prefill experts (the tensor cores' FP8 accumulation, ~2.5e-5 of each GEMM,
 flips a few e4m3 roundings of the activation between the GEMMs: the H100 measured 1e-3 to
-2.5e-3 at 1-10 tokens; 64 tokens: the measurements past one token); every output element is written (NaN-poisoned memory); skipped picks
-(ids outside 0..E-1) are left out; the GEMMs quantizing their own activation (three launches)
+2.5e-3 at 1-10 tokens; 64 tokens for the measurements past one token); every output element
+is written (NaN-poisoned memory); skipped picks (ids outside 0..E-1) are left out; the GEMMs quantizing their own activation (three launches)
 give the five-launch chain's bits (its two Triton kernels equal ``act_quant`` in the
 interpreter tests), with PDL and without, with the first weight chunk requested before the
 fill, with the weights staged through a cp.async ring, also when one token picks an expert
