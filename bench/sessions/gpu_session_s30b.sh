@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Thirtieth session: the targets of #5 re-measured with the wgmma decode experts on by default
-# (43 layers: B=1 / B=64 decode at an 8K context, the 8K prefill), then transformers against
-# dsv4 on the 4-layer workload of the fifteenth session (B=1 at a 4K context).
+# Thirtieth session: a 4-layer B=1 timeline and the targets of #5 re-measured with the wgmma
+# decode experts on by default (43 layers: B=1 / B=64 decode at an 8K context, the 8K prefill).
+# (transformers on the same workload: gpu_session_s30d.sh.)
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
@@ -20,6 +20,3 @@ stage full43 220 python bench/flash_bench.py --layers 43 --experts $EXPERTS --pr
 grep -h "prefill S\|decode B\|model built" "$LOGS/full43.log" | tail -n 12
 unset DSV4_RECORD_KERNELS
 python -c "import json; d=json.load(open('$OUT/kernels_sm90.json')); k=d['kernels']; print(len(k), 'kernels,', sum('gluon' in e['module'] for e in k), 'gluon')"
-stage hf 200 python bench/flash_bench.py --layers 4 --prefill 4096 --decode-batches 1 \
-    --ctx 4096 --steps 3 --budget 100 --hf "4096;1:4096" --out "$LOGS/hf.json"
-grep -h "prefill S\|decode B\|transformers\|hf " "$LOGS/hf.log" | grep -v "moe B" | tail -n 12
