@@ -357,9 +357,6 @@ LAUNCH_VARIANTS = {
     "pdl, experts on wgmma": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1"},
     "pdl, experts on wgmma, 5 launches": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1",
                                           "gluon_moe_decode.FUSED_FILL": "0"},
-    "pdl, wgmma weights before the fill": {"DSV4_PDL": "1",
-                                           "gluon_moe_decode.EARLY_WEIGHTS": "1"},
-    "pdl, wgmma weights staged (4)": {"DSV4_PDL": "1", "gluon_moe_decode.WEIGHT_STAGES": "4"},
     # Past one token (measurements only: MAX_TOKENS is 1 by default).
     "pdl, wgmma experts to 64 tokens": {"DSV4_PDL": "1", "gluon_moe_decode.MAX_TOKENS": "64"},
     "pdl, wgmma experts to 64 tokens, 5 launches": {"DSV4_PDL": "1",

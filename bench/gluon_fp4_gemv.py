@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import subprocess
@@ -35,15 +34,13 @@ from dsv4.ops import gluon_moe_decode as gm  # noqa: E402
 
 E, D, INTER, TOPK = 256, 4096, 2048, 6
 # Tile plans timed (the default first): warps, row tiles a warp, chunks a split, in flight.
+# (The cp.async-staged plans were removed with the option, thirty-first session.)
 PLANS = [gm.pick_plan(INTER, D), gm.GemvPlan(4, 1, 8, 1), gm.GemvPlan(4, 1, 4, 2),
-         gm.GemvPlan(4, 1, 8, 2, stages=3), gm.GemvPlan(4, 1, 8, 2, stages=4),
-         gm.GemvPlan(4, 1, 8, 2, stages=6),
          gm.GemvPlan(4, 2, 8, 2), gm.GemvPlan(8, 1, 8, 2), gm.GemvPlan(4, 1, 16, 2)]
 
 
 # ------------------------------------------------------------------------------ offline SASS
-def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool = True,
-                 early: bool = False):
+def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool = True):
     """``_wgmma_gemv_kernel`` compiled for sm_90 without a GPU (the up GEMM's widths with
     ``two``, else the down GEMM's; pointers divisible by 16); ``fused``: the activation
     quantized in the kernel's fill (the default path), else read as codes."""
@@ -55,8 +52,7 @@ def compile_sm90(plan: gm.GemvPlan, two: bool = True, nt: int = 8, fused: bool =
     act = (gm.ACT_TOKENS if two else gm.ACT_SWIGLU) if fused else gm.ACT_CODES
     consts = dict(N=n, K=k, TOPK=TOPK, TWO=two, ACT=act, TOKEN_ROWS=two and not fused,
                   HAS_LIMIT=not two, BM=gm.PLAN_BM, NT=nt, WARPS=plan.warps, MT=plan.mt,
-                  CPS=plan.cps, PF=plan.pf, S=k // (plan.cps * gm.CHUNK),
-                  EARLY=early, ST=plan.stages, PDL=True)
+                  CPS=plan.cps, PF=plan.pf, S=k // (plan.cps * gm.CHUNK), PDL=True)
     a_type = ("*bf16" if two else "*fp32") if fused else "*u8"
     types = {"a_ptr": a_type, "as_ptr": "*fp32", "wt_ptr": "*fp32", "part_ptr": "*fp32",
              "pair_ptr": "*i32", "bexp_ptr": "*i32", "arrivals_ptr": "*i32",
@@ -85,12 +81,11 @@ def _cuobjdump(kernel, flag: str) -> str:
                               check=True).stdout
 
 
-def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True,
-                early: bool = False) -> str:
+def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True) -> str:
     """SASS instructions per chunk and per weight a thread (the K loop is unrolled: the whole
     kernel over its chunks, prologue, activation fill and epilogue included), registers, top
     opcodes."""
-    k = compile_sm90(plan, two, fused=fused, early=early)
+    k = compile_sm90(plan, two, fused=fused)
     body = [m.group(1) for ln in _cuobjdump(k, "--dump-sass").splitlines()
             for m in [re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)] if m]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
@@ -100,7 +95,6 @@ def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True,
     regs = re.search(r"REG:(\d+)", _cuobjdump(k, "--dump-resource-usage"))
     top = ", ".join(f"{o} {-(-c // plan.cps)}" for o, c in ops.most_common(8))
     what = ("tokens' fill" if two else "swiglu fill") if fused else "codes"
-    what += ", first chunk early" if early else ""
     return (f"{'up' if two else 'down'} ({what}) {plan}: {per_chunk:.0f} instr a chunk, "
             f"{weights} weights a thread: {per_chunk / weights:.2f} a weight; "
             f"regs {regs.group(1) if regs else '?'}, shared {k.metadata.shared} B | {top}")
@@ -263,10 +257,6 @@ def main() -> None:
         print(sass_report(down, two=False, fused=False))
         print(sass_report(PLANS[0]))
         print(sass_report(down, two=False))
-        print(sass_report(PLANS[0], early=True))
-        print(sass_report(down, two=False, early=True))
-        print(sass_report(dataclasses.replace(PLANS[0], stages=4)))
-        print(sass_report(dataclasses.replace(down, stages=4), two=False))
         return
     op_main(args) if args.op else gemm_main(args)
 

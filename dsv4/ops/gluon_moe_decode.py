@@ -62,7 +62,6 @@ from dsv4.ops.triton_moe import weighted_swiglu
 try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is off.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon._runtime import constexpr_function
@@ -70,7 +69,7 @@ try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is of
 except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
-__all__ = ["WGMMA_DECODE", "FUSED_FILL", "EARLY_WEIGHTS", "WEIGHT_STAGES", "MAX_TOKENS",
+__all__ = ["WGMMA_DECODE", "FUSED_FILL", "MAX_TOKENS",
            "qualifies", "pairs_fit", "moe_experts_wgmma", "x_codes", "act_codes", "mma_column",
            "mma_columns", "GemvPlan", "pick_plan"]
 
@@ -94,14 +93,9 @@ GROUP = 32       # MXFP4 scale group = one m64n8k32 product
 # DSV4_MOE_WGMMA_FUSED=0) launches the two Triton kernels instead (the same bits).
 ACT_CODES, ACT_TOKENS, ACT_SWIGLU = 0, 1, 2
 FUSED_FILL = os.environ.get("DSV4_MOE_WGMMA_FUSED", "1") == "1"
-# With the fill: each GEMM requests its first weight chunk before quantizing its activation,
-# so the fill overlaps that load (DSV4_MOE_WGMMA_EARLY=1).  Written after the twenty-ninth
-# session's last device call: compiled offline, not yet timed on a GPU, so off.
-EARLY_WEIGHTS = os.environ.get("DSV4_MOE_WGMMA_EARLY", "0") == "1"
-# > 1: the weights staged through a shared-memory ring of that many chunks by cp.async (16-byte
-# copies holding no registers) instead of 4-byte loads into registers (DSV4_MOE_WGMMA_STAGES).
-# Also written after the last device call: compiled offline, not timed, so 0 (off).
-WEIGHT_STAGES = int(os.environ.get("DSV4_MOE_WGMMA_STAGES", "0"))
+# (Measured and removed, thirty-first session, code at 14ded44: the first weight chunk
+# requested before the fill, neutral; the weights through a cp.async shared-memory ring, H200
+# -0.5% / H100 +2% at 43 layers B=1.  The loads go straight into the A fragments' registers.)
 
 
 def mma_column(k: torch.Tensor | int) -> torch.Tensor | int:
@@ -271,22 +265,6 @@ if HAVE_GLUON:
         return gl.fma(d3, _pow2_group(ch[4], 3), acc)
 
     @gluon.jit
-    def _issue_chunk(w_s, s_s, w_ptr, s_ptr, src, ssrc, c, stage, N: gl.constexpr):
-        """cp.async of chunk c's [BN, 64] code bytes (16 bytes a lane) and [BN] scale words
-        into ``stage`` of the weight ring."""
-        async_copy.async_copy_global_to_shared(w_s.index(stage), w_ptr + src + c * (N * 64))
-        async_copy.async_copy_global_to_shared(s_s.index(stage), s_ptr + ssrc + c * N)
-
-    @gluon.jit
-    def _staged_chunk(w_s, s_s, stage, BYTE_L: gl.constexpr, row_l: gl.constexpr):
-        """A ring stage read back as what :func:`_load_chunk` returns: the four byte tiles in
-        the A-fragment layout and the rows' scale words."""
-        w = w_s.index(stage)
-        return (w.slice(0, 16, dim=1).load(BYTE_L), w.slice(16, 16, dim=1).load(BYTE_L),
-                w.slice(32, 16, dim=1).load(BYTE_L), w.slice(48, 16, dim=1).load(BYTE_L),
-                s_s.index(stage).load(row_l))
-
-    @gluon.jit
     def _quantize_fill(x_s, s_s, a_ptr, wt_ptr, pair_ptr, blk, c0, P, R, stride_a, limit,
                        K: gl.constexpr, TOPK: gl.constexpr, ACT: gl.constexpr,
                        HAS_LIMIT: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr,
@@ -326,8 +304,7 @@ if HAVE_GLUON:
                            TWO: gl.constexpr, ACT: gl.constexpr, TOKEN_ROWS: gl.constexpr,
                            HAS_LIMIT: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr,
                            WARPS: gl.constexpr, MT: gl.constexpr, CPS: gl.constexpr,
-                           PF: gl.constexpr, S: gl.constexpr, EARLY: gl.constexpr,
-                           ST: gl.constexpr, PDL: gl.constexpr = False):
+                           PF: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr = False):
         """One N tile of BN = 64·WARPS/4·MT rows of expert e = bexp[blk] (w1 and, with TWO,
         w3) against the block's pairs (columns j < NT: plan rows blk·BM + j), over K split
         ``program_id(2)`` of CPS chunks.  The activation (its split's columns into shared
@@ -341,11 +318,7 @@ if HAVE_GLUON:
           V4 clamp under HAS_LIMIT), rounded to bf16 and FP8-quantized here.
 
         The last two run the Triton kernels' own functions (``weighted_swiglu``,
-        ``quantize_block_rows``), so they give ``x_codes`` / ``act_codes``' bits.  EARLY: w1's
-        first chunk is requested before the fill (the same bits).  ST > 0: the weights come
-        through a ring of ST shared-memory stages filled by cp.async (16 bytes a lane, ST - 1
-        chunks in flight holding no registers; PF unused) and are read back in the same
-        fragment layout (the same bits).  Result (last
+        ``quantize_block_rows``), so they give ``x_codes`` / ``act_codes``' bits.  Result (last
         split to arrive, in split order): TWO -> h[st, row, n] fp32 (out [2, R, N]); else
         y[pair, n] bf16."""
         grid_dependency_sync(PDL)
@@ -359,12 +332,6 @@ if HAVE_GLUON:
                                                   rank=2)
         xl_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        # The weight ring (ST > 0): 16-byte granules, rows two by two in four phases, so the
-        # fragments' 4-byte reads of 8 rows × 4 lanes hit 32 banks.
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, order=[1, 0])
-        ws_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
-        cs_l: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
         KR: gl.constexpr = CPS * _CHUNK
         pid_n = gl.program_id(0)
@@ -391,26 +358,6 @@ if HAVE_GLUON:
             zero = gl.zeros([BN, NT], gl.float32, acc_l)
             acc1 = gl.zeros([BN, NT], gl.float32, acc_l)
             acc3 = gl.zeros([BN, NT], gl.float32, acc_l)
-            if EARLY:   # w1's first chunk on its way during the fill (~9 registers live)
-                cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
-            if ST > 0:  # the ring's first ST - 1 chunks on their way during the fill
-                w1_s = gl.allocate_shared_memory(gl.uint8, [ST, BN, 64], w_sl)
-                s1_s = gl.allocate_shared_memory(gl.int32, [ST, BN], ws_sl)
-                if TWO:
-                    w3_s = gl.allocate_shared_memory(gl.uint8, [ST, BN, 64], w_sl)
-                    s3_s = gl.allocate_shared_memory(gl.int32, [ST, BN], ws_sl)
-                rcp = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
-                src = e64 * (N * (K // 2)) + rcp[:, None] * 64 + gl.arange(
-                    0, 64, layout=gl.SliceLayout(0, cp_l))[None, :]
-                ssrc = e64 * (N * (K // 128)) + pid_n * BN + gl.arange(0, BN, layout=cs_l)
-                s1w = s1_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                s3w = s3_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                for st in gl.static_range(ST - 1):
-                    if st < CPS:
-                        _issue_chunk(w1_s, s1_s, w1_ptr, s1w, src, ssrc, c0 + st, st, N)
-                        if TWO:
-                            _issue_chunk(w3_s, s3_s, w3_ptr, s3w, src, ssrc, c0 + st, st, N)
-                    async_copy.commit_group()
             # The split's activation rows into shared memory, once.  (The fill comes before
             # the weight loads: with all PF chunks of w1 and w3 in flight across it, the up
             # GEMM needs 150 registers, not 72, and an SM holds half the programs.)
@@ -438,39 +385,20 @@ if HAVE_GLUON:
             gl.thread_barrier()
             # Chunk c + PF is loaded before chunk c's products are issued (PF chunks in flight
             # a thread: the loads' latency is what bounds a one-token call).
-            if ST == 0:
-                if not EARLY:
-                    cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
-                if TWO:
-                    cur3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0, N)
-                if PF >= 2:
-                    if CPS > 1:
-                        nxt1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0 + 1, N)
-                        if TWO:
-                            nxt3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0 + 1, N)
+            cur1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0, N)
+            if TWO:
+                cur3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0, N)
+            if PF >= 2:
+                if CPS > 1:
+                    nxt1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c0 + 1, N)
+                    if TWO:
+                        nxt3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c0 + 1, N)
             for ci in gl.static_range(CPS):
                 c = c0 + ci
-                if ST > 0:
-                    # Stage (ci - 1) % ST was read last iteration: all are past it.  Then chunk
-                    # ci + ST - 1 into it, and chunk ci's copies (all threads') awaited.
-                    gl.thread_barrier()
-                    if ci + ST - 1 < CPS:
-                        _issue_chunk(w1_s, s1_s, w1_ptr, s1w, src, ssrc, c + ST - 1,
-                                     (ci + ST - 1) % ST, N)
-                        if TWO:
-                            _issue_chunk(w3_s, s3_s, w3_ptr, s3w, src, ssrc, c + ST - 1,
-                                         (ci + ST - 1) % ST, N)
-                    async_copy.commit_group()
-                    async_copy.wait_group(ST - 1)
-                    gl.thread_barrier()
-                    cur1 = _staged_chunk(w1_s, s1_s, ci % ST, BYTE_L, row_l)
+                if ci + PF < CPS:
+                    new1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c + PF, N)
                     if TWO:
-                        cur3 = _staged_chunk(w3_s, s3_s, ci % ST, BYTE_L, row_l)
-                else:
-                    if ci + PF < CPS:
-                        new1 = _load_chunk(w1_ptr + w_off, s1_ptr + s_off, c + PF, N)
-                        if TWO:
-                            new3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c + PF, N)
+                        new3 = _load_chunk(w3_ptr + w_off, s3_ptr + s_off, c + PF, N)
                 if ACT == _ACT_CODES:
                     xs = gl.load(xs_base + c, mask=valid, other=0.0)[None, :]
                 else:
@@ -479,21 +407,20 @@ if HAVE_GLUON:
                 acc1 = gl.fma(_chunk_sum(cur1, xc, zero, BN, a_l), xs, acc1)
                 if TWO:
                     acc3 = gl.fma(_chunk_sum(cur3, xc, zero, BN, a_l), xs, acc3)
-                if ST == 0:
-                    if PF == 1:
-                        if ci + 1 < CPS:
-                            cur1 = new1
-                            if TWO:
-                                cur3 = new3
-                    if PF == 2:
-                        if ci + 1 < CPS:
-                            cur1 = nxt1
-                            if TWO:
-                                cur3 = nxt3
-                        if ci + 2 < CPS:
-                            nxt1 = new1
-                            if TWO:
-                                nxt3 = new3
+                if PF == 1:
+                    if ci + 1 < CPS:
+                        cur1 = new1
+                        if TWO:
+                            cur3 = new3
+                if PF == 2:
+                    if ci + 1 < CPS:
+                        cur1 = nxt1
+                        if TWO:
+                            cur3 = nxt3
+                    if ci + 2 < CPS:
+                        nxt1 = new1
+                        if TWO:
+                            nxt3 = new3
             rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_l))
             cols = gl.arange(0, NT, layout=gl.SliceLayout(0, acc_l))
             if S > 1:
@@ -540,14 +467,12 @@ if HAVE_GLUON:
 @dataclass(frozen=True)
 class GemvPlan:
     """Tile plan of one GEMM: warps (one warpgroup of 64 rows per 4), row tiles a warp (MT),
-    K chunks a split (CPS) and chunks in flight (PF, 1 or 2: in registers), or ``stages`` > 1:
-    a shared-memory ring of that many chunks filled by cp.async (PF unused)."""
+    K chunks a split (CPS) and chunks in flight (PF, 1 or 2: in registers)."""
 
     warps: int = 4
     mt: int = 1
     cps: int = 8
     pf: int = 2
-    stages: int = 0
 
     @property
     def rows(self) -> int:
@@ -559,7 +484,7 @@ def pick_plan(n: int, k: int, two: bool = True) -> GemvPlan:
     twenty-ninth sessions: 64-row tiles, 8 chunks a split; 2 chunks in flight for the w1 + w3
     GEMM (``two``), 1 for w2, whose loads of one matrix need fewer registers); fewer chunks
     where K is short."""
-    return GemvPlan(cps=min(8, k // CHUNK), pf=2 if two else 1, stages=WEIGHT_STAGES)
+    return GemvPlan(cps=min(8, k // CHUNK), pf=2 if two else 1)
 
 
 def mma_columns(tokens: int) -> int:
@@ -620,7 +545,6 @@ def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch
         block_expert, part, arrivals, out, P, E, R, act.stride(-2), float(limit), N=N, K=K,
         TOPK=topk, TWO=two, ACT=act_mode, TOKEN_ROWS=token_rows, HAS_LIMIT=limit > 0,
         BM=PLAN_BM, NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
-        EARLY=EARLY_WEIGHTS and act_mode != ACT_CODES and not plan.stages, ST=plan.stages,
         num_warps=plan.warps, **pdl_args(act))
 
 

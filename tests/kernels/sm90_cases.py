@@ -647,9 +647,8 @@ def _moe_wgmma_decode() -> None:
     """The decode experts on FP8 wgmma with the MXFP4 codes decoded in registers
     (dsv4.ops.gluon_moe_decode, Gluon: this is its only CPU check): K-chunk-major V4-Flash
     stacks, official numerics, 1 and 10 tokens (8- and 16-column products), with the shared
-    expert at 10; the GEMMs quantizing their own activation (the default, with the first
-    weight chunk requested before the fill, with the weights staged through a cp.async ring)
-    and the five-launch chain."""
+    expert at 10; the GEMMs quantizing their own activation (the default) and the five-launch
+    chain."""
     import torch
 
     from dsv4.ops import gluon_moe_decode as gm
@@ -657,19 +656,17 @@ def _moe_wgmma_decode() -> None:
     m = V4_FLASH
     ex = _experts(m, "fp4", True, False)
     ex = replace(ex, kchunk=tm._block_k(ex, m.dim, m.inter))
-    old = gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES
+    old = gm.FUSED_FILL
     try:
-        # The default also at ten tokens (16-column products); the variants at one.
-        for gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES, tokens in (
-                (True, False, 0, (1, 10)), (False, False, 0, (1,)), (True, True, 0, (1,)),
-                (True, False, 4, (1,))):
+        # The default also at ten tokens (16-column products); the five launches at one.
+        for gm.FUSED_FILL, tokens in ((True, (1, 10)), (False, (1,))):
             for T in tokens:
                 x = _empty(T, m.dim, dtype=torch.bfloat16)
                 gm.moe_experts_wgmma(x, torch.randint(0, E_ALLOC, (T, m.topk)),
                                      torch.rand(T, m.topk), ex, 10.0,
                                      shared=x if T == 10 else None)
     finally:
-        gm.FUSED_FILL, gm.EARLY_WEIGHTS, gm.WEIGHT_STAGES = old
+        gm.FUSED_FILL = old
 
 
 @scenario("sparse_attn/v4_record/rope_out")
