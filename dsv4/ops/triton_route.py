@@ -72,34 +72,25 @@ def _softplus(x):
 
 
 @triton.jit
-def _picked_score(logits_ptr, r64, stride_l, e, E, row_ok, FROM_L2: tl.constexpr):
-    """sqrt(softplus) of each row's logit at expert e [BLOCK_T] (0 where e is not an expert
-    id): a gather, so a pick's weight needs no reduction over the row (the same function of
-    the same value as the row's scores, so the same bits)."""
-    ok = row_ok & (e >= 0) & (e < E)
-    ptr = logits_ptr + r64 * stride_l + e
-    if FROM_L2:
-        x = tl.load(ptr, mask=ok, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(ptr, mask=ok, other=0.0)
-    return tl.where(ok, tl.sqrt_rn(_softplus(x)), 0.0)
-
-
-@triton.jit
 def route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, row0, T, E,
                stride_l, route_scale, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, FROM_L2: tl.constexpr):
     """Routing of token rows ``row0 .. row0 + BLOCK_T``: weights [T, K] fp32, ids [T, K] int64.
 
     FROM_L2: the logits were just written by other programs of this launch (``moe_gate``):
-    read them from L2 (``.cg``), never from a possibly stale L1 line.  A pick's weight is
-    gathered from the logits (:func:`_picked_score`; its load in flight during the next
-    rounds) rather than summed out of the row: two reductions a round (the maximum and the
-    lowest id holding it) instead of three, none for hash rows (the routing tail is on the
-    decode chain, docs/PERFORMANCE.md thirty-first session)."""
+    read them from L2 (``.cg``), never from a possibly stale L1 line."""
     rows = row0 + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     r64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    mask = row_ok[:, None] & col_ok[None, :]
+    if FROM_L2:
+        x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg")
+    else:
+        x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0)
+    s = tl.sqrt_rn(_softplus(x))
     kcols = tl.arange(0, KP)
     picked_w = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
     picked_id = tl.zeros((BLOCK_T, KP), dtype=tl.int64)
@@ -108,28 +99,21 @@ def route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr,
         tok = tl.load(input_ids_ptr + r64, mask=row_ok, other=0)
         for j in tl.static_range(K):
             e = tl.load(tid2eid_ptr + tok * K + j, mask=row_ok, other=0)
-            w = _picked_score(logits_ptr, r64, stride_l, e, E, row_ok, FROM_L2)
+            w = tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)
             total = total + w
             picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
             picked_id = tl.where(kcols[None, :] == j, e.to(tl.int64)[:, None], picked_id)
     else:
-        cols = tl.arange(0, BLOCK_E)
-        mask = row_ok[:, None] & (cols < E)[None, :]
-        if FROM_L2:
-            x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask,
-                        other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask,
-                        other=0.0)
-        b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
-        sel = tl.where(mask, tl.sqrt_rn(_softplus(x)) + b[None, :], float("-inf"))
+        b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+        sel = tl.where(mask, s + b[None, :], float("-inf"))
         for j in tl.static_range(K):
             m = tl.max(sel, axis=1)
             # The lowest id among equal maxima; min() keeps a NaN row's id in range.
             e = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
             e = tl.minimum(e, E - 1)
-            w = _picked_score(logits_ptr, r64, stride_l, e, E, row_ok, FROM_L2)
-            sel = tl.where(cols[None, :] == e[:, None], float("-inf"), sel)
+            hit = cols[None, :] == e[:, None]
+            w = tl.sum(tl.where(hit, s, 0.0), axis=1)
+            sel = tl.where(hit, float("-inf"), sel)
             total = total + w
             picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
             picked_id = tl.where(kcols[None, :] == j, e.to(tl.int64)[:, None], picked_id)
