@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# For the thirty-second session (the thirty-first ran out of device time before it):
+# 1. the wgmma GPU tests after the early / staged loads' removal (same SASS offline);
+# 2. the routing with its picks' weights gathered after the rounds, if its file is there —
+#    first make it on this side:  git show <commit>:dsv4/ops/triton_route.py \
+#        > bench/sessions/alt_triton_route.py   (the commit: docs/PERFORMANCE.md, 31st session)
+#    its GPU tests, then the gate launch (bench/gate_parts.py) and 4 layers at B=1 with each
+#    routing, alternating, swapped in on the device's copy of the tree;
+# 3. where a B=16 / B=64 step goes (4 layers, graph timelines).
+set -u
+cd "$(dirname "$0")/../.."
+export TCACHE_MAX_MB=0
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage tests 120 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
+grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
+ALT=bench/sessions/alt_triton_route.py
+if [ -f "$ALT" ]; then
+    cp dsv4/ops/triton_route.py /tmp/default_triton_route.py
+    cp "$ALT" dsv4/ops/triton_route.py
+    stage route 90 python -m pytest -q -rf tests/kernels/test_triton_route.py -k gpu
+    grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/route.log" | head -10
+    for v in alt1 default1 alt2 default2; do
+        case $v in alt*) cp "$ALT" dsv4/ops/triton_route.py ;;
+                   *) cp /tmp/default_triton_route.py dsv4/ops/triton_route.py ;; esac
+        stage "gate_$v" 40 python bench/gate_parts.py --tokens 1,2
+        echo "$v:"; grep -h "^| [0-9]" "$LOGS/gate_$v.log"
+        stage "b1_$v" 45 python bench/flash_bench.py --layers 4 --prefill "" \
+            --decode-batches 1 --ctx 8192 --steps 2
+        echo "$v: $(grep -h "decode B=1" "$LOGS/b1_$v.log" | head -1)"
+    done
+    cp /tmp/default_triton_route.py dsv4/ops/triton_route.py
+fi
+stage tl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 64,16 \
+    --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
+grep -h "decode B" "$LOGS/tl.log"
+grep -h -A30 "by kernel" "$LOGS/tl.txt" | head -70
