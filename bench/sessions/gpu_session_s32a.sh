@@ -3,7 +3,7 @@
 # 1. the wgmma GPU tests after the early / staged loads' removal (same SASS offline);
 # 2. the routing with its picks' weights gathered after the rounds, if its file is there —
 #    first make it on this side:  git show <commit>:dsv4/ops/triton_route.py \
-#        > bench/sessions/alt_triton_route.py   (the commit: docs/PERFORMANCE.md, 31st session)
+#        > bench/sessions/alt_triton_route.py   (cdb06e8, or 5ad2138: docs/PERFORMANCE.md, 31st session)
 #    its GPU tests, then the gate launch (bench/gate_parts.py) and 4 layers at B=1 with each
 #    routing, alternating, swapped in on the device's copy of the tree;
 # 3. where a B=16 / B=64 step goes (4 layers, graph timelines).
