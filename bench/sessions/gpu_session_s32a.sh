@@ -6,7 +6,9 @@
 #        > bench/sessions/alt_triton_route.py   (cdb06e8, or 5ad2138: docs/PERFORMANCE.md, 31st session)
 #    its GPU tests, then the gate launch (bench/gate_parts.py) and 4 layers at B=1 with each
 #    routing, alternating, swapped in on the device's copy of the tree;
-# 3. where a B=16 / B=64 step goes (4 layers, graph timelines).
+# 3. what a dependent step costs: kernel boundaries (plain, PDL) against grid barriers in one
+#    persistent kernel (bench/grid_sync.py, new: the case for a persistent decode layer);
+# 4. where a B=16 / B=64 step goes (4 layers, graph timelines).
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
@@ -31,6 +33,8 @@ if [ -f "$ALT" ]; then
     done
     cp /tmp/default_triton_route.py dsv4/ops/triton_route.py
 fi
+stage gs 60 python bench/grid_sync.py --phases 32 --kb 0,256,2048,8192
+grep -h "^|\|programs" "$LOGS/gs.log"
 stage tl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 64,16 \
     --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
 grep -h "decode B" "$LOGS/tl.log"
