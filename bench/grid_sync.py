@@ -23,7 +23,6 @@ per SM); ``--programs`` lowers the count.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.flash_bench import graph_time  # noqa: E402
 from dsv4.ops.pdl import grid_dependency_sync  # noqa: E402
 
 BW = 4.29e12
@@ -75,30 +75,6 @@ def _persistent_kernel(src_ptr, dst_ptr, count_ptr, phases, words_per_prog,
         tl.debug_barrier()
 
 
-def graph_us(fn, replays: int = 20) -> float:
-    """Median µs of one replay of ``fn`` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        t0.record()
-        g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phases", type=int, default=32)
@@ -137,9 +113,9 @@ def main() -> None:
             _persistent_kernel[(progs,)](src(), dst, count, args.phases, words, BLOCK=BLOCK,
                                          num_warps=4)
 
-        t_k = graph_us(lambda: kernels(False)) / args.phases
-        t_p = graph_us(lambda: kernels(True)) / args.phases
-        t_s = graph_us(persistent) / args.phases
+        t_k = graph_time(lambda: kernels(False)) * 1e6 / args.phases
+        t_p = graph_time(lambda: kernels(True)) * 1e6 / args.phases
+        t_s = graph_time(persistent) * 1e6 / args.phases
         kib = words * 4 * progs / 1024
         floor = kib * 1024 / BW * 1e6
         print(f"| {kib:.0f} | {floor:.2f} | {t_k:.2f} | {t_p:.2f} | {t_s:.2f} | "
