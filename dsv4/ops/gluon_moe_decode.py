@@ -80,7 +80,8 @@ __all__ = ["WGMMA_DECODE", "FUSED_FILL", "MAX_TOKENS",
 # (-4.5%, interleaved graph replays; -2.1% in an earlier run); ~1e-3 of the twin where the
 # grouped kernels are at 1e-7 (the FP8-MMA prefill experts' class, also on by default).
 WGMMA_DECODE = os.environ.get("DSV4_MOE_WGMMA", "1") == "1"
-# The token counts it serves (DSV4_MOE_WGMMA_MAX_TOKENS, for measurements past one token).
+# The token counts it serves (DSV4_MOE_WGMMA_MAX_TOKENS, for measurements past one token: at
+# 16 / 64 tokens the 4-layer step was 10-22% slower on the H200, thirty-first session).
 # From 9 tokens the products are 16 columns wide, the plan's blocks' 16 rows, so any number of
 # pairs fits; up to 8 they are 8 wide and the call's pairs must fit them (one token).
 MAX_TOKENS = int(os.environ.get("DSV4_MOE_WGMMA_MAX_TOKENS", "1"))
