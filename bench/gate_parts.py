@@ -11,14 +11,25 @@ in CUDA-graph replays (weights rotated past L2, PDL as in a decode step):
   K-chunk-major MXFP4 experts) — what the model runs.
 
     PYTHONPATH=. python bench/gate_parts.py [--tokens 1,2,4]
+    PYTHONPATH=. python bench/gate_parts.py --sass    # offline, no GPU: the routing's SASS
+
+``--sass`` compiles the one-token V4-Flash gate launch (``_gate_route_kernel`` as the sm_90
+recorder of ``tests/kernels/sm90_cases.py`` sees it, scenario ``moe_gate_plan/v4_flash``) and
+counts its instructions, barriers and shuffles (TRITON_INTERPRET must be unset).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 
 from bench.kernels import copies_for, time_graph
 from dsv4.ops import torch_dense
@@ -39,10 +50,30 @@ def experts_fp4(gen: torch.Generator) -> torch_dense.ExpertWeights:
     return torch_dense.kchunk_experts(ex, 128)
 
 
+def sass_counts() -> str:
+    """Instructions, barriers and shuffles of the one-token gate launch, compiled for sm_90."""
+    import sm90_cases as cases
+    from bench.compress_sass import _sass
+    cases.RECORDER.launches.clear()
+    with cases.RECORDER.active():
+        cases.SCENARIOS["moe_gate_plan/v4_flash"]()
+    launch = next(x for x in cases.RECORDER.launches if x.kernel_name == "_gate_route_kernel")
+    sass, _ = _sass(cases.compile_launch(launch).asm["cubin"])
+    body = [m.group(1) for ln in sass.splitlines()
+            for m in [re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)] if m]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
+                              for b in body)
+    return f"_gate_route_kernel: {len(body)} instructions, BAR {ops['BAR']}, SHFL {ops['SHFL']}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,2")
+    ap.add_argument("--sass", action="store_true", help="offline SASS counts (no GPU)")
     args = ap.parse_args()
+    if args.sass:
+        print(sass_counts())
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = copies_for(E * D * 2)
     weights = [(torch.randn(E, D, generator=gen, device="cuda") * 0.02).bfloat16()
