@@ -14,6 +14,8 @@ cd "$(dirname "$0")/../.."
 # the Triton cache comes back in OUT for a later call (carry .tcache)
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage gs 60 python bench/grid_sync.py --phases 32 --kb 0,256,2048,8192
+grep -h "^|\|programs" "$LOGS/gs.log"
 # A fresh machine's Triton cache is empty: the shipped manifest compiled on 14 CPUs first
 # (~1-3 s a kernel one after another otherwise, which the stages' limits would not cover).
 stage precompile 200 python -c "
@@ -21,10 +23,6 @@ import logging; logging.basicConfig(level=logging.INFO)
 from dsv4.ops import precompile
 print(precompile.start(precompile.SHIPPED_MANIFEST, 90, dim=4096).wait())"
 tail -n 2 "$LOGS/precompile.log"
-stage tests 120 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
-grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
-stage gs 60 python bench/grid_sync.py --phases 32 --kb 0,256,2048,8192
-grep -h "^|\|programs" "$LOGS/gs.log"
 ALT=bench/sessions/alt_triton_route.py
 if [ -f "$ALT" ]; then
     cp dsv4/ops/triton_route.py /tmp/default_triton_route.py
@@ -42,6 +40,8 @@ if [ -f "$ALT" ]; then
     done
     cp /tmp/default_triton_route.py dsv4/ops/triton_route.py
 fi
+stage tests 120 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
+grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
 stage tl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 64,16 \
     --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
 grep -h "decode B" "$LOGS/tl.log"
