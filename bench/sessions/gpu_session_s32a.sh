@@ -42,7 +42,8 @@ if [ -f "$ALT" ]; then
 fi
 stage tests 120 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
 grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
-stage tl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 64,16 \
+stage tl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1,64,16 \
     --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
 grep -h "decode B" "$LOGS/tl.log"
-grep -h -A30 "by kernel" "$LOGS/tl.txt" | head -70
+grep -h -A30 "by kernel" "$LOGS/tl.txt" | head -100
+cp "$LOGS/tl.txt" "$OUT/tl.txt"
