@@ -40,10 +40,10 @@ if [ -f "$ALT" ]; then
     done
     cp /tmp/default_triton_route.py dsv4/ops/triton_route.py
 fi
-stage tests 120 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
-grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
 stage tl 120 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1,64,16 \
     --ctx 8192 --steps 2 --budget 100 --timeline "$LOGS/tl.txt" --out "$LOGS/tl.json"
 grep -h "decode B" "$LOGS/tl.log"
 grep -h -A30 "by kernel" "$LOGS/tl.txt" | head -100
 cp "$LOGS/tl.txt" "$OUT/tl.txt"
+stage tests 120 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py
+grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
