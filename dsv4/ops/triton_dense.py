@@ -340,9 +340,39 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
                      SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
                      SPLIT_ROWS: tl.constexpr, X_GROUP: tl.constexpr = 0,
-                     QUANT_X: tl.constexpr = True, nw_ptr=None, norm_eps=0.0,
-                     NORM_X: tl.constexpr = False, NORM_K: tl.constexpr = 1,
-                     PDL: tl.constexpr = False):
+                     QUANT_X: tl.constexpr = True, PDL: tl.constexpr = False):
+    """The FP8 GEMV of 1-4 rows: :func:`_fp8_gemv_tile`."""
+    grid_dependency_sync(PDL)
+    _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm,
+                   stride_wn, stride_om, stride_ws, stride_wm, n_kb, k_blocks_per_split,
+                   SW_E8M0, B, MP, BN, BK, SPLITS, SPLIT_ROWS, X_GROUP, QUANT_X,
+                   x_ptr, 0.0, False, 1)
+
+
+@triton.jit
+def _fp8_gemv_normed_kernel(x_ptr, nw_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
+                            M, N, K, stride_xm, stride_wn, stride_om, stride_ws, stride_wm,
+                            n_kb, k_blocks_per_split, norm_eps,
+                            SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+                            NORM_K: tl.constexpr, PDL: tl.constexpr = False):
+    """The FP8 GEMV of 1-4 rows RMS-normalized first (``NORM_X`` of :func:`_fp8_gemv_tile`):
+    a kernel of its own, so the plain one keeps its arguments (and its shipped precompiled
+    specializations)."""
+    grid_dependency_sync(PDL)
+    _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm,
+                   stride_wn, stride_om, stride_ws, stride_wm, n_kb, k_blocks_per_split,
+                   SW_E8M0, B, MP, BN, BK, SPLITS, True, 0, True, nw_ptr, norm_eps, True, NORM_K)
+
+
+@triton.jit
+def _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
+                   M, N, K, stride_xm, stride_wn, stride_om, stride_ws, stride_wm, n_kb,
+                   k_blocks_per_split,
+                   SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+                   SPLIT_ROWS: tl.constexpr, X_GROUP: tl.constexpr, QUANT_X: tl.constexpr,
+                   nw_ptr, norm_eps, NORM_X: tl.constexpr, NORM_K: tl.constexpr):
     """out[M, N] for M <= MP (1, 2 or 4 rows) on the CUDA cores: the numerics of the QUANT_A
     path of :func:`_fp8_gemm_kernel` (activation quantized per row and B-block as
     ``act_quant``; fp32 sums; bf16 out rounded to nearest-even), the sums in another order.
@@ -366,8 +396,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
       (token, group, row) kept across the steps: per block, Σ x8·w8·sx·sw equals
       (Σ x8·w8)·sx·sw up to the order of the fp32 sums.
 
-    NORM_X (with SPLIT_ROWS or MP == 1; not grouped): x is first RMS-normalized with the fp32
-    weight ``nw_ptr`` [K] — ``round(w · (x · rstd))`` to x's dtype, ``rstd`` of the whole row
+    NORM_X (``_fp8_gemv_normed_kernel``: SPLIT_ROWS, not grouped, QUANT_X): x is first
+    RMS-normalized with the fp32 weight ``nw_ptr`` [K] — ``round(w · (x · rstd))`` to x's dtype, ``rstd`` of the whole row
     (:func:`_row_rstd`, every program computes it: the row is ≤ NORM_K elements from L2), as
     ``rms_norm`` computes it — so a decode step needs no launch of its own for the norm
     (``normed_fp8_linear``: the attention's ``q_norm`` before ``wq_b``).
@@ -379,7 +409,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
 
     The partials are summed across lanes once, at the end; splits are reduced in the launch by
     :func:`splitk_reduce` (fixed order, deterministic) as in the MMA kernel."""
-    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     G: tl.constexpr = BK // 16
@@ -896,17 +925,22 @@ def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: boo
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     ws, counters = splitk_workspace(out, split, tiles, "fp8_linear")
     split_rows = GEMV_SPLIT_ROWS or M == 1
-    extra: dict[str, Any] = {}
     if norm is not None:
-        if groups or not split_rows:
-            raise ValueError("fp8 GEMV: the fused norm needs ungrouped rows split in registers")
-        extra = dict(nw_ptr=norm[0], norm_eps=float(norm[1]), NORM_X=True,
-                     NORM_K=triton.next_power_of_2(K))
+        if groups or not split_rows or not quant_x:
+            raise ValueError("fp8 GEMV: the fused norm needs ungrouped, quantized rows split in "
+                             "registers")
+        _fp8_gemv_normed_kernel[(tiles, split)](
+            x2, norm[0], w8, sw, out, ws, counters, M, N, K, x2.stride(0), w8.stride(0),
+            out.stride(0), ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
+            float(norm[1]), SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN,
+            BK=cfg.BK, SPLITS=split, NORM_K=triton.next_power_of_2(K),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
+        return out
     _fp8_gemv_kernel[(tiles, split)](
         x2, w8, sw, out, ws, counters, M, N, K, x2.stride(0), w8.stride(0), out.stride(0),
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
         SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK,
-        SPLITS=split, SPLIT_ROWS=split_rows, X_GROUP=x_group, QUANT_X=quant_x, **extra,
+        SPLITS=split, SPLIT_ROWS=split_rows, X_GROUP=x_group, QUANT_X=quant_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
     return out
 

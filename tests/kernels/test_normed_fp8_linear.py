@@ -1,10 +1,11 @@
-"""``normed_fp8_linear``: the attention's ``q_norm`` inside ``wq_b``'s FP8 GEMV (``NORM_X`` of
-``_fp8_gemv_kernel`` in ``dsv4/ops/triton_dense.py``), one launch at decode instead of two.
+"""``normed_fp8_linear``: the attention's ``q_norm`` inside ``wq_b``'s FP8 GEMV
+(``_fp8_gemv_normed_kernel`` in ``dsv4/ops/triton_dense.py``), one launch at decode instead of
+two.
 
 * plain CPU: the op table (a composed twin: without the kernel the model calls the parts), the
   argument checks, and the model — a V4 step with the fused path gives the logits of the
   unfused one (the twin is the parts; this checks the plumbing: the indexer's own qr);
-* ``test_interp_*`` (a child process under ``TRITON_INTERPRET=1``): the kernel at 1-4 rows,
+* ``test_interp_*`` (a child process under ``TRITON_INTERPRET=1``): the normed kernel at 1-4 rows,
   split and unsplit K, e8m0 / fp32 weight scales, bf16 / fp32 activations, against the twin
   ``rms_norm`` + ``fp8_linear`` and against the two Triton kernels it replaces;
 * ``test_gpu_*``: V4-Flash's ``wq_b`` (32768 × 1024) and a wider K at 1-2 rows, fresh random
