@@ -77,13 +77,6 @@ KV_ON_SIDE_LANE = int(os.environ.get("DSV4_KV_ON_SIDE_LANE", "1"))
 # (docs/PERFORMANCE.md, fourteenth session, run B): the CSA layer 209 -> 185 µs, the same bits.
 INDEX_KEYS_ON_BRANCH = int(os.environ.get("DSV4_INDEX_KEYS_ON_BRANCH", "1"))
 
-# 1: at decode (1-2 tokens) q_norm runs inside wq_b's FP8 GEMV (ops.normed_fp8_linear: one launch
-# less on the attention's chain; a CSA layer's indexer, on the side lane, norms its own copy of
-# q_lat there).  The op is used only where the table has it (dsv4.ops.UNVERIFIED_ON_GPU until its
-# GPU checks run).  DSV4_FUSE_Q_NORM=0 turns it off at import.
-FUSE_Q_NORM = int(os.environ.get("DSV4_FUSE_Q_NORM", "1"))
-FUSE_Q_NORM_MAX_ROWS = 2
-
 # Record sources are dequantized whole (once per layer) in steps of at least this many tokens
 # whose dense copy holds at most ROWS_PER_TOKEN·T + SLACK rows (see dense_prefill_pays).
 DENSE_PREFILL_MIN_TOKENS = 64
@@ -419,13 +412,12 @@ class Attention(nn.Module):
             ctx.memo[_DENSE_ENTRIES_MEMO] = held
         return held[1], True
 
-    def _compressed_source(self, x: Tensor, qr: Tensor | None, ctx: StepContext,
-                           cache: HybridCache, cos: Tensor, sin: Tensor, dtype: torch.dtype,
+    def _compressed_source(self, x: Tensor, qr: Tensor, ctx: StepContext, cache: HybridCache,
+                           cos: Tensor, sin: Tensor, dtype: torch.dtype,
                            pre: dict[str, Tensor] | None = None
                            ) -> tuple[Tensor | PackedRows, Tensor]:
         """(kv_b, idx_b): the compressed entries (:meth:`_entry_source`) and the rows of them
-        each token attends to.  ``qr``: the indexer's input (None without an indexer).
-        ``pre``: :meth:`prework`'s outputs (V4)."""
+        each token attends to.  ``pre``: :meth:`prework`'s outputs (V4)."""
         if self.cfg.is_v41:
             return self._compressed_source_v41(x, qr, ctx, cache, cos, sin, dtype, pre)
         pool = cache.compressed_pool(self.layer_id)
@@ -505,10 +497,7 @@ class Attention(nn.Module):
         self._check_step(x, ctx, cache)
         cos, sin = self._rope(ctx)
 
-        q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
-        # With the norm in wq_b's launch, qr is made only where the indexer reads it.
-        fuse_q_norm = self._q_norm_in_wq_b(q_lat)
-        qr = None if fuse_q_norm else self.q_norm(q_lat)
+        q_lat, kv_lat, qr = self._latents(x)
         kv_b = idx_b = kv_a = idx_a = None
         overlap = self.ratio > 0 and not self.cfg.is_v41
         window_on_side = bool(KV_ON_SIDE_LANE) and not self.cfg.is_v41 and self.indexer is None
@@ -519,18 +508,16 @@ class Attention(nn.Module):
             # their outputs.  (q's dtype is x's: wq_b keeps its input's.)
             with side_lane(x.device, T):
                 if overlap:
-                    kv_b, idx_b = self._compressed_source(x, self._qr_for_indexer(qr, q_lat),
-                                                          ctx, cache, cos, sin, x.dtype)
+                    kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, x.dtype)
                 if window_on_side:
                     kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, x.dtype)
-        q = self._queries(qr, cos, sin, q_lat if fuse_q_norm else None)
+        q = self._queries(qr, cos, sin)
         if not window_on_side:
             kv_a, idx_a = self._window_branch(kv_lat, ctx, cache, cos, sin, q.dtype)
         if overlap or window_on_side:
             join_side_lane(x.device)
         elif self.ratio > 0:
-            kv_b, idx_b = self._compressed_source(x, self._qr_for_indexer(qr, q_lat), ctx, cache,
-                                                  cos, sin, q.dtype)
+            kv_b, idx_b = self._compressed_source(x, qr, ctx, cache, cos, sin, q.dtype)
         # The output's inverse RoPE inside the attention op (the GPU merges it into the
         # split-KV combine at decode: one launch less a layer).
         o = self._sparse_attn(q, kv_a, idx_a, kv_b, idx_b, kv_lat.dtype, rope_out=(cos, sin))
@@ -611,35 +598,11 @@ class Attention(nn.Module):
         q_lat, kv_lat = fused_linears(x, (self.wq_a, self.wkv))
         return q_lat, kv_lat, self.q_norm(q_lat)
 
-    def _q_norm_in_wq_b(self, q_lat: Tensor) -> bool:
-        """Whether this step's wq_b takes q_lat and applies q_norm itself
-        (``ops.normed_fp8_linear``, same values as the two ops): V4 decode steps of at most
-        :data:`FUSE_Q_NORM_MAX_ROWS` tokens with an FP8 ``wq_b``."""
-        return (bool(FUSE_Q_NORM) and not self.cfg.is_v41
-                and q_lat.shape[0] <= FUSE_Q_NORM_MAX_ROWS and self.wq_b.holds_quantized
-                and getattr(self.ops, "normed_fp8_linear", None) is not None)
-
-    def _qr_for_indexer(self, qr: Tensor | None, q_lat: Tensor) -> Tensor | None:
-        """qr for the compressed branch: only the indexer reads it (made here, on the branch's
-        lane, when wq_b's launch applies the norm itself)."""
-        if qr is not None or self.indexer is None:
-            return qr
-        return self.q_norm(q_lat)
-
-    def _queries(self, qr: Tensor | None, cos: Tensor, sin: Tensor,
-                 q_lat: Tensor | None = None) -> Tensor:
-        """q [T, H, hd]: wq_b (of qr, or of q_lat with q_norm in its launch), then (V4) the
-        per-head unweighted renorm in q's dtype (V4.1 has none) and RoPE of each head's tail —
-        one fused op, in place on wq_b's fresh output."""
-        if q_lat is not None:
-            qw = self.wq_b.qweight
-            proj = self.ops.normed_fp8_linear(q_lat, self.q_norm.weight, self.q_norm.eps,
-                                              qw.weight, qw.scale, self.wq_b.block, q_lat.dtype)
-        else:
-            assert qr is not None
-            proj = self.wq_b(qr)
-        T = proj.shape[0]
-        return self.ops.head_norm_rope(proj.view(T, self.n_heads, self.head_dim),
+    def _queries(self, qr: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """q [T, H, hd]: wq_b, then (V4) the per-head unweighted renorm in q's dtype (V4.1 has
+        none) and RoPE of each head's tail — one fused op, in place on wq_b's fresh output."""
+        T = qr.shape[0]
+        return self.ops.head_norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim),
                                        cos, sin, self.cfg.norm_eps, renorm=not self.cfg.is_v41,
                                        inplace=True)
 

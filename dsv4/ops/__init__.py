@@ -34,7 +34,7 @@ OP_NAMES = (
     "indexer_queries", "encode_records", "write_records",
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre", "linear_fp32",
     "fp8_grouped_linear", "picked_rows", "moe_gate", "moe_experts_shared", "moe_gate_plan",
-    "read_records", "normed_fp8_linear",
+    "read_records",
 )
 
 # Written in the second session, when no GPU time was left (docs/PERFORMANCE.md).
@@ -52,15 +52,12 @@ OP_NAMES = (
 # read_records (twenty-second session, 2026-12-06: a prefill's dense copy of a record source
 # in one launch instead of ~15 torch ops) passed tests/kernels/test_triton_records.py's GPU
 # checks on an H100 in bench/sessions/gpu_session_s23a.sh (twenty-third session).
-# normed_fp8_linear (thirty-second session, 2026-12-06: q_norm in wq_b's GEMV) is written, checked
-# in the interpreter and compiled for sm_90; its GPU checks have not run.
-UNVERIFIED_ON_GPU: frozenset[str] = frozenset({"normed_fp8_linear"})
+UNVERIFIED_ON_GPU: frozenset[str] = frozenset()
 
 # Twins that are compositions of other ops (hc_pre(hc_post(...)), moe_route(linear_fp32(...)),
 # moe_combine(moe_experts(...)), moe_gate + the experts' plan): without their fused kernel the
 # model calls the parts.
-_COMPOSED_TWINS = frozenset({"hc_post_pre", "moe_gate", "moe_experts_shared", "moe_gate_plan",
-                             "normed_fp8_linear"})
+_COMPOSED_TWINS = frozenset({"hc_post_pre", "moe_gate", "moe_experts_shared", "moe_gate_plan"})
 
 _cache: dict[tuple[str, bool], SimpleNamespace] = {}
 

@@ -160,27 +160,6 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
     return F.linear(xq, w).to(out_dtype)
 
 
-def check_normed_linear_args(x: torch.Tensor, norm_weight: torch.Tensor, w8: torch.Tensor
-                             ) -> None:
-    """Raise a ValueError naming ``normed_fp8_linear`` unless the norm weight is [K] for x's
-    and the FP8 weight's K."""
-    K = w8.shape[-1]
-    if x.shape[-1] != K or tuple(norm_weight.shape) != (K,):
-        raise ValueError(f"normed_fp8_linear: x [..., K] and norm_weight [K] must match the "
-                         f"weight's K = {K}; found x {tuple(x.shape)}, norm_weight "
-                         f"{tuple(norm_weight.shape)}")
-
-
-def normed_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      w8: torch.Tensor, w_scale: torch.Tensor, block: int,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``fp8_linear(rms_norm(x, norm_weight, eps), ...)``: the attention's ``q_norm`` then
-    ``wq_b`` (one launch on the GPU at decode)."""
-    check_normed_linear_args(x, norm_weight, w8)
-    return fp8_linear(torch_attn.rms_norm(x, norm_weight, eps), w8, w_scale, block,
-                      out_dtype or x.dtype)
-
-
 def check_grouped_linear_args(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                               block: int) -> None:
     """Raise a ValueError naming ``fp8_grouped_linear`` unless x is [T, G, K] float, w8 a

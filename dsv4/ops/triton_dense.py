@@ -31,7 +31,6 @@ from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.streams import current_lane
 
 __all__ = ["fp8_linear", "fp8_linear_with_config", "fp8_grouped_linear", "act_quant",
-           "normed_fp8_linear", "NORMED_GEMV_MAX_K",
            "Fp8GemmConfig",
            "pick_fp8_config", "pick_fp8_gemv_config", "GEMV_MAX_M", "mma", "round_to_bf16",
            "store_rne"]
@@ -323,17 +322,6 @@ def _gemv_x_row(x_ptr, m, M, stride_xm, k0, k_hi, sw_row,
 
 
 @triton.jit
-def _row_rstd(x_ptr, m, M, stride_xm, K, eps, NORM_K: tl.constexpr):
-    """``1 / sqrt(mean(x[m]²) + eps)`` of row m (0 <= m < MP) over its K columns, fp32 with IEEE
-    division and square root: the statistic of ``triton_norm``'s ``rms_norm`` (its fp32 sum
-    in another tree order)."""
-    k = tl.arange(0, NORM_K)
-    v = tl.load(x_ptr + m * stride_xm + k, mask=(k < K) & (m < M), other=0.0).to(tl.float32)
-    mean_sq = tl.div_rn(tl.sum(v * v, axis=0), K.to(tl.float32))
-    return tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
                      M, N, K, stride_xm, stride_wn, stride_om, stride_ws, stride_wm, n_kb,
                      k_blocks_per_split,
@@ -341,38 +329,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
                      BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
                      SPLIT_ROWS: tl.constexpr, X_GROUP: tl.constexpr = 0,
                      QUANT_X: tl.constexpr = True, PDL: tl.constexpr = False):
-    """The FP8 GEMV of 1-4 rows: :func:`_fp8_gemv_tile`."""
-    grid_dependency_sync(PDL)
-    _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm,
-                   stride_wn, stride_om, stride_ws, stride_wm, n_kb, k_blocks_per_split,
-                   SW_E8M0, B, MP, BN, BK, SPLITS, SPLIT_ROWS, X_GROUP, QUANT_X,
-                   x_ptr, 0.0, False, 1)
-
-
-@triton.jit
-def _fp8_gemv_normed_kernel(x_ptr, nw_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
-                            M, N, K, stride_xm, stride_wn, stride_om, stride_ws, stride_wm,
-                            n_kb, k_blocks_per_split, norm_eps,
-                            SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
-                            BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
-                            NORM_K: tl.constexpr, PDL: tl.constexpr = False):
-    """The FP8 GEMV of 1-4 rows RMS-normalized first (``NORM_X`` of :func:`_fp8_gemv_tile`):
-    a kernel of its own, so the plain one keeps its arguments (and its shipped precompiled
-    specializations)."""
-    grid_dependency_sync(PDL)
-    _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, stride_xm,
-                   stride_wn, stride_om, stride_ws, stride_wm, n_kb, k_blocks_per_split,
-                   SW_E8M0, B, MP, BN, BK, SPLITS, True, 0, True, nw_ptr, norm_eps, True, NORM_K)
-
-
-@triton.jit
-def _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
-                   M, N, K, stride_xm, stride_wn, stride_om, stride_ws, stride_wm, n_kb,
-                   k_blocks_per_split,
-                   SW_E8M0: tl.constexpr, B: tl.constexpr, MP: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
-                   SPLIT_ROWS: tl.constexpr, X_GROUP: tl.constexpr, QUANT_X: tl.constexpr,
-                   nw_ptr, norm_eps, NORM_X: tl.constexpr, NORM_K: tl.constexpr):
     """out[M, N] for M <= MP (1, 2 or 4 rows) on the CUDA cores: the numerics of the QUANT_A
     path of :func:`_fp8_gemm_kernel` (activation quantized per row and B-block as
     ``act_quant``; fp32 sums; bf16 out rounded to nearest-even), the sums in another order.
@@ -396,12 +352,6 @@ def _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
       (token, group, row) kept across the steps: per block, Σ x8·w8·sx·sw equals
       (Σ x8·w8)·sx·sw up to the order of the fp32 sums.
 
-    NORM_X (``_fp8_gemv_normed_kernel``: SPLIT_ROWS, not grouped, QUANT_X): x is first
-    RMS-normalized with the fp32 weight ``nw_ptr`` [K] — ``round(w · (x · rstd))`` to x's dtype, ``rstd`` of the whole row
-    (:func:`_row_rstd`, every program computes it: the row is ≤ NORM_K elements from L2), as
-    ``rms_norm`` computes it — so a decode step needs no launch of its own for the norm
-    (``normed_fp8_linear``: the attention's ``q_norm`` before ``wq_b``).
-
     SPLIT_ROWS=False (MP > 1): each row's step quantized on its own (:func:`_gemv_x_row`), one
     layout change per row, no reshape across rows / tl.split (the fallback if the split form
     miscompiles: a reshape + split of a small tile once gave wrong results on the H200, issue
@@ -409,6 +359,7 @@ def _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
 
     The partials are summed across lanes once, at the end; splits are reduced in the launch by
     :func:`splitk_reduce` (fixed order, deterministic) as in the MMA kernel."""
+    grid_dependency_sync(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     G: tl.constexpr = BK // 16
@@ -434,18 +385,6 @@ def _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
     xm = rr // NB
     xb = rr % NB
     x_ptrs = x_ptr + xm[:, None] * stride_xm + xb[:, None] * B + tl.arange(0, B)[None, :]
-    if NORM_X:
-        # Each step row's rstd: its token's (MP <= 4 tokens).
-        r_rows = tl.zeros((MP * NB,), dtype=tl.float32) \
-            + _row_rstd(x_ptr, 0, M, stride_xm, K, norm_eps, NORM_K)
-        if MP > 1:
-            r_rows = tl.where(xm == 1, _row_rstd(x_ptr, 1, M, stride_xm, K, norm_eps, NORM_K),
-                              r_rows)
-        if MP > 2:
-            r_rows = tl.where(xm == 2, _row_rstd(x_ptr, 2, M, stride_xm, K, norm_eps, NORM_K),
-                              r_rows)
-            r_rows = tl.where(xm == 3, _row_rstd(x_ptr, 3, M, stride_xm, K, norm_eps, NORM_K),
-                              r_rows)
     for k0 in range(k_lo, k_hi, BK):
         w = tl.load(w_ptrs + k0, mask=n_mask[None, :, None] & ((k0 + kcol) < k_hi), other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
@@ -464,10 +403,6 @@ def _fp8_gemv_tile(x_ptr, w_ptr, sw_ptr, out_ptr, ws_ptr, count_ptr,
         else:
             b_ok = (k0 + xb * B) < k_hi
             x = tl.load(x_ptrs + k0, mask=(b_ok & (xm < M))[:, None], other=0.0)
-            if NORM_X:
-                nw = tl.load(nw_ptr + k0 + xb[:, None] * B + tl.arange(0, B)[None, :],
-                             mask=b_ok[:, None], other=0.0).to(tl.float32)
-                x = round_as(nw * (x.to(tl.float32) * r_rows[:, None]), x_ptr)
             if SW_E8M0:
                 sw = e8m0_to_f32(tl.load(sw_row + k0 // B + xb, mask=b_ok, other=127))
             else:
@@ -903,11 +838,9 @@ def fp8_linear_with_config(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
 
 def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: bool, block: int,
               out_dtype: torch.dtype, cfg: Fp8GemmConfig, groups: int = 0,
-              quant_x: bool = True, norm: tuple[torch.Tensor, float] | None = None
-              ) -> torch.Tensor:
+              quant_x: bool = True) -> torch.Tensor:
     """Launch ``_fp8_gemv_kernel`` for x2 [M <= 4, K] (contiguous rows): out [M, N].
-    ``groups`` > 0: x2 is [M, groups·K'] and weight rows of group g read its g-th K' columns.
-    ``norm`` (weight [K] fp32, eps): x2's rows RMS-normalized first (``NORM_X``)."""
+    ``groups`` > 0: x2 is [M, groups·K'] and weight rows of group g read its g-th K' columns."""
     M, K = x2.shape
     N = w8.shape[0]
     x_group = N // groups if groups else 0
@@ -924,23 +857,11 @@ def _fp8_gemv(x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, sw_e8m0: boo
     tiles = triton.cdiv(N, cfg.BN)
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     ws, counters = splitk_workspace(out, split, tiles, "fp8_linear")
-    split_rows = GEMV_SPLIT_ROWS or M == 1
-    if norm is not None:
-        if groups or not split_rows or not quant_x:
-            raise ValueError("fp8 GEMV: the fused norm needs ungrouped, quantized rows split in "
-                             "registers")
-        _fp8_gemv_normed_kernel[(tiles, split)](
-            x2, norm[0], w8, sw, out, ws, counters, M, N, K, x2.stride(0), w8.stride(0),
-            out.stride(0), ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
-            float(norm[1]), SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN,
-            BK=cfg.BK, SPLITS=split, NORM_K=triton.next_power_of_2(K),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
-        return out
     _fp8_gemv_kernel[(tiles, split)](
         x2, w8, sw, out, ws, counters, M, N, K, x2.stride(0), w8.stride(0), out.stride(0),
         ws.stride(0) if split > 1 else 0, ws.stride(-2), n_kb, kbps,
         SW_E8M0=sw_e8m0, B=block, MP=triton.next_power_of_2(M), BN=cfg.BN, BK=cfg.BK,
-        SPLITS=split, SPLIT_ROWS=split_rows, X_GROUP=x_group, QUANT_X=quant_x,
+        SPLITS=split, SPLIT_ROWS=GEMV_SPLIT_ROWS or M == 1, X_GROUP=x_group, QUANT_X=quant_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
     return out
 
@@ -998,39 +919,6 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: 
         w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
         return _fp8_linear_cublas(x2, w8, w_scale, block).view(*x.shape[:-1], w8.shape[0])
     return fp8_linear_with_config(x, w8, w_scale, block, out_dtype, None)
-
-
-# Longest row the fused norm of ``normed_fp8_linear`` holds in registers (q_lora is 1024-1536).
-NORMED_GEMV_MAX_K = 8192
-
-
-@torch_twin_off_gpu("dsv4.ops.torch_dense")
-def normed_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      w8: torch.Tensor, w_scale: torch.Tensor, block: int,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``fp8_linear(rms_norm(x, norm_weight, eps), w8, w_scale, block, out_dtype)``.
-
-    GEMV-sized calls (1-2 rows, K <= :data:`NORMED_GEMV_MAX_K`, bf16 / fp32 x) run one launch:
-    every program of the FP8 GEMV normalizes the rows it reads (``NORM_X``), so the norm's
-    own launch leaves a decode step's chain.  Other calls run the two ops."""
-    _check_fp8_args(x, w8, w_scale, block)
-    torch_dense.check_normed_linear_args(x, norm_weight, w8)
-    out_dtype = out_dtype or x.dtype
-    N, K = w8.shape
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    cfg = pick_fp8_config(M, N, K, block, x.device) if M else None
-    if (cfg is None or not cfg.gemv or K > NORMED_GEMV_MAX_K or N == 0
-            or x.dtype not in (torch.bfloat16, torch.float32)
-            or not (M == 1 or GEMV_SPLIT_ROWS)):
-        rms_norm = importlib.import_module("dsv4.ops.triton_norm").rms_norm
-        return fp8_linear(rms_norm(x, norm_weight, eps), w8, w_scale, block, out_dtype)
-    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    w8 = w8 if w8.stride(1) == 1 else w8.contiguous()
-    sw, sw_e8m0 = _scale_operand(w_scale)
-    nw = norm_weight.to(torch.float32).contiguous()
-    return _fp8_gemv(x2, w8, sw, sw_e8m0, block, out_dtype, cfg,
-                     norm=(nw, eps)).view(*x.shape[:-1], N)
 
 
 # ------------------------------------------------------------------------- exact fp32 x bf16

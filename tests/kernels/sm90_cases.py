@@ -1265,21 +1265,7 @@ def _wo_a_gemv(m: ModelDims) -> None:
                 td.fp8_grouped_linear(_empty(T, G, K, dtype=torch.bfloat16), w, s, m.block, out)
 
 
-def _normed_gemv(m: ModelDims) -> None:
-    """q_norm inside wq_b's GEMV (normed_fp8_linear, NORM_X) at 1 and 2 rows, bf16 q_lat."""
-    import torch
-
-    from dsv4.ops import triton_dense as td
-    N, K = m.heads * m.head_dim, m.q_lora
-    w = _empty(N, K, dtype=torch.float8_e4m3fn)
-    s = _empty(-(-N // m.block), K // m.block, dtype=torch.float8_e8m0fnu)
-    for M in (1, 2):
-        td.normed_fp8_linear(_empty(M, K, dtype=torch.bfloat16), _empty(K, dtype=torch.float32),
-                             1e-6, w, s, m.block)
-
-
 scenario("fp8_linear/v4_flash/gemv")(lambda: _fp8_gemv(V4_FLASH, (1, 2, 3, 4), True))
-scenario("fp8_linear/v4_flash/normed_gemv")(lambda: _normed_gemv(V4_FLASH))
 scenario("fp8_linear/v4_flash/wo_a_gemv")(lambda: _wo_a_gemv(V4_FLASH))
 scenario("fp8_linear/v41_flash/wo_a_gemv")(lambda: _wo_a_gemv(V41_FLASH))
 scenario("fp8_linear/v4_pro/gemv")(lambda: _fp8_gemv(V4_PRO, (1,)))
