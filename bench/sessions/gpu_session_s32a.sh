@@ -9,6 +9,7 @@
 # 3. what a dependent step costs: kernel boundaries (plain, PDL) against grid barriers in one
 #    persistent kernel (bench/grid_sync.py, new: the case for a persistent decode layer);
 # 4. where a B=16 / B=64 step goes (4 layers, graph timelines).
+# (Never ran: every device start failed until s32b, its short form, got one.)
 set -u
 cd "$(dirname "$0")/../.."
 # the Triton cache comes back in OUT for a later call (carry .tcache)

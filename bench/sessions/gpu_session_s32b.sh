@@ -3,7 +3,8 @@
 # s32a's stages by priority, the slowest last — grid_sync; the q_norm-in-wq_b GPU tests; the
 # gate launch with each routing (the cdb06e8 form if bench/sessions/alt_triton_route.py is
 # there); then the shipped manifest precompiled and the 4-layer B=1 launch A/B of the q_norm
-# fusion.
+# fusion.  (Afterwards the routing form became dsv4/ops/triton_route.py; the
+# q_norm fusion measured slower and was removed — its code and test are at a627247.)
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0

@@ -72,55 +72,80 @@ def _softplus(x):
 
 
 @triton.jit
+def _sum_in_order8(w, BLOCK_T: tl.constexpr):
+    """Σ_j w[:, j] of a [BLOCK_T, 8] tile added left to right (the order of a loop over the
+    picks) with no cross-thread reduction: its columns as [BLOCK_T] tensors by reshape /
+    split (the mHC collapse's trick)."""
+    even, odd = tl.split(tl.reshape(w, [BLOCK_T, 4, 2]))
+    c04, c26 = tl.split(tl.reshape(even, [BLOCK_T, 2, 2]))
+    c15, c37 = tl.split(tl.reshape(odd, [BLOCK_T, 2, 2]))
+    c0, c4 = tl.split(c04)
+    c2, c6 = tl.split(c26)
+    c1, c5 = tl.split(c15)
+    c3, c7 = tl.split(c37)
+    return ((((((c0 + c1) + c2) + c3) + c4) + c5) + c6) + c7
+
+
+@triton.jit
 def route_rows(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, row0, T, E,
                stride_l, route_scale, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, FROM_L2: tl.constexpr):
     """Routing of token rows ``row0 .. row0 + BLOCK_T``: weights [T, K] fp32, ids [T, K] int64.
 
     FROM_L2: the logits were just written by other programs of this launch (``moe_gate``):
-    read them from L2 (``.cg``), never from a possibly stale L1 line."""
+    read them from L2 (``.cg``), never from a possibly stale L1 line.
+
+    The k rounds of a learned routing only pick ids (the lowest id holding the maximum: one
+    (value, id) reduction a round); the picks' weights are then one gather of their logits (the
+    same function of the same values as the row's scores: the same bits), summed in pick order
+    (ids outside 0..E-1, possible only from a hash table, weigh 0).  Against three reductions
+    a round (maximum, lowest id, the pick's score) this cut the routing of one token from
+    3.7-3.8 to 3.1-3.3 µs, the gate launch from 8.2-8.5 to 7.8 (H100, bench/gate_parts.py,
+    docs/PERFORMANCE.md thirty-second session)."""
     rows = row0 + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     r64 = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    mask = row_ok[:, None] & col_ok[None, :]
-    if FROM_L2:
-        x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg")
-    else:
-        x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask, other=0.0)
-    s = tl.sqrt_rn(_softplus(x))
     kcols = tl.arange(0, KP)
-    picked_w = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
-    picked_id = tl.zeros((BLOCK_T, KP), dtype=tl.int64)
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    kmask = row_ok[:, None] & (kcols[None, :] < K)
     if HASH:
         tok = tl.load(input_ids_ptr + r64, mask=row_ok, other=0)
-        for j in tl.static_range(K):
-            e = tl.load(tid2eid_ptr + tok * K + j, mask=row_ok, other=0)
-            w = tl.sum(tl.where(cols[None, :] == e[:, None], s, 0.0), axis=1)
-            total = total + w
-            picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
-            picked_id = tl.where(kcols[None, :] == j, e.to(tl.int64)[:, None], picked_id)
+        picked_id = tl.load(tid2eid_ptr + tok[:, None] * K + kcols[None, :], mask=kmask,
+                            other=0).to(tl.int64)
     else:
-        b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-        sel = tl.where(mask, s + b[None, :], float("-inf"))
+        cols = tl.arange(0, BLOCK_E)
+        mask = row_ok[:, None] & (cols < E)[None, :]
+        if FROM_L2:
+            x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask,
+                        other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(logits_ptr + r64[:, None] * stride_l + cols[None, :], mask=mask,
+                        other=0.0)
+        b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+        sel = tl.where(mask, tl.sqrt_rn(_softplus(x)) + b[None, :], float("-inf"))
+        picked_id = tl.zeros((BLOCK_T, KP), dtype=tl.int64)
         for j in tl.static_range(K):
-            m = tl.max(sel, axis=1)
-            # The lowest id among equal maxima; min() keeps a NaN row's id in range.
-            e = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
-            e = tl.minimum(e, E - 1)
-            hit = cols[None, :] == e[:, None]
-            w = tl.sum(tl.where(hit, s, 0.0), axis=1)
-            sel = tl.where(hit, float("-inf"), sel)
-            total = total + w
-            picked_w = tl.where(kcols[None, :] == j, w[:, None], picked_w)
+            # The lowest id among equal maxima, in one (value, id) reduction; min() keeps a NaN
+            # row's id in range.
+            e = tl.minimum(tl.argmax(sel, axis=1, tie_break_left=True), E - 1)
+            sel = tl.where(cols[None, :] == e[:, None], float("-inf"), sel)
             picked_id = tl.where(kcols[None, :] == j, e.to(tl.int64)[:, None], picked_id)
+    ok = kmask & (picked_id >= 0) & (picked_id < E)
+    ptr = logits_ptr + r64[:, None] * stride_l + picked_id
+    if FROM_L2:
+        xp = tl.load(ptr, mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        xp = tl.load(ptr, mask=ok, other=0.0)
+    picked_w = tl.where(ok, tl.sqrt_rn(_softplus(xp)), 0.0)
+    if KP == 8:
+        total = _sum_in_order8(picked_w, BLOCK_T)
+    else:
+        # One non-zero term a sum: exact in any order.
+        total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            total = total + tl.sum(tl.where(kcols[None, :] == j, picked_w, 0.0), axis=1)
     out = tl.div_rn(picked_w, total[:, None]) * route_scale
-    omask = row_ok[:, None] & (kcols[None, :] < K)
-    tl.store(w_ptr + r64[:, None] * K + kcols[None, :], out, mask=omask)
-    tl.store(ids_ptr + r64[:, None] * K + kcols[None, :], picked_id, mask=omask)
+    tl.store(w_ptr + r64[:, None] * K + kcols[None, :], out, mask=kmask)
+    tl.store(ids_ptr + r64[:, None] * K + kcols[None, :], picked_id, mask=kmask)
 
 
 @triton.jit
