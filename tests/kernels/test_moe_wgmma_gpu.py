@@ -83,6 +83,27 @@ def test_fused_fill_gives_the_launch_chains_bits_gpu(T: int,
     assert _counters_clean()
 
 
+def test_down_without_pdl_gives_the_same_bits_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DOWN_PDL off (the w2 GEMM in plain stream order under a PDL step) changes only when its
+    programs are scheduled: the same bits, in a CUDA graph too."""
+    from dsv4.ops import gluon_moe_decode as gm
+    ch, gen = _experts(1700)
+    x = torch.randn(1, D, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, w = _routing(1, gen)
+    monkeypatch.setenv("DSV4_PDL", "1")
+    want = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+    monkeypatch.setattr(gm, "DOWN_PDL", False)
+    _poison()
+    assert torch.equal(gm.moe_experts_wgmma(x, ids, w, ch, 10.0), want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = gm.moe_experts_wgmma(x, ids, w, ch, 10.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert _counters_clean()
+
+
 @pytest.mark.parametrize("T", [1, 2])
 def test_toy_widths_one_split_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/flash_bench.py --tiny's expert widths (D 256, I 128, 16 experts): the whole K in
