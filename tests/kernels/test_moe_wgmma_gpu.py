@@ -7,7 +7,8 @@ flips a few e4m3 roundings of the activation between the GEMMs: the H100 measure
 is written (NaN-poisoned memory); skipped picks (ids outside 0..E-1) are left out; the GEMMs
 quantizing their own activation (three launches) give the five-launch chain's bits (its two
 Triton kernels equal ``act_quant`` in the interpreter tests), with PDL and without, also when
-one token picks an expert twice (two rows of one block); the shared expert's sum matches; a
+one token picks an expert twice (two rows of one block), and with the w2 GEMM in plain stream
+order (``DOWN_PDL`` off); the shared expert's sum matches; a
 CUDA-graph replay on new inputs equals the eager call bit for bit and the split-K counters end
 clean; the op table routes one-token calls to it under the flag (on by
 default).  Skipped without an sm_90 GPU and Gluon."""
