@@ -107,6 +107,16 @@ def _sass(cubin: bytes) -> tuple[str, str]:
     return sass, res
 
 
+def sass_opcodes(sass: str) -> tuple[list[str], collections.Counter]:
+    """The instructions of a ``cuobjdump --dump-sass`` listing and their opcodes (predicate and
+    modifiers dropped: ``@!P0 SHFL.BFLY`` counts as ``SHFL``)."""
+    body = [m.group(1) for ln in sass.splitlines()
+            for m in [re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)] if m]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
+                              for b in body)
+    return body, ops
+
+
 _KINDS = (("fp64", re.compile(r"^D(FMA|ADD|MUL|SETP|MNMX)|^MUFU\.RCP64H|^F2F\.F(64|32\.F64)")),
           ("shfl", re.compile(r"^SHFL")), ("bar", re.compile(r"^BAR")),
           ("ldg", re.compile(r"^LDG")), ("stg", re.compile(r"^STG")),

@@ -21,9 +21,7 @@ counts its instructions, barriers and shuffles (TRITON_INTERPRET must be unset).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -53,16 +51,12 @@ def experts_fp4(gen: torch.Generator) -> torch_dense.ExpertWeights:
 def sass_counts() -> str:
     """Instructions, barriers and shuffles of the one-token gate launch, compiled for sm_90."""
     import sm90_cases as cases
-    from bench.compress_sass import _sass
+    from bench.compress_sass import _sass, sass_opcodes
     cases.RECORDER.launches.clear()
     with cases.RECORDER.active():
         cases.SCENARIOS["moe_gate_plan/v4_flash"]()
     launch = next(x for x in cases.RECORDER.launches if x.kernel_name == "_gate_route_kernel")
-    sass, _ = _sass(cases.compile_launch(launch).asm["cubin"])
-    body = [m.group(1) for ln in sass.splitlines()
-            for m in [re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)] if m]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
-                              for b in body)
+    body, ops = sass_opcodes(_sass(cases.compile_launch(launch).asm["cubin"])[0])
     return f"_gate_route_kernel: {len(body)} instructions, BAR {ops['BAR']}, SHFL {ops['SHFL']}"
 
 

@@ -17,7 +17,6 @@ after F2FP conversions: exact to 3.5e-8 but slower) is at commit ``f535f33``.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import subprocess
@@ -30,6 +29,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compress_sass import sass_opcodes  # noqa: E402
 from dsv4.ops import gluon_moe_decode as gm  # noqa: E402
 
 E, D, INTER, TOPK = 256, 4096, 2048, 6
@@ -86,10 +86,7 @@ def sass_report(plan: gm.GemvPlan, two: bool = True, fused: bool = True) -> str:
     kernel over its chunks, prologue, activation fill and epilogue included), registers, top
     opcodes."""
     k = compile_sm90(plan, two, fused=fused)
-    body = [m.group(1) for ln in _cuobjdump(k, "--dump-sass").splitlines()
-            for m in [re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", ln)] if m]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
-                              for b in body)
+    body, ops = sass_opcodes(_cuobjdump(k, "--dump-sass"))
     per_chunk = len(body) / plan.cps
     weights = (2 if two else 1) * 16 * plan.mt * gm.CHUNK // 32     # a thread, a chunk
     regs = re.search(r"REG:(\d+)", _cuobjdump(k, "--dump-resource-usage"))

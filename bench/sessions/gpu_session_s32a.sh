@@ -20,11 +20,7 @@ stage gs 60 python bench/grid_sync.py --phases 32 --kb 0,256,2048,8192
 grep -h "^|\|programs" "$LOGS/gs.log"
 # A fresh machine's Triton cache is empty: the shipped manifest compiled on 14 CPUs first
 # (~1-3 s a kernel one after another otherwise, which the stages' limits would not cover).
-stage precompile 200 python -c "
-import logging; logging.basicConfig(level=logging.INFO)
-from dsv4.ops import precompile
-print(precompile.start(precompile.SHIPPED_MANIFEST, 90, dim=4096).wait())"
-tail -n 2 "$LOGS/precompile.log"
+precompile_stage 200
 ALT=bench/sessions/alt_triton_route.py
 if [ -f "$ALT" ]; then
     cp dsv4/ops/triton_route.py /tmp/default_triton_route.py

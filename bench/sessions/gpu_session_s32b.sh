@@ -29,10 +29,7 @@ if [ -f "$ALT" ]; then
     grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/route.log" | head -10
     cp /tmp/default_triton_route.py dsv4/ops/triton_route.py
 fi
-stage precompile 120 python -c "
-from dsv4.ops import precompile
-print(precompile.start(precompile.SHIPPED_MANIFEST, 90, dim=4096).wait())"
-tail -n 1 "$LOGS/precompile.log"
+precompile_stage 120
 stage qab 150 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1 \
     --ctx 8192 --steps 2 --launch-ab --ab-variants "pdl;pdl, q_norm in wq_b;pdl, q_norm apart"
 grep -h "decode B=1" "$LOGS/qab.log" | head -3

@@ -7,10 +7,7 @@ set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-stage precompile 120 python -c "
-from dsv4.ops import precompile
-print(precompile.start(precompile.SHIPPED_MANIFEST, 90, dim=4096).wait())"
-tail -n 1 "$LOGS/precompile.log"
+precompile_stage 120
 stage tests 90 python -m pytest -q -rf tests/kernels/test_moe_wgmma_gpu.py -k "down_without or decode_with_shared"
 grep -h "passed\|failed\|FAILED\|Error\|assert" "$LOGS/tests.log" | head -10
 stage ab 150 python bench/flash_bench.py --layers 4 --prefill "" --decode-batches 1 \

@@ -48,6 +48,12 @@ stage() {  # stage NAME SECONDS CMD...: CMD's output in $LOGS/NAME.log, its tail
 # an H200 (set when this file is sourced; nvidia-smi absent: 64).
 EXPERTS=64
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && EXPERTS=128
+precompile_stage() {  # precompile_stage SECS: the shipped manifest's kernels (V4-Flash widths)
+    # missing from the Triton cache, compiled in worker processes (a fresh machine's is empty)
+    stage precompile "$1" python -c "
+from dsv4.ops import precompile
+print(precompile.start(precompile.SHIPPED_MANIFEST, 90, dim=4096).wait())"
+}
 tp_stage() {  # tp_stage NAME SECS EXTRA...: the engine on one GPU (bench/tp_bench.py), 43 layers,
     # no tp_bench warm-up (so the engine's own is what a workload meets), JSON in $LOGS/NAME.json
     local name=$1 secs=$2; shift 2
