@@ -342,6 +342,17 @@ def block_pairs(pair_ptr, blk, P, BM: tl.constexpr):
 
 
 @triton.jit
+def block_tile_ids(N_FIRST: tl.constexpr):
+    """(row block, N tile, row blocks, N tiles) of this program.  N_FIRST: grid axis 0 walks
+    the N tiles of one row block (:func:`tile_grid`), so the programs resident together share
+    their blocks' activation rows (and an expert's weights) in L2; else axis 0 walks the blocks."""
+    if N_FIRST:
+        return tl.program_id(1), tl.program_id(0), tl.num_programs(1), tl.num_programs(0)
+    else:
+        return tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1)
+
+
+@triton.jit
 def store_prepped(base, t, mask, FMT: tl.constexpr, QUANT: tl.constexpr, BK: tl.constexpr):
     """One K step of activation rows ``t`` [R, BK] stored GEMM-ready at ``base`` [R, 1] (each
     row's start + k0, in the destination dtype): FP8 fake-quantized per row (QUANT: the block is
@@ -524,9 +535,10 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                    SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    KCHUNK: tl.constexpr = False, TOKEN_ROWS: tl.constexpr = False,
                    TOPK: tl.constexpr = 1, PREP_ACT: tl.constexpr = False,
-                   QUANT_ACT: tl.constexpr = False,
+                   QUANT_ACT: tl.constexpr = False, N_FIRST: tl.constexpr = False,
                    PDL: tl.constexpr = False):
-    """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile.
+    """act[row] = w · swiglu(w1 x, w3 x) for the pairs of one row block and N tile (program
+    order: :func:`block_tile_ids`).
 
     PREP_ACT (BN = the down GEMM's K step): ``act`` is stored GEMM-ready for the down kernel
     (FP8 fake-quantized per K step under QUANT_ACT, [even | odd] for MXFP4), as
@@ -540,8 +552,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
     to arrive at the tile's counter in ``arrivals`` sums them in split order, runs the epilogue
     and resets the counter to 0.  Unused blocks (id >= E) touch nothing, in every split."""
     grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    blk, pid_n, _, n_tiles = block_tile_ids(N_FIRST)
     e = tl.load(bexp_ptr + blk)
     if e < E:
         rm, pair, m_mask = block_pairs(pair_ptr, blk, P, BM)
@@ -568,7 +579,7 @@ def _moe_up_kernel(xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, bexp_ptr, w
                                            KCHUNK, N)
             acc3 = _dot_tile(acc3, x_ev, x_od, u_ev, u_od, FMT)
         if SPLIT:
-            tile = blk * tl.num_programs(1) + pid_n
+            tile = blk * n_tiles + pid_n
             offs = rm.to(tl.int64)[:, None] * stride_part_m + rn[None, :]
             mask = m_mask[:, None] & n_mask[None, :]
             _store_partial(part1_ptr, offs, acc1, mask, stride_part_s)
@@ -596,7 +607,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
                      KCHUNK: tl.constexpr = False, ids_ptr=None, out_ptr=None,
                      shared_ptr=None, T=0, COMBINE: tl.constexpr = False,
                      TOPK: tl.constexpr = 1, SHARED: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     N_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] for the pairs of one row block and N tile (compute dtype);
     ``act`` made ready by ``_moe_prep_kernel`` (or plain: dense/FP8 stacks without act quant).
     SPLIT: as ``_moe_up_kernel``, one fp32 partial per split in ``part`` [S, rows, N].
@@ -606,8 +617,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
     the tile's counter ``arrivals[nb·tiles + pid_n]`` once its y rows are stored — for the T
     tokens into ``out`` (+ ``shared`` under SHARED): the same sums in the same order."""
     grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    blk, pid_n, n_blocks, n_tiles = block_tile_ids(N_FIRST)
     e = tl.load(bexp_ptr + blk)
     # Whether this program counts its block in at the combine's counter.
     stored = (tl.program_id(2) == 0) & (e >= E)
@@ -628,7 +638,7 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:
-            tile = blk * tl.num_programs(1) + pid_n
+            tile = blk * n_tiles + pid_n
             offs = rm.to(tl.int64)[:, None] * stride_part_m + rn[None, :]
             _store_partial(part_ptr, offs, acc, mask, stride_part_s)
             if _arrive_last(arrivals_ptr, tile):
@@ -641,10 +651,9 @@ def _moe_down_kernel(act_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_ptr, part_pt
             stored = pid_n >= 0
     if COMBINE:
         if stored:
-            tiles = tl.num_programs(1)
-            count = arrivals_ptr + tl.num_programs(0) * tiles + pid_n
+            count = arrivals_ptr + n_blocks * n_tiles + pid_n
             tl.debug_barrier()
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_blocks - 1:
                 tl.debug_barrier()
                 _combine_tile(y_ptr, ids_ptr, out_ptr, shared_ptr, T, N, E, stride_ym,
                               pid_n * BN + tl.arange(0, BN), TOPK, SHARED)
@@ -840,6 +849,27 @@ UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "1"))
 # B=1 1,087.6 µs either way, B=2 1,240.0 against 1,233.9): the finisher's tail after the last
 # block costs what the launch did.  DSV4_MOE_DOWN_COMBINE=1 turns it on.
 DOWN_COMBINE = int(os.environ.get("DSV4_MOE_DOWN_COMBINE", "0"))
+
+# 1: the expert GEMMs of prefill-sized calls (past the one-launch decode plan's pair counts;
+# the FP8-MMA kernels of triton_moe_fp8 too) walk the N tiles of one row block before the next
+# block (grid axis 0 = N tiles).  Walking the blocks first, the ~260 programs resident at once
+# hold ~260 different blocks' activation rows (~135 MB at a 2K chunk, past L2), so each block's
+# rows come from HBM once per N tile (16-32 times); N tiles first, the programs resident
+# together share a few blocks' rows and their expert's weight tiles.  Same values either way
+# (each tile's sums are unchanged).  DSV4_MOE_N_FIRST=1 turns it on (off until measured).
+N_FIRST = int(os.environ.get("DSV4_MOE_N_FIRST", "0"))
+# CUDA's grid axes 1 and 2 hold at most 65,535 programs.
+_GRID_YZ_MAX = 65535
+
+
+def tile_grid(blocks: int, tiles: int, *rest: int, n_first: bool = False
+              ) -> tuple[tuple[int, ...], bool]:
+    """The launch grid of an expert GEMM over ``blocks`` row blocks and ``tiles`` N tiles
+    (then ``rest``: the K splits), and whether it runs N tiles first (``block_tile_ids``):
+    ``n_first`` unless the blocks overflow grid axis 1."""
+    n_first = bool(n_first) and blocks <= _GRID_YZ_MAX
+    return ((tiles, blocks, *rest) if n_first else (blocks, tiles, *rest)), n_first
+
 
 # Pipeline stages of the 64-row expert blocks (DSV4_MOE_BM64_STAGES=3: the former plan, A/B).
 MOE_BM64_STAGES = int(os.environ.get("DSV4_MOE_BM64_STAGES", "2"))
@@ -1168,14 +1198,16 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     # read.  Unsplit: never touched (act stands in).
     part_up = (torch.empty(2, split_up, rows, inter, dtype=torch.float32, device=x.device)
                if split_up > 1 else act.expand(2, 1, rows, inter))
-    _moe_up_kernel[(nb, tiles_up, split_up)](
+    # Prefill-sized calls may walk N tiles first (N_FIRST); decode keeps block-first order.
+    grid_up, n_first = tile_grid(nb, tiles_up, split_up, n_first=N_FIRST and not fused_prep)
+    _moe_up_kernel[grid_up](
         xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1], arrivals,
         P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), float(swiglu_limit),
         HAS_LIMIT=swiglu_limit > 0, SPLIT=split_up > 1, BM=cfg.BM, BN=cfg.BN_up, BK=cfg.BK,
         TOKEN_ROWS=token_rows, TOPK=k if token_rows else 1, PREP_ACT=prep_in_up,
-        QUANT_ACT=quant, num_warps=cfg.warps_up, num_stages=stages_up, **consts,
-        **pdl_args(xs))
+        QUANT_ACT=quant, N_FIRST=n_first, num_warps=cfg.warps_up, num_stages=stages_up,
+        **consts, **pdl_args(xs))
     del xs, part_up
     if prep_in_up:
         act_in = act
@@ -1197,11 +1229,13 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         combine = dict(ids_ptr=ids, out_ptr=out,
                        shared_ptr=out if shared is None else shared.contiguous(), T=T,
                        COMBINE=True, TOPK=k, SHARED=shared is not None)
-    _moe_down_kernel[(nb, tiles_down, split_down)](
+    grid_down, n_first = tile_grid(nb, tiles_down, split_down,
+                                   n_first=N_FIRST and not fused_prep)
+    _moe_down_kernel[grid_down](
         act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
         act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), SPLIT=split_down > 1,
-        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, num_warps=cfg.warps_down,
+        BM=cfg.BM, BN=cfg.BN_down, BK=cfg.BK, N_FIRST=n_first, num_warps=cfg.warps_down,
         num_stages=stages_down, **combine, **consts, **pdl_args(act_in))
     del part_down
     if combine_in_down:

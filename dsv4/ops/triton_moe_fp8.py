@@ -80,6 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops import triton_moe as _triton_moe
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
 from dsv4.ops.triton_dense import (
@@ -95,7 +96,9 @@ from dsv4.ops.triton_moe import (
     _up_epilogue,
     _weight_args,
     block_pairs,
+    block_tile_ids,
     moe_plan,
+    tile_grid,
 )
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -408,15 +411,14 @@ def _fp8mma_up_kernel(xq_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pair_ptr, 
                       HAS_LIMIT: tl.constexpr, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
                       KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       PREDECODED: tl.constexpr = False, KCHUNK: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      N_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """act[row] = w · swiglu(w1 x, w3 x) (bf16) for the pairs of one row block and N tile;
     x given as e4m3 codes ``xq`` with fp32 scales ``xs`` per act block (``_fp8_prep_kernel``).
     One FP8 dot per KS-wide K step and weight, its row and column powers of two applied in fp32
     (part · sa is exact, the fma rounds once, as an add).  Only the blocks of experts
     e0 <= e < e1 run (a chunk of predecoded experts, weights indexed e - e0; else 0, E)."""
     grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    blk, pid_n, _, _ = block_tile_ids(N_FIRST)
     e = tl.load(bexp_ptr + blk)
     if (e >= e0) & (e < e1):
         ew = e - e0
@@ -445,13 +447,12 @@ def _fp8mma_down_kernel(aq_ptr, as_ptr, w2_ptr, s2_ptr, pair_ptr, bexp_ptr, y_pt
                         stride_sn, ASM_DECODE: tl.constexpr, AB: tl.constexpr,
                         KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         PREDECODED: tl.constexpr = False, KCHUNK: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                        N_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[pair] = w2 · act[row] (bf16) for the pairs of one row block and N tile; act given as
     e4m3 codes ``aq`` with fp32 scales ``as`` per act block; one FP8 dot per KS-wide step.
     Experts e0 <= e < e1 only, as the up kernel."""
     grid_dependency_sync(PDL)
-    blk = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    blk, pid_n, _, _ = block_tile_ids(N_FIRST)
     e = tl.load(bexp_ptr + blk)
     if (e >= e0) & (e < e1):
         ew = e - e0
@@ -813,12 +814,15 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                                     num_warps=4, **pdl_args(x))
     act = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
     n_up, n_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
+    # triton_moe.N_FIRST read per call (a benchmark flips it between runs).
+    grid_up, first_up = tile_grid(nb, n_up, n_first=_triton_moe.N_FIRST)
+    grid_down, first_down = tile_grid(nb, n_down, n_first=_triton_moe.N_FIRST)
     up = dict(HAS_LIMIT=swiglu_limit > 0, ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM,
-              BN=cfg.BN_up, num_warps=cfg.warps_up, num_stages=cfg.stages)
-    down = dict(ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_down,
+              BN=cfg.BN_up, N_FIRST=first_up, num_warps=cfg.warps_up, num_stages=cfg.stages)
+    down = dict(ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_down, N_FIRST=first_down,
                 num_warps=cfg.warps_down, num_stages=cfg.stages)
     if not predecode:
-        _fp8mma_up_kernel[(nb, n_up)](
+        _fp8mma_up_kernel[grid_up](
             xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, 0, E,
             xq.stride(0), xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
             s1.stride(1), float(swiglu_limit), **up, KCHUNK=kchunk, **pdl_args(xq))
@@ -842,7 +846,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
-            _fp8mma_up_kernel[(nb, n_up)](
+            _fp8mma_up_kernel[grid_up](
                 xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
                 xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
                 f1.stride(0), f1.stride(1), float(swiglu_limit), **up, PREDECODED=True,
@@ -859,7 +863,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     del act
     y = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     if not predecode:
-        _fp8mma_down_kernel[(nb, n_down)](
+        _fp8mma_down_kernel[grid_down](
             aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, 0, E, aq.stride(0),
             as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
             **down, KCHUNK=kchunk, **pdl_args(aq))
@@ -879,7 +883,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_down(slot: int, e0: int, e1: int) -> None:
             q2, f2 = down_bufs[slot]
-            _fp8mma_down_kernel[(nb, n_down)](
+            _fp8mma_down_kernel[grid_down](
                 aq, as_, q2, f2, pairs, block_expert, y, P, D, inter, e0, e1, aq.stride(0),
                 as_.stride(0), y.stride(0), q2.stride(0), q2.stride(1), f2.stride(0),
                 f2.stride(1), **down, PREDECODED=True, **pdl_args(aq))

@@ -303,3 +303,30 @@ def test_cpu_runs_the_twin() -> None:
                        ref.moe_experts(x, ids, w, ex, 10.0))
     with pytest.raises(ValueError, match="bf16"):
         f8.moe_experts_fp8mma(x.float(), ids, w, ex, 10.0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_n_tiles_first_same_bits_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton_moe.N_FIRST (each row block's N tiles first) at V4-Flash widths: the bf16-MMA
+    grouped kernels (a 2K chunk's path) and the FP8-MMA kernels, re-encoded per call and on
+    kept codes, give the block-first bits, finite everywhere."""
+    from dataclasses import replace
+
+    from dsv4.ops import triton_moe as tri
+    from dsv4.ops import triton_moe_fp8 as f8
+    ex = _stacks(torch.Generator(device=DEV).manual_seed(71))
+    kept = replace(ex, fp8_codes=f8.encode_fp8_codes(ex))
+    x, ids, w = _prefill_inputs(T, 72)
+    calls = [lambda: tri.moe_experts_with_config(x, ids, w, ex, 10.0, None),
+             lambda: f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, predecode=True),
+             lambda: f8.moe_experts_fp8mma(x, ids, w, kept, 10.0, predecode=True)]
+    for call in calls:
+        monkeypatch.setattr(tri, "N_FIRST", 0)
+        _poison()
+        want = call()
+        monkeypatch.setattr(tri, "N_FIRST", 1)
+        _poison()
+        got = call()
+        assert bool(torch.isfinite(got).all())
+        assert torch.equal(got, want)

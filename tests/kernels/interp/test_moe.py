@@ -288,3 +288,42 @@ def test_moe_combine_in_down_kernel_same_bits(T: int, split: int, with_shared: b
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert not launched
     assert int(splitk_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("fmt,act_block,split", [("fp4", 128, 1), ("fp4", 128, 2),
+                                                 ("fp8", 128, 1), ("dense", None, 2)])
+def test_moe_n_tiles_first_same_bits(fmt: str, act_block, split: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """N_FIRST: a prefill-sized call (past the one-launch plan's pairs) walking each row block's
+    N tiles first gives the block-first bits, unsplit and with both GEMMs' K split (the split
+    arrivals' tile ids are the same); the grid's axes are swapped only for such calls."""
+    gen = torch.Generator().manual_seed(17 + split)
+    E, D, inter, k, T = 4, 256, 256, 3, 30          # 90 pairs > SMALL_PLAN_MAX_PAIRS
+    ex = _experts(fmt, E, D, inter, gen, act_block=act_block, fp32_scale=fmt == "fp8")
+    x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16 if fmt == "fp4" else
+                                                  torch.float32)
+    ids, w = _routing(T, E, k, gen)
+    ids[3, 1] = -1
+    cfg = tri.MoeConfig(BM=16, BN_up=64, BN_down=128, split_up=split, split_down=split)
+    monkeypatch.setattr(tri, "N_FIRST", 0)
+    want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    monkeypatch.setattr(tri, "N_FIRST", 1)
+    grids = []
+    real = tri._moe_up_kernel
+    monkeypatch.setattr(tri, "_moe_up_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (grids.append(grid), real[grid])[1]})())
+    got = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    (grid,) = grids
+    assert grid[0] == inter // 64 and grid[2] == split     # N tiles on axis 0
+    # A decode-sized call keeps the block-first order.
+    grids.clear()
+    tri.moe_experts_with_config(x[:2], ids[:2], w[:2], ex, 10.0, cfg)
+    assert grids[0][1] == inter // 64
+
+
+def test_tile_grid_orders_and_limit() -> None:
+    assert tri.tile_grid(7, 16, 2, n_first=True) == ((16, 7, 2), True)
+    assert tri.tile_grid(7, 16, 2, n_first=False) == ((7, 16, 2), False)
+    assert tri.tile_grid(70000, 16, n_first=True) == ((70000, 16), False)

@@ -640,3 +640,27 @@ def test_bench_tiny_smoke(tmp_path) -> None:
         assert row["tokens"] == 3 and row["finite"] and row["rel_diff"] < BF16_BOUND
         assert row["fp8_us"] > 0 and row["bf16_us"] > 0
     assert res["predecode_us"] > 0
+
+
+@pytest.mark.parametrize("predecode", [False, True])
+def test_n_tiles_first_same_bits(predecode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton_moe.N_FIRST: the FP8-MMA GEMMs walking each row block's N tiles first give the
+    block-first bits (in-loop decode and predecoded chunks of 3 experts), their grids swapped."""
+    monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 3)
+    gen = torch.Generator().manual_seed(29 + predecode)
+    ex = _fp4_experts(gen, 128)
+    T = 11
+    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    ids[2, 1] = -1
+    cfg = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128)
+    monkeypatch.setattr(tri, "N_FIRST", 0)
+    want = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
+    monkeypatch.setattr(tri, "N_FIRST", 1)
+    grids = []
+    real = f8._fp8mma_down_kernel
+    monkeypatch.setattr(f8, "_fp8mma_down_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (grids.append(grid), real[grid])[1]})())
+    got = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
+    assert torch.equal(got, want)
+    assert grids and all(g[0] == D // 128 for g in grids)
