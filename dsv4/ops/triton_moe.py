@@ -850,14 +850,16 @@ UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "1"))
 # block costs what the launch did.  DSV4_MOE_DOWN_COMBINE=1 turns it on.
 DOWN_COMBINE = int(os.environ.get("DSV4_MOE_DOWN_COMBINE", "0"))
 
-# 1: the expert GEMMs of prefill-sized calls (past the one-launch decode plan's pair counts;
-# the FP8-MMA kernels of triton_moe_fp8 too) walk the N tiles of one row block before the next
-# block (grid axis 0 = N tiles).  Walking the blocks first, the ~260 programs resident at once
+# 1: the expert GEMMs of prefill-sized calls (the FP8-MMA kernels of triton_moe_fp8 too) walk
+# the N tiles of one row block before the next block (grid axis 0 = N tiles).  Walking the blocks first, the ~260 programs resident at once
 # hold ~260 different blocks' activation rows (~135 MB at a 2K chunk, past L2), so each block's
 # rows come from HBM once per N tile (16-32 times); N tiles first, the programs resident
 # together share a few blocks' rows and their expert's weight tiles.  Same values either way
 # (each tile's sums are unchanged).  DSV4_MOE_N_FIRST=1 turns it on (off until measured).
+# Only from N_FIRST_MIN_PAIRS (token, pick) pairs: decode batches (B=64: 384 pairs, ~1-2 a
+# block, nothing to share) keep their measured order.
 N_FIRST = int(os.environ.get("DSV4_MOE_N_FIRST", "0"))
+N_FIRST_MIN_PAIRS = 1024
 # CUDA's grid axes 1 and 2 hold at most 65,535 programs.
 _GRID_YZ_MAX = 65535
 
@@ -1199,7 +1201,8 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     part_up = (torch.empty(2, split_up, rows, inter, dtype=torch.float32, device=x.device)
                if split_up > 1 else act.expand(2, 1, rows, inter))
     # Prefill-sized calls may walk N tiles first (N_FIRST); decode keeps block-first order.
-    grid_up, n_first = tile_grid(nb, tiles_up, split_up, n_first=N_FIRST and not fused_prep)
+    prefill_order = bool(N_FIRST) and P >= N_FIRST_MIN_PAIRS
+    grid_up, n_first = tile_grid(nb, tiles_up, split_up, n_first=prefill_order)
     _moe_up_kernel[grid_up](
         xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1], arrivals,
         P, inter, D, E, xs.stride(0), act.stride(0), part_up.stride(1), part_up.stride(2),
@@ -1229,8 +1232,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
         combine = dict(ids_ptr=ids, out_ptr=out,
                        shared_ptr=out if shared is None else shared.contiguous(), T=T,
                        COMBINE=True, TOPK=k, SHARED=shared is not None)
-    grid_down, n_first = tile_grid(nb, tiles_down, split_down,
-                                   n_first=N_FIRST and not fused_prep)
+    grid_down, n_first = tile_grid(nb, tiles_down, split_down, n_first=prefill_order)
     _moe_down_kernel[grid_down](
         act_in, w2, s2, pairs, block_expert, y, part_down, arrivals, P, D, inter, E,
         act_in.stride(0), y.stride(0), part_down.stride(0), part_down.stride(1),

@@ -294,7 +294,7 @@ def test_moe_combine_in_down_kernel_same_bits(T: int, split: int, with_shared: b
                                                  ("fp8", 128, 1), ("dense", None, 2)])
 def test_moe_n_tiles_first_same_bits(fmt: str, act_block, split: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """N_FIRST: a prefill-sized call (past the one-launch plan's pairs) walking each row block's
+    """N_FIRST: a prefill-sized call (from N_FIRST_MIN_PAIRS pairs) walking each row block's
     N tiles first gives the block-first bits, unsplit and with both GEMMs' K split (the split
     arrivals' tile ids are the same); the grid's axes are swapped only for such calls."""
     gen = torch.Generator().manual_seed(17 + split)
@@ -305,6 +305,7 @@ def test_moe_n_tiles_first_same_bits(fmt: str, act_block, split: int,
     ids, w = _routing(T, E, k, gen)
     ids[3, 1] = -1
     cfg = tri.MoeConfig(BM=16, BN_up=64, BN_down=128, split_up=split, split_down=split)
+    monkeypatch.setattr(tri, "N_FIRST_MIN_PAIRS", 65)
     monkeypatch.setattr(tri, "N_FIRST", 0)
     want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
     monkeypatch.setattr(tri, "N_FIRST", 1)
