@@ -12,6 +12,10 @@ for v in 0 1 0 1; do
         --prefill 2048,8192 --decode-batches "" --reps 2
     grep -h "prefill" "$LOGS/prefill_nfirst$v.log" | tail -n 3
 done
+# Where the 4-layer 8K prefill goes now (eager, torch.profiler; last profiled in the thirteenth
+# session), with the faster order if order.json says N tiles first won.
+stage prof 120 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches "" \
+    --reps 1 --profile "$OUT/prefill_prof.txt"
 stage b1_43 200 python bench/flash_bench.py --layers 43 --experts $EXPERTS --prefill "" \
     --decode-batches 1 --ctx 8192 --steps 2 --launch-ab --ab-variants "pdl;pdl, wgmma w2 without PDL"
 grep -h "decode B=1\|model built" "$LOGS/b1_43.log" | tail -n 3
