@@ -353,7 +353,6 @@ LAUNCH_VARIANTS = {
     "pdl, act prep in the up kernel": {"DSV4_PDL": "1", "triton_moe.UP_PREP_ACT": "1"},
     "pdl, combine in the down kernel": {"DSV4_PDL": "1", "triton_moe.DOWN_COMBINE": "1"},
     # (The one-token experts on FP8 wgmma are the default, DSV4_MOE_WGMMA: "pdl" is on them.)
-    "pdl, wgmma w2 without PDL": {"DSV4_PDL": "1", "gluon_moe_decode.DOWN_PDL": "0"},
     "pdl, experts on Triton": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "0"},
     "pdl, experts on wgmma": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1"},
     "pdl, experts on wgmma, 5 launches": {"DSV4_PDL": "1", "gluon_moe_decode.WGMMA_DECODE": "1",

@@ -94,13 +94,10 @@ GROUP = 32       # MXFP4 scale group = one m64n8k32 product
 # DSV4_MOE_WGMMA_FUSED=0) launches the two Triton kernels instead (the same bits).
 ACT_CODES, ACT_TOKENS, ACT_SWIGLU = 0, 1, 2
 FUSED_FILL = os.environ.get("DSV4_MOE_WGMMA_FUSED", "1") == "1"
-# Whether the w2 GEMM launches with PDL.  With it (the default) its programs are scheduled at the
-# up GEMM's start and park on the wait in every slot the up GEMM leaves free, so the shared
-# expert's w2 (side lane, issued a few µs later) gets no SM until the up GEMM ends and then
-# finishes after the routed w2: the combine waits for it (H100 timeline, docs/PERFORMANCE.md
-# thirty-second session: ~3 µs in three layers of four).  False (DSV4_MOE_WGMMA_DOWN_PDL=0)
-# launches it in plain stream order, leaving those slots to the shared w2.  Not measured yet.
-DOWN_PDL = os.environ.get("DSV4_MOE_WGMMA_DOWN_PDL", "1") == "1"
+# (Measured and removed, thirty-third session, code at 03c170f: the w2 GEMM launched in plain
+# stream order instead of with PDL, so that its programs would not park in the slots the up
+# GEMM leaves free and the shared expert's w2 could take them.  Same bits; H100, interleaved
+# graph replays: 4 layers B=1 1,028.9 against 1,033.5 µs, 43 layers 8,027.3 against 8,008.1.)
 # (Measured and removed, thirty-first session, code at 14ded44: the first weight chunk
 # requested before the fill, neutral; the weights through a cp.async shared-memory ring, H200
 # -0.5% / H100 +2% at 43 layers B=1.  The loads go straight into the A fragments' registers.)
@@ -533,11 +530,10 @@ def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch
           act: torch.Tensor, act_mode: int, pairs: torch.Tensor, block_expert: torch.Tensor,
           out: torch.Tensor, P: int, E: int, N: int, K: int, topk: int, NT: int,
           plan: GemvPlan, act_scale: torch.Tensor | None = None, token_rows: bool = False,
-          weights: torch.Tensor | None = None, limit: float = 0.0, pdl: bool = True) -> None:
+          weights: torch.Tensor | None = None, limit: float = 0.0) -> None:
     """One launch of ``_wgmma_gemv_kernel`` (w1 alone, or w1 and w3) on the activation
     ``act`` of kind ``act_mode`` (ACT_CODES with ``act_scale`` and ``token_rows``;
-    ACT_TOKENS; ACT_SWIGLU with ``weights`` and ``limit``); ``pdl=False``: plain stream
-    order whatever the step's PDL setting."""
+    ACT_TOKENS; ACT_SWIGLU with ``weights`` and ``limit``)."""
     nb = block_expert.numel()
     tiles = N // plan.rows
     splits = K // (plan.cps * CHUNK)
@@ -554,7 +550,7 @@ def _gemv(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None, s3: torch
         block_expert, part, arrivals, out, P, E, R, act.stride(-2), float(limit), N=N, K=K,
         TOPK=topk, TWO=two, ACT=act_mode, TOKEN_ROWS=token_rows, HAS_LIMIT=limit > 0,
         BM=PLAN_BM, NT=NT, WARPS=plan.warps, MT=plan.mt, CPS=plan.cps, PF=plan.pf, S=splits,
-        num_warps=plan.warps, **(pdl_args(act) if pdl else {}))
+        num_warps=plan.warps, **pdl_args(act))
 
 
 def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -589,14 +585,14 @@ def moe_experts_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if FUSED_FILL:   # each GEMM quantizes its own activation
         _gemv(w1, s1, w3, s3, x, ACT_TOKENS, pairs, block_expert, h, P, E, inter, D, k, NT, up)
         _gemv(w2, s2, None, None, h, ACT_SWIGLU, pairs, block_expert, y, P, E, D, inter, k, NT,
-              down, weights=wts, limit=swiglu_limit, pdl=DOWN_PDL)
+              down, weights=wts, limit=swiglu_limit)
     else:
         xq, xsc = x_codes(x)
         _gemv(w1, s1, w3, s3, xq, ACT_CODES, pairs, block_expert, h, P, E, inter, D, k, NT, up,
               act_scale=xsc, token_rows=True)
         aq, asc = act_codes(h, pairs, block_expert, wts, P, E, BM, swiglu_limit)
         _gemv(w2, s2, None, None, aq, ACT_CODES, pairs, block_expert, y, P, E, D, inter, k, NT,
-              down, act_scale=asc, pdl=DOWN_PDL)
+              down, act_scale=asc)
     out = torch.empty(T, D, dtype=torch.float32 if shared is None else x.dtype,
                       device=x.device)
     if shared is not None:

@@ -850,16 +850,19 @@ UP_PREP_ACT = int(os.environ.get("DSV4_MOE_UP_PREP", "1"))
 # block costs what the launch did.  DSV4_MOE_DOWN_COMBINE=1 turns it on.
 DOWN_COMBINE = int(os.environ.get("DSV4_MOE_DOWN_COMBINE", "0"))
 
-# 1: the expert GEMMs of prefill-sized calls (the FP8-MMA kernels of triton_moe_fp8 too) walk
-# the N tiles of one row block before the next block (grid axis 0 = N tiles).  Walking the blocks first, the ~260 programs resident at once
-# hold ~260 different blocks' activation rows (~135 MB at a 2K chunk, past L2), so each block's
-# rows come from HBM once per N tile (16-32 times); N tiles first, the programs resident
-# together share a few blocks' rows and their expert's weight tiles.  Same values either way
-# (each tile's sums are unchanged).  DSV4_MOE_N_FIRST=1 turns it on (off until measured).
-# Only from N_FIRST_MIN_PAIRS (token, pick) pairs: decode batches (B=64: 384 pairs, ~1-2 a
-# block, nothing to share) keep their measured order.
-N_FIRST = int(os.environ.get("DSV4_MOE_N_FIRST", "0"))
-N_FIRST_MIN_PAIRS = 1024
+# 1 (default): the expert GEMMs of prefill plans (row blocks of N_FIRST_MIN_BM rows and more:
+# over 16 pairs an active expert; the FP8-MMA kernels of triton_moe_fp8 too) walk the N tiles
+# of one row block before the next block (grid axis 0 = N tiles).  Walking the blocks first,
+# the ~260 programs resident at once hold ~260 blocks' activation rows (~135 MB at a 2K chunk,
+# past L2), so each block's rows come from HBM once per N tile (16-32 times); N tiles first,
+# the programs resident together share a few blocks' rows and their expert's weight tiles.
+# Same bits (each tile's sums are unchanged).  H100, V4-Flash widths, 256 experts
+# (docs/PERFORMANCE.md, thirty-third session; bench/moe_order.py): the expert call at 2K tokens
+# 2,854 -> 2,520 µs (bf16-MMA), at 8K 10,776 -> 9,992 (FP8-MMA, re-encoded); 43 layers, 8K
+# prefill 662 -> 641-645 ms.  Decode plans (16-row blocks, ~1-2 pairs each: nothing to share)
+# keep the block-first order they were tuned in.  DSV4_MOE_N_FIRST=0 turns it off.
+N_FIRST = int(os.environ.get("DSV4_MOE_N_FIRST", "1"))
+N_FIRST_MIN_BM = 32
 # CUDA's grid axes 1 and 2 hold at most 65,535 programs.
 _GRID_YZ_MAX = 65535
 
@@ -1201,7 +1204,7 @@ def moe_experts_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     part_up = (torch.empty(2, split_up, rows, inter, dtype=torch.float32, device=x.device)
                if split_up > 1 else act.expand(2, 1, rows, inter))
     # Prefill-sized calls may walk N tiles first (N_FIRST); decode keeps block-first order.
-    prefill_order = bool(N_FIRST) and P >= N_FIRST_MIN_PAIRS
+    prefill_order = bool(N_FIRST) and cfg.BM >= N_FIRST_MIN_BM
     grid_up, n_first = tile_grid(nb, tiles_up, split_up, n_first=prefill_order)
     _moe_up_kernel[grid_up](
         xs, w1, w3, s1, s3, pairs, block_expert, wts, act, part_up[0], part_up[1], arrivals,

@@ -7,6 +7,7 @@ Run with TRITON_INTERPRET=1 (tests/kernels/test_interpreter.py does that in a ch
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -294,18 +295,18 @@ def test_moe_combine_in_down_kernel_same_bits(T: int, split: int, with_shared: b
                                                  ("fp8", 128, 1), ("dense", None, 2)])
 def test_moe_n_tiles_first_same_bits(fmt: str, act_block, split: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """N_FIRST: a prefill-sized call (from N_FIRST_MIN_PAIRS pairs) walking each row block's
-    N tiles first gives the block-first bits, unsplit and with both GEMMs' K split (the split
-    arrivals' tile ids are the same); the grid's axes are swapped only for such calls."""
+    """N_FIRST: a prefill plan (N_FIRST_MIN_BM-row blocks) walking each row block's N tiles
+    first gives the block-first bits, unsplit and with both GEMMs' K split (the split arrivals'
+    tile ids are the same); a decode plan (16-row blocks) keeps the block-first grid."""
     gen = torch.Generator().manual_seed(17 + split)
-    E, D, inter, k, T = 4, 256, 256, 3, 30          # 90 pairs > SMALL_PLAN_MAX_PAIRS
+    E, D, inter, k, T = 4, 256, 256, 3, 30
     ex = _experts(fmt, E, D, inter, gen, act_block=act_block, fp32_scale=fmt == "fp8")
     x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16 if fmt == "fp4" else
                                                   torch.float32)
     ids, w = _routing(T, E, k, gen)
     ids[3, 1] = -1
-    cfg = tri.MoeConfig(BM=16, BN_up=64, BN_down=128, split_up=split, split_down=split)
-    monkeypatch.setattr(tri, "N_FIRST_MIN_PAIRS", 65)
+    cfg = tri.MoeConfig(BM=tri.N_FIRST_MIN_BM, BN_up=64, BN_down=128, split_up=split,
+                        split_down=split)
     monkeypatch.setattr(tri, "N_FIRST", 0)
     want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
     monkeypatch.setattr(tri, "N_FIRST", 1)
@@ -318,9 +319,8 @@ def test_moe_n_tiles_first_same_bits(fmt: str, act_block, split: int,
     assert torch.equal(got, want)
     (grid,) = grids
     assert grid[0] == inter // 64 and grid[2] == split     # N tiles on axis 0
-    # A decode-sized call keeps the block-first order.
     grids.clear()
-    tri.moe_experts_with_config(x[:2], ids[:2], w[:2], ex, 10.0, cfg)
+    tri.moe_experts_with_config(x, ids, w, ex, 10.0, replace(cfg, BM=16))
     assert grids[0][1] == inter // 64
 
 
