@@ -2,7 +2,8 @@
 default) against N tiles first, V4-Flash widths (D 4096, I 2048, top-6), MXFP4 stacks under
 official numerics (act_block 128), bf16 activations.
 
-    PYTHONPATH=. python bench/moe_order.py [--tokens 2048,8192] [--experts 256] [--out f.json]
+    PYTHONPATH=. python bench/moe_order.py [--tokens 2048,8192] [--experts 256]
+        [--paths "bf16-MMA,FP8-MMA re-encoded,FP8-MMA kept codes"] [--out f.json]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_order.py --tiny   # CPU smoke run
 
 Per token count and path — the bf16-MMA grouped kernels (``moe_experts_with_config``: what a
@@ -52,6 +53,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "FP8-MMA kept codes": lambda x, ids, w: f8.moe_experts_fp8mma(x, ids, w, kept, 10.0,
                                                                       predecode=True),
     }
+    if args.paths:
+        wanted = [p.strip() for p in args.paths.split(",")]
+        unknown = [p for p in wanted if p not in paths]
+        if unknown:
+            raise SystemExit(f"moe_order: unknown paths {unknown}; known: {list(paths)}")
+        paths = {p: paths[p] for p in wanted}
     rows: list[dict[str, Any]] = []
     print(f"{E} experts, D {D}, I {inter}, top-{k}; µs per call (best of {args.reps} "
           "alternating rounds)")
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated paths to time (default: all three)")
     ap.add_argument("--reps", type=int, default=2, help="alternating timing rounds")
     ap.add_argument("--tiny", action="store_true", help="toy widths on CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
