@@ -2,7 +2,8 @@
 # Thirty-third session: with the expert GEMMs walking N tiles first (less HBM traffic), does the
 # re-encoding of chunk c + 1 beside the GEMMs of chunk c (DSV4_FP8MMA_OVERLAP=1, measured no
 # faster in the tenth session) pay now?  The FP8-MMA expert call at 8K / 32K tokens (256
-# experts), separate processes alternating; then 43 layers' 8K prefill with and without it.
+# experts), separate processes alternating; then 43 layers' 8K prefill with and without it; the
+# 2K-token tile plans re-swept.
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
@@ -21,3 +22,7 @@ for v in 1 0; do
         --experts $EXPERTS --prefill 8192 --decode-batches "" --reps 2
     grep -h "prefill S" "$LOGS/p43_ov$v.log" | tail -n 1
 done
+# The bf16-MMA tile plans of a 2K chunk re-swept with N tiles first (the plans were chosen
+# block-first: twenty-fourth session).
+stage sweep2k 120 python bench/moe_decode.py --tokens 2048 --sweep
+grep -h "2048" "$LOGS/sweep2k.log" | head -30
