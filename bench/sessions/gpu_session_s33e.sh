@@ -16,6 +16,7 @@ stage full43 230 python bench/flash_bench.py --layers 43 --experts $EXPERTS --pr
 grep -h "prefill S\|decode B\|model built" "$LOGS/full43.log" | tail -n 6
 unset DSV4_RECORD_KERNELS
 python -c "import json; d=json.load(open('$OUT/kernels_sm90.json')); print(len(d['kernels']), 'kernels recorded + shipped')"
+[ "${SKIP_BLOCKS:-0}" = 1 ] && exit 0   # gpu_session_s33g.sh: the targets alone
 DSV4_MOE_N_FIRST=0 stage p43_blocks 110 python bench/flash_bench.py --layers 43 \
     --experts $EXPERTS --prefill 8192 --decode-batches "" --reps 2
 grep -h "prefill S" "$LOGS/p43_blocks.log" | tail -n 1

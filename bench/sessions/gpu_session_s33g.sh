@@ -5,8 +5,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    sed '/p43_blocks/,$d' bench/sessions/gpu_session_s33e.sh > /tmp/s33e_short.sh
-    bash /tmp/s33e_short.sh
+    SKIP_BLOCKS=1 bash bench/sessions/gpu_session_s33e.sh
 else
     bash bench/sessions/gpu_session_s33f.sh
 fi
