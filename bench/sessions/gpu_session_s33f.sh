@@ -12,10 +12,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 i=0
 for v in 0 1 0 1; do
     i=$((i + 1))
-    DSV4_FP8MMA_OVERLAP=$v stage "ov${i}_$v" 80 python bench/moe_order.py --tokens 8192,32768 \
-        --paths "FP8-MMA re-encoded" --reps 2
+    DSV4_FP8MMA_OVERLAP=$v stage "ov${i}_$v" "${OV_SECS:-80}" python bench/moe_order.py \
+        --tokens 8192,32768 --paths "FP8-MMA re-encoded" --reps 2
     grep -h "^| [0-9]" "$LOGS/ov${i}_$v.log"
 done
+[ "${OVERLAP_ONLY:-0}" = 1 ] && exit 0   # gpu_session_s33h.sh: the expert call alone
 precompile_stage 70
 for v in 1 0; do
     DSV4_FP8MMA_OVERLAP=$v stage "p43_ov$v" 100 python bench/flash_bench.py --layers 43 \

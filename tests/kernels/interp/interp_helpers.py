@@ -17,3 +17,18 @@ def random_indices(T: int, K: int, n_rows: int, gen: torch.Generator,
     idx = torch.randint(0, n_rows, (T, K), generator=gen, dtype=torch.int32)
     skip = torch.rand(T, K, generator=gen) < p_skip
     return torch.where(skip, torch.full_like(idx, -1), idx)
+
+
+def record_grids(monkeypatch, module, name: str) -> list:
+    """Replace the Triton kernel ``module.name`` (for the test) by a wrapper that launches it
+    as before and appends each launch's grid to the returned list."""
+    real = getattr(module, name)
+    grids: list = []
+
+    class _Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, name, _Recording())
+    return grids

@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by c
 from dsv4 import formats  # noqa: E402
 from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_moe as tri  # noqa: E402
-from interp_helpers import rel_err  # noqa: E402
+from interp_helpers import record_grids, rel_err  # noqa: E402
 
 E8M0 = torch.float8_e8m0fnu
 
@@ -280,10 +280,7 @@ def test_moe_combine_in_down_kernel_same_bits(T: int, split: int, with_shared: b
     monkeypatch.setattr(tri, "DOWN_COMBINE", 0)
     want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg, shared=shared)
     monkeypatch.setattr(tri, "DOWN_COMBINE", 1)
-    launched = []
-    real = tri._moe_combine_kernel
-    monkeypatch.setattr(tri, "_moe_combine_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    launched = record_grids(monkeypatch, tri, "_moe_combine_kernel")
     for _ in range(2):      # a second call finds the counters at zero
         got = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg, shared=shared)
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -310,10 +307,7 @@ def test_moe_n_tiles_first_same_bits(fmt: str, act_block, split: int,
     monkeypatch.setattr(tri, "N_FIRST", 0)
     want = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
     monkeypatch.setattr(tri, "N_FIRST", 1)
-    grids = []
-    real = tri._moe_up_kernel
-    monkeypatch.setattr(tri, "_moe_up_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (grids.append(grid), real[grid])[1]})())
+    grids = record_grids(monkeypatch, tri, "_moe_up_kernel")
     got = tri.moe_experts_with_config(x, ids, w, ex, 10.0, cfg)
     assert torch.isfinite(got).all()
     assert torch.equal(got, want)

@@ -26,7 +26,7 @@ from dsv4 import formats  # noqa: E402
 from dsv4.ops import torch_dense as ref  # noqa: E402
 from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
-from interp_helpers import rel_err  # noqa: E402
+from interp_helpers import record_grids, rel_err  # noqa: E402
 
 E8M0 = torch.float8_e8m0fnu
 E, D, INTER, TOPK = 8, 256, 128, 2
@@ -657,10 +657,7 @@ def test_n_tiles_first_same_bits(predecode: bool, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(tri, "N_FIRST", 0)
     want = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
     monkeypatch.setattr(tri, "N_FIRST", 1)
-    grids = []
-    real = f8._fp8mma_down_kernel
-    monkeypatch.setattr(f8, "_fp8mma_down_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (grids.append(grid), real[grid])[1]})())
+    grids = record_grids(monkeypatch, f8, "_fp8mma_down_kernel")
     got = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=predecode)
     assert torch.equal(got, want)
     assert grids and all(g[0] == D // 128 for g in grids)
