@@ -162,15 +162,18 @@ def size_cache(cfg: ModelConfig, *, device: torch.device, cache_dtype: torch.dty
     return int(chosen)
 
 
-def _measure_peak(device: torch.device, step: Callable[[], Any]) -> int:
-    """Peak bytes allocated by ``step()`` above what was allocated before it."""
+def _measure_peak(device: torch.device, step: Callable[[], Any], transient: bool = False) -> int:
+    """Peak bytes allocated by ``step()`` above what was allocated before it; ``transient``:
+    above what is still allocated after it instead (buffers a step makes once and keeps, e.g.
+    the experts' ahead scratch, are then counted as in use, not as activations too)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with torch.no_grad():
         step()
     torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device) - before)
+    base = max(before, torch.cuda.memory_allocated(device)) if transient else before
+    return int(torch.cuda.max_memory_allocated(device) - base)
 
 
 def profile_peak_bytes(model: Any, cfg: ModelConfig, *, device: torch.device,
@@ -185,7 +188,8 @@ def profile_peak_bytes(model: Any, cfg: ModelConfig, *, device: torch.device,
     rows = list(range(num_tokens - min(num_logits, num_tokens), num_tokens))
     ctx = StepContext.build(ids, [num_tokens], [0], [0], [list(range(pages))],
                             logits_indices=rows, device=device)
-    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)))
+    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)),
+                         transient=True)
     del cache, ctx
     torch.cuda.empty_cache()
     return peak
@@ -206,7 +210,8 @@ def profile_decode_graph_bytes(model: Any, cfg: ModelConfig, *, device: torch.de
     B = buckets[-1]
     ctx = StepContext.static_decode([0], [0], [0], [static.pad_table()], B, static,
                                     token_types=[-1] if cfg.is_v41 else None, device=device)
-    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)))
+    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)),
+                         transient=True)
     del cache, ctx
     torch.cuda.empty_cache()
     return peak + sum(buckets) * cfg.vocab_size * 4

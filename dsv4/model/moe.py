@@ -168,6 +168,8 @@ class Experts(nn.Module):
         self.kchunk = 0
         # The stacks' FP8 re-encoding kept on the device (keep_fp8_codes), or None.
         self.fp8_codes: Any = None
+        # The re-encoding started for the current step's call (MoE.encode_ahead), or None.
+        self.ahead: Any = None
         k_step = expert_k_step(act_block, d, i)
         self.k_step = k_step if d % k_step == 0 and i % k_step == 0 else 0
         self.w1_scale: torch.Tensor | None = None
@@ -288,9 +290,10 @@ class Experts(nn.Module):
     def weights(self) -> ExpertWeights:
         if self.fmt == "dense":
             return ExpertWeights(self.w1, self.w3, self.w2, self.act_block)
+        codes = self.fp8_codes if self.fp8_codes is not None else self.ahead
         return ExpertWeights(self.w1, self.w3, self.w2, self.act_block, self.fmt,
                              self.w1_scale, self.w3_scale, self.w2_scale, self.block,
-                             self.kchunk, self.fp8_codes)
+                             self.kchunk, codes)
 
 
 class SharedExpert(nn.Module):
@@ -333,6 +336,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: n_shared_experts must be 1; found {cfg.n_shared_experts}")
         self.layer_id = layer_id
         self.ops = ops
+        self.dtype = dtype            # the compute dtype: the experts' input
         self.swiglu_limit = cfg.swiglu_limit
         shared_fmt = "fp8" if cfg.quantized else "bf16"
         expert_quantized = cfg.quantized and cfg.expert_dtype in ("fp4", "fp8")
@@ -349,6 +353,17 @@ class MoE(nn.Module):
         elif par.is_driver:
             self.shared_experts = SharedExpert(cfg, shared_fmt, numerics, dtype, ops=ops)
 
+    def encode_ahead(self, tokens: int) -> None:
+        """Called when the block starts a step of ``tokens`` tokens: start
+        what the routed experts' call can prepare from the weights alone (``ops.moe_encode_ahead``:
+        the FP8 re-encoding of MXFP4 stacks for large prefill steps, on a stream of its own),
+        so it runs beside the attention; the next :meth:`forward` uses it."""
+        start = getattr(self.ops, "moe_encode_ahead", None)
+        self.experts.ahead = None
+        if start is not None and self.experts.fp8_codes is None:
+            self.experts.ahead = start(self.experts.weights(), tokens, self.gate.top_k,
+                                       self.dtype)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``image_mask`` [T] bool (V4.1 only): image-span tokens route with ``bias_vl``."""
@@ -362,6 +377,7 @@ class MoE(nn.Module):
             with side_lane(x.device, x.shape[0]):
                 shared = self.shared_experts(x)
         experts = self.experts.weights()
+        self.experts.ahead = None     # one call per encode_ahead: its scratch is shared
         plan = None
         if self.parallel.enabled or self.experts.expert_offset or image_mask is not None:
             weights, ids = self.gate(x, input_ids, image_mask)

@@ -134,6 +134,8 @@ class Block(_Sublayers):
             raise ValueError("Block.forward: next_hc needs next_norm (the next block's "
                              "attn_norm: its pre comes out normed)")
         # The sublayer input norms (attn_norm / ffn_norm) run inside the hc ops: y comes normed.
+        # Large prefill steps: the experts' weight prework (FP8 re-encoding) beside the attention.
+        self.ffn.encode_ahead(x.shape[0])
         y, post, comb = self.hc_attn.pre(x, self.attn_norm) if attn_pre is None else attn_pre
         y = self.attn(y, ctx, cache)
         x, y, post, comb = self.hc_attn.post_pre(y, x, post, comb, self.hc_ffn, self.ffn_norm)
@@ -190,6 +192,7 @@ class BlockV41(_Sublayers):
                 token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``engram_rows`` [T, n_engram_layers, cols] (all Engram layers' row ids of the step),
         ``token_mask`` [T] bool (False on image tokens) or None (all text)."""
+        self.ffn.encode_ahead(x.shape[0])   # as Block.forward
         if self.engram is not None:
             if engram_rows is None:
                 raise ValueError(f"BlockV41(layer {self.layer_id}): an Engram layer needs the "

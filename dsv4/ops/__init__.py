@@ -34,7 +34,7 @@ OP_NAMES = (
     "indexer_queries", "encode_records", "write_records",
     "moe_route", "swiglu_act", "moe_combine", "hc_post_pre", "linear_fp32",
     "fp8_grouped_linear", "picked_rows", "moe_gate", "moe_experts_shared", "moe_gate_plan",
-    "read_records",
+    "read_records", "moe_encode_ahead",
 )
 
 # Written in the second session, when no GPU time was left (docs/PERFORMANCE.md).

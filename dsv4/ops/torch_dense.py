@@ -374,6 +374,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def moe_encode_ahead(experts: ExpertWeights, tokens: int, topk: int,
+                     dtype: torch.dtype = torch.bfloat16) -> Any:
+    """Start whatever the experts' call of a ``tokens``-token step can prepare from the weights
+    alone, before the layer's attention; returns what to hand that call as
+    ``ExpertWeights.fp8_codes``.  The twin prepares nothing: None (the Triton op starts the
+    FP8 re-encoding of the MXFP4 stacks: ``triton_moe_fp8.encode_ahead``)."""
+    return None
+
+
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 experts: ExpertWeights, swiglu_limit: float, plan: Any = None) -> torch.Tensor:
     """Weighted sum of the routed experts picked per token (spec §3.9).

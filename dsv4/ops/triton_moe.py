@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
@@ -81,6 +82,7 @@ __all__ = [
     "MoeConfig",
     "decode_plan_params",
     "dequant_experts",
+    "moe_encode_ahead",
     "moe_experts",
     "moe_experts_grouped",
     "moe_experts_shared",
@@ -1298,6 +1300,15 @@ def _other_expert_path(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
             and pairs >= DEQUANT_GEMM_MIN_ROWS * experts.num_experts):
         return moe_experts_grouped(x, topk_ids, topk_weights, experts, swiglu_limit)
     return None
+
+
+def moe_encode_ahead(experts: ExpertWeights, tokens: int, topk: int,
+                     dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The op of ``torch_dense.moe_encode_ahead``: the FP8 re-encoding of MXFP4 stacks started
+    on a stream of its own for a prefill step whose call takes the FP8-MMA path
+    (``triton_moe_fp8.encode_ahead``: off unless ``DSV4_FP8MMA_AHEAD=1``), else None."""
+    from dsv4.ops import triton_moe_fp8 as fp8mma
+    return fp8mma.encode_ahead(experts, tokens, topk, dtype)
 
 
 @torch_twin_off_gpu("dsv4.ops.torch_dense")

@@ -74,7 +74,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
@@ -103,8 +104,9 @@ from dsv4.ops.triton_moe import (
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
-__all__ = ["FP8MMA_PREFILL", "Fp8Codes", "MoeFp8Config", "encode_fp8_codes", "fold_spread_ok",
-           "fp8_codes_apply", "fp8mma_applies", "moe_experts_fp8mma", "pick_fp8mma_config"]
+__all__ = ["FP8MMA_PREFILL", "Fp8Codes", "MoeFp8Config", "encode_ahead", "encode_fp8_codes",
+           "fold_spread_ok", "fp8_codes_apply", "fp8mma_applies", "moe_experts_fp8mma",
+           "pick_fp8mma_config"]
 
 # triton_moe.moe_experts routes calls here when fp8mma_applies (DSV4_FP8MMA=0: never).
 FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
@@ -148,6 +150,16 @@ _PREDECODE_TILE = tuple(int(v) for v in
 # tile), so off: in order on the current stream.
 PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "0") == "1"
 _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
+# DSV4_FP8MMA_AHEAD=1: a prefill layer starts the re-encoding of all its experts when the layer
+# starts (:func:`encode_ahead`, called by the model before the attention), on a stream of its
+# own into one layer-sized scratch per device, so that it runs beside the layer's attention
+# (compute-bound kernels) instead of before its expert GEMMs; the expert call waits for it.
+# Same codes, same bits.  At most DSV4_FP8MMA_AHEAD_MB of scratch (one layer's codes: 1.03
+# bytes a weight, 6.6 GB for V4-Flash's 256 experts, 3.3 GB for 128); a layer whose codes do
+# not fit re-encodes in the call as before.
+AHEAD = os.environ.get("DSV4_FP8MMA_AHEAD", "0") == "1"
+AHEAD_BYTES = int(os.environ.get("DSV4_FP8MMA_AHEAD_MB", "8192")) << 20
+_ahead_scratch: dict[torch.device, "Fp8Codes"] = {}
 
 # The MXFP4 scale group (host int and kernel constexpr).
 GROUP_SIZE = 32
@@ -663,7 +675,10 @@ class Fp8Codes:
     prefill path skips its per-call re-encoding (``_fp8_predecode_kernel``'s output for every
     expert: codes [E, N, K] e4m3 in the MMA K order of each ``ks``-wide step, step factors
     [E, K / ks, N] fp32, for w1, w3 and w2).  Lossless: made only for stacks within
-    :data:`FOLD_SPREAD`.  1.03 bytes a weight, next to the MXFP4 stacks' 0.53."""
+    :data:`FOLD_SPREAD`.  1.03 bytes a weight, next to the MXFP4 stacks' 0.53.
+
+    ``ready``: None when the codes are made (kept codes), else the CUDA event after which they
+    are (:func:`encode_ahead`: written on another stream); the expert call waits for it."""
 
     ks: int
     q1: torch.Tensor
@@ -672,6 +687,7 @@ class Fp8Codes:
     f1: torch.Tensor
     f3: torch.Tensor
     f2: torch.Tensor
+    ready: Any = None
 
     def nbytes(self) -> int:
         """Device bytes of the codes and factors."""
@@ -698,6 +714,34 @@ def fp8_codes_apply(experts: ExpertWeights) -> bool:
     return fold_spread_ok(experts, ks)
 
 
+def codes_nbytes(num_experts: int, inter: int, dim: int, ks: int) -> int:
+    """Bytes of an :class:`Fp8Codes` of ``num_experts`` experts: three stacks of I · D e4m3
+    codes and I · D / ks fp32 step factors each."""
+    weights = num_experts * inter * dim
+    return 3 * weights + 3 * 4 * (weights // ks)
+
+
+def _empty_codes(num_experts: int, inter: int, dim: int, ks: int, device: torch.device
+                 ) -> Fp8Codes:
+    e4m3 = torch.float8_e4m3fn
+    q1 = torch.empty(num_experts, inter, dim, dtype=e4m3, device=device)
+    f1 = torch.empty(num_experts, dim // ks, inter, dtype=torch.float32, device=device)
+    return Fp8Codes(ks, q1, torch.empty_like(q1),
+                    torch.empty(num_experts, dim, inter, dtype=e4m3, device=device),
+                    f1, torch.empty_like(f1),
+                    torch.empty(num_experts, inter // ks, dim, dtype=torch.float32,
+                                device=device))
+
+
+def _encode_into(experts: ExpertWeights, codes: Fp8Codes) -> None:
+    """Fill ``codes`` (made for these stacks' shapes) with the re-encoding of every expert."""
+    asm, kchunk, E = FP8MMA_DECODE == "asm", bool(experts.kchunk), experts.num_experts
+    for name, q, f in (("w1", codes.q1, codes.f1), ("w3", codes.q3, codes.f3),
+                       ("w2", codes.q2, codes.f2)):
+        w, sc, _ = _weight_args(experts, name)
+        _predecode(w, sc, q, f, 0, E, asm, codes.ks, kchunk=kchunk)
+
+
 def encode_fp8_codes(experts: ExpertWeights) -> Fp8Codes | None:
     """The FP8 re-encoding of every expert of ``experts`` (the re-encoding kernel once per
     stack), or None where :func:`fp8_codes_apply` says no.  Needs a CUDA device (or the
@@ -707,20 +751,68 @@ def encode_fp8_codes(experts: ExpertWeights) -> Fp8Codes | None:
     if experts.w1.device.type != "cuda" and not _INTERPRET_HOST:
         raise ValueError("encode_fp8_codes: needs the stacks on a CUDA device (or "
                          "TRITON_INTERPRET=1)")
-    ks = k_step(experts.act_block)
-    E, inter, D = experts.num_experts, experts.inter_dim, experts.dim
-    dev, e4m3 = experts.w1.device, torch.float8_e4m3fn
-    q1 = torch.empty(E, inter, D, dtype=e4m3, device=dev)
-    q3 = torch.empty_like(q1)
-    q2 = torch.empty(E, D, inter, dtype=e4m3, device=dev)
-    f1 = torch.empty(E, D // ks, inter, dtype=torch.float32, device=dev)
-    f3 = torch.empty_like(f1)
-    f2 = torch.empty(E, inter // ks, D, dtype=torch.float32, device=dev)
-    asm, kchunk = FP8MMA_DECODE == "asm", bool(experts.kchunk)
-    for name, q, f in (("w1", q1, f1), ("w3", q3, f3), ("w2", q2, f2)):
-        w, sc, _ = _weight_args(experts, name)
-        _predecode(w, sc, q, f, 0, E, asm, ks, kchunk=kchunk)
-    return Fp8Codes(ks, q1, q3, q2, f1, f3, f2)
+    codes = _empty_codes(experts.num_experts, experts.inter_dim, experts.dim,
+                         k_step(experts.act_block), experts.w1.device)
+    _encode_into(experts, codes)
+    return codes
+
+
+def _ahead_codes(num_experts: int, inter: int, dim: int, ks: int, device: torch.device
+                 ) -> Fp8Codes:
+    """The device's ahead scratch as codes of ``num_experts`` experts (its first ones): kept
+    from call to call, made again (larger, or for other widths) when it does not fit."""
+    have = _ahead_scratch.get(device)
+    if (have is None or have.ks != ks or have.q1.shape[0] < num_experts
+            or have.q1.shape[1:] != (inter, dim)):
+        if have is not None and device.type == "cuda":
+            # Its last writes may still be queued on the side stream: they finish before
+            # anything on this stream can reuse the memory.
+            torch.cuda.current_stream(device).wait_stream(_predecode_stream(device))
+        _ahead_scratch.pop(device, None)
+        have = _ahead_scratch[device] = _empty_codes(num_experts, inter, dim, ks, device)
+    n = num_experts
+    return Fp8Codes(ks, have.q1[:n], have.q3[:n], have.q2[:n], have.f1[:n], have.f3[:n],
+                    have.f2[:n])
+
+
+def encode_ahead(experts: ExpertWeights, tokens: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16) -> Fp8Codes | None:
+    """Start the FP8 re-encoding of ``experts`` for a step of ``tokens`` tokens (``topk``
+    picks each, compute ``dtype``) whose expert call will take the re-encoding FP8-MMA path,
+    and return its codes to hand to that call as ``ExpertWeights.fp8_codes``; None (nothing
+    done) when :data:`AHEAD` is off, the stacks keep their codes already, the call will not
+    take that path, the layer's codes exceed :data:`AHEAD_BYTES`, or inside a CUDA-graph
+    capture.
+
+    On CUDA the re-encoding is issued on a stream of its own after everything issued so far
+    (earlier layers' expert GEMMs read the same scratch) and the codes carry the event the
+    expert call waits for; so work issued between this call and the expert call (the layer's
+    attention) runs next to it.  In the interpreter it runs in order.  The codes live in one
+    scratch per device, which the next call overwrites: use them before starting another."""
+    if not (AHEAD and FP8MMA_PREFILL and FP8MMA_PREDECODE) or experts.fp8_codes is not None:
+        return None
+    device = experts.w1.device
+    if device.type != "cuda" and not _INTERPRET_HOST:
+        return None
+    if dtype != torch.bfloat16 or tokens * topk < MIN_PAIRS_PER_EXPERT * experts.num_experts:
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    ab = experts.act_block
+    if not ab or experts.dim % ab or not fp8_codes_apply(experts):
+        return None
+    E, inter, D, ks = experts.num_experts, experts.inter_dim, experts.dim, k_step(ab)
+    if codes_nbytes(E, inter, D, ks) > AHEAD_BYTES:
+        return None
+    codes = _ahead_codes(E, inter, D, ks, device)
+    if device.type != "cuda":
+        _encode_into(experts, codes)
+        return codes
+    side = _predecode_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        _encode_into(experts, codes)
+    return replace(codes, ready=side.record_event())
 
 
 def _check_fp8mma(x: torch.Tensor, experts: ExpertWeights) -> int:
@@ -789,6 +881,8 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         raise ValueError(f"moe_experts_fp8mma: the kept FP8 codes are for other stacks (K step "
                          f"{resident.ks}, {tuple(resident.q1.shape)}); expected K step {ks}, "
                          f"{(E, inter, D)}")
+    if resident is not None and resident.ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(resident.ready)   # encode_ahead's codes
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
     x = x if x.stride(1) == 1 else x.contiguous()

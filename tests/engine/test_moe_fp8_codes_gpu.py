@@ -35,3 +35,36 @@ def test_engine_moe_fp8_codes_same_tokens_gpu(tmp_path, monkeypatch) -> None:
     codes = [m.fp8_codes for m in kept.model.modules() if getattr(m, "fp8_codes", None)]
     assert codes and all(c.nbytes() > 0 for c in codes)
     assert _run(kept, reqs) == want
+
+
+def test_engine_moe_fp8_ahead_same_tokens_gpu(tmp_path, monkeypatch) -> None:
+    """``DSV4_FP8MMA_AHEAD`` (``triton_moe_fp8.encode_ahead``): each block starts its experts'
+    re-encoding on a stream of its own before its attention and the expert call reads those
+    codes; the greedy tokens and logprobs equal those of the engine re-encoding in the call
+    (the FP8-MMA path forced on for every step, as above), and the codes did come ahead."""
+    from dsv4.engine.llm_engine import LLMEngine
+    from dsv4.ops import triton_moe_fp8 as f8
+    from dsv4.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "v4", variant="v4", seed=0)
+    monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 1)
+    monkeypatch.setattr(f8, "MIN_PAIRS_KEPT", 1)
+    rng = random.Random(2)
+    reqs = [([rng.randrange(20, 500) for _ in range(rng.randrange(5, 200))],
+             rng.randrange(4, 16)) for _ in range(5)]
+    kw = dict(device="cuda", numerics="official", max_model_len=512, max_num_seqs=8,
+              num_pages=64, enforce_eager=True)
+    want = _run(LLMEngine(path, **kw), reqs)
+    monkeypatch.setattr(f8, "AHEAD", True)
+    started = []
+    real = f8.encode_ahead
+
+    def counted(*args, **kwargs):
+        codes = real(*args, **kwargs)
+        started.append(codes is not None and codes.ready is not None)
+        return codes
+
+    monkeypatch.setattr(f8, "encode_ahead", counted)
+    assert _run(LLMEngine(path, **kw), reqs) == want
+    assert started and all(started)

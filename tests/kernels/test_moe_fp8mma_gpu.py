@@ -178,6 +178,47 @@ def test_fp8mma_kept_codes_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_gpu
+def test_fp8mma_encode_ahead_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_ahead at V4-Flash widths (8,192 tokens): the codes come from the side stream
+    with an event, equal the kept codes' bytes once it is waited on, and the op table's call on
+    them (waiting on its own) gives the in-call re-encoding's bits, also when the current
+    stream is busy with other work first and a second layer's re-encoding reuses the scratch
+    right after the first call."""
+    from dataclasses import replace
+
+    from dsv4.ops import triton_moe as tri
+    monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
+    monkeypatch.setattr(f8, "FP8MMA_PREDECODE", True)
+    monkeypatch.setattr(f8, "AHEAD", True)
+    monkeypatch.setattr(f8, "_ahead_scratch", {})
+    gen = torch.Generator(device=DEV).manual_seed(63)
+    ex, ex2 = _stacks(gen), _stacks(gen)
+    x, ids, w = _prefill_inputs(8192, 64)
+    want = tri.moe_experts(x, ids, w, ex, 10.0)
+    want2 = tri.moe_experts(x, ids, w, ex2, 10.0)
+    busy = torch.randn(8192, 8192, device=DEV)
+    _poison()
+    codes = tri.moe_encode_ahead(ex, 8192, TOPK)
+    assert codes is not None and codes.ready is not None
+    for _ in range(4):
+        busy = busy @ busy / 100.0       # the "attention" issued between start and call
+    got = tri.moe_experts(x, ids, w, replace(ex, fp8_codes=codes), 10.0)
+    codes2 = tri.moe_encode_ahead(ex2, 8192, TOPK)
+    assert codes2.q1.data_ptr() == codes.q1.data_ptr()      # the same scratch
+    got2 = tri.moe_experts(x, ids, w, replace(ex2, fp8_codes=codes2), 10.0)
+    assert bool(torch.isfinite(got).all()) and torch.equal(got, want)
+    assert torch.equal(got2, want2)
+    torch.cuda.current_stream().wait_event(codes2.ready)
+    kept = f8.encode_fp8_codes(ex2)
+    for name in ("q1", "q3", "q2"):
+        assert torch.equal(getattr(codes2, name).view(torch.uint8),
+                           getattr(kept, name).view(torch.uint8))
+    for name in ("f1", "f3", "f2"):
+        assert torch.equal(getattr(codes2, name), getattr(kept, name))
+    assert tri.moe_encode_ahead(ex, 1024, TOPK) is None            # below the pair threshold
+
+
+@needs_gpu
 def test_fp8mma_predecode_tiles_same_bytes_gpu() -> None:
     """Every re-encoding tile of bench/moe_prefill_fp8.py's sweep writes the same codes and
     factors (w2-shaped stacks of 3 experts: N = D, K = I), the hoisted-load tiles included,

@@ -61,6 +61,52 @@ def test_official_numerics_is_close_to_bf16_numerics(tiny_paths: dict[str, str])
     assert cos.median() > 0.98 and cos.min() > 0.7, cos
 
 
+def test_blocks_start_the_experts_prework_for_their_call(tiny_paths: dict[str, str]) -> None:
+    """Each block calls ``ops.moe_encode_ahead`` once as it starts (the step's token count, the
+    gate's top-k, the compute dtype); what it returns reaches that block's expert call as
+    ``ExpertWeights.fp8_codes`` (MXFP4 stacks kept quantized, as on a GPU) and is dropped after
+    it; the logits stay the same."""
+    from types import SimpleNamespace
+
+    from dsv4.model.layers import quantized_storage
+
+    ids = torch.arange(3, 40)
+    path = tiny_paths["v4"]
+    cfg = ModelConfig.from_file(path)
+    with quantized_storage(True):
+        model = Transformer(cfg, dtype=torch.float32)
+    model.load_tensors(load_checkpoint(path, cfg, dtype=torch.float32, keep_quantized=True,
+                                       progress=False), consume=True)
+    assert model.layers[0].ffn.experts.fmt == "fp4"
+    want = model.forward_full(ids)
+    started: list[tuple] = []
+    seen: list[object] = []
+    markers = {}
+    for layer in model.layers:
+        ffn, table = layer.ffn, dict(vars(layer.ffn.ops))
+        real = dict(table)
+        markers[ffn.layer_id] = marker = object()
+
+        def start(experts, tokens, topk, dtype, lid=ffn.layer_id, marker=marker):
+            started.append((lid, tokens, topk, dtype))
+            return marker
+
+        def spy(name):
+            def call(x, ids, weights, experts, *args, **kwargs):
+                seen.append(experts.fp8_codes)
+                return real[name](x, ids, weights, experts, *args, **kwargs)
+            return call
+
+        table.update(moe_encode_ahead=start,
+                     **{n: spy(n) for n in ("moe_experts", "moe_experts_shared") if n in table})
+        ffn.ops = SimpleNamespace(**table)
+    torch.testing.assert_close(model.forward_full(ids), want, rtol=0, atol=0)
+    k = model.cfg.n_activated_experts
+    assert started == [(i, 37, k, torch.float32) for i in range(model.cfg.n_layers)]
+    assert seen == [markers[i] for i in range(model.cfg.n_layers)]
+    assert all(layer.ffn.experts.ahead is None for layer in model.layers)
+
+
 def test_chunked_prefill_equals_full_forward(tiny_paths: dict[str, str]) -> None:
     """Prefill in chunks at odd split points, then decode, on one cache = forward_full."""
     model = load_model(tiny_paths["v4-bf16"])

@@ -349,6 +349,67 @@ def test_kept_fp8_codes_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert f8.fp8mma_applies(x, ids, replace(ex, fp8_codes=f8.encode_fp8_codes(ex)))
 
 
+def test_encode_ahead_codes_and_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_ahead (DSV4_FP8MMA_AHEAD): off by default; on, a step whose call takes the
+    re-encoding path gets the kept codes' bytes in the device's scratch, and the call on them
+    re-encodes nothing and gives the re-encoding path's bits; the scratch is kept for stacks of
+    the same widths (fewer experts: its first ones) and made again for more; nothing for
+    steps below the pair threshold, non-bf16 compute, stacks with kept codes, the in-loop
+    decode, a scratch budget below the layer's codes, or stacks the path does not run."""
+    gen = torch.Generator().manual_seed(33)
+    ex = _fp4_experts(gen, 128)
+    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 4)
+    monkeypatch.setattr(f8, "_ahead_scratch", {})
+    T = 16                                          # 32 pairs = 4 per expert
+    assert not f8.AHEAD and f8.encode_ahead(ex, T, TOPK) is None
+    monkeypatch.setattr(f8, "AHEAD", True)
+    codes = f8.encode_ahead(ex, T, TOPK)
+    assert codes is not None and codes.ready is None and codes.ks == 128
+    kept = f8.encode_fp8_codes(ex)
+    for name in ("q1", "q3", "q2"):
+        assert torch.equal(getattr(codes, name).view(torch.uint8),
+                           getattr(kept, name).view(torch.uint8))
+    for name in ("f1", "f3", "f2"):
+        assert torch.equal(getattr(codes, name), getattr(kept, name))
+    assert codes.nbytes() == kept.nbytes() == f8.codes_nbytes(E, INTER, D, 128)
+    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16)
+    ids, w = _routing(T, gen)
+    cfg = f8.MoeFp8Config(BM=16, BN_up=64, BN_down=128)
+    y_pre = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, cfg, predecode=True)
+    calls = []
+    real_predecode = f8._predecode
+    monkeypatch.setattr(f8, "_predecode",
+                        lambda *a, **k: calls.append(1) or real_predecode(*a, **k))
+    assert torch.equal(f8.moe_experts_fp8mma(x, ids, w, replace(ex, fp8_codes=codes), 10.0,
+                                             cfg, predecode=True), y_pre)
+    assert not calls
+    monkeypatch.setattr(f8, "_predecode", real_predecode)
+    # Through the op table's op, as the model calls it.
+    assert tri.moe_encode_ahead(ex, T, TOPK).q1.data_ptr() == codes.q1.data_ptr()
+    assert ref.moe_encode_ahead(ex, T, TOPK) is None           # the twin prepares nothing
+    # The scratch: kept for fewer experts of the same widths, made again for more.
+    scratch = f8._ahead_scratch[torch.device("cpu")]
+    half = replace(ex, w1=ex.w1[:4], w3=ex.w3[:4], w2=ex.w2[:4], s1=ex.s1[:4], s3=ex.s3[:4],
+                   s2=ex.s2[:4])
+    small = f8.encode_ahead(half, T, TOPK)
+    assert small.q1.shape[0] == 4 and small.q1.data_ptr() == scratch.q1.data_ptr()
+    assert torch.equal(small.q2.view(torch.uint8), kept.q2[:4].view(torch.uint8))
+    more = _fp4_experts(gen, 128, n_exp=2 * E)
+    assert f8.encode_ahead(more, 2 * T, TOPK).q1.shape[0] == 2 * E
+    assert f8._ahead_scratch[torch.device("cpu")].q1.shape[0] == 2 * E
+    # When it does nothing.
+    assert f8.encode_ahead(ex, T - 1, TOPK) is None                # 30 pairs < 4 · 8
+    assert f8.encode_ahead(ex, T, TOPK, torch.float32) is None
+    assert f8.encode_ahead(replace(ex, fp8_codes=kept), T, TOPK) is None
+    assert f8.encode_ahead(_fp4_experts(gen, 32), T, TOPK) is None
+    assert f8.encode_ahead(_spread_experts(gen, 2, wide_at="s1"), T, TOPK) is None
+    monkeypatch.setattr(f8, "FP8MMA_PREDECODE", False)
+    assert f8.encode_ahead(ex, T, TOPK) is None
+    monkeypatch.setattr(f8, "FP8MMA_PREDECODE", True)
+    monkeypatch.setattr(f8, "AHEAD_BYTES", f8.codes_nbytes(E, INTER, D, 128) - 1)
+    assert f8.encode_ahead(ex, T, TOPK) is None
+
+
 @pytest.mark.parametrize("tile,kchunk", [(None, False), ((32, 8, 1), False),
                                          ((16, 2, 1, 2), True), ((64, 1, 0), True),
                                          ((16, 4, 0, 8), True)])
