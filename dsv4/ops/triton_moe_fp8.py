@@ -881,8 +881,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         raise ValueError(f"moe_experts_fp8mma: the kept FP8 codes are for other stacks (K step "
                          f"{resident.ks}, {tuple(resident.q1.shape)}); expected K step {ks}, "
                          f"{(E, inter, D)}")
-    if resident is not None and resident.ready is not None:
-        torch.cuda.current_stream(x.device).wait_event(resident.ready)   # encode_ahead's codes
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -924,6 +922,8 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         if resident is not None:     # codes kept on the device: one chunk, nothing to encode
             slots, chunk = 1, E
             bufs = [(resident.q1, resident.q3, resident.f1, resident.f3)]
+            if resident.ready is not None:   # encode_ahead's: the plan and prep ran meanwhile
+                torch.cuda.current_stream(x.device).wait_event(resident.ready)
         else:
             overlap = PREDECODE_OVERLAP and x.is_cuda and not _INTERPRET_HOST
             slots = 2 if overlap and predecode_chunk(E, inter, D) < E else 1
