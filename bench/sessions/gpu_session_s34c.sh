@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Thirty-fourth session, one call for little device time: gpu_session_s34a.sh's GPU tests of the
-# re-encoding ahead (DSV4_FP8MMA_AHEAD), one in-order / ahead pair of 4-layer prefills (8K, 32K),
-# then gpu_session_s34b.sh's 43-layer 8K prefill ahead and in order.
+# Thirty-fourth session, one call for little device time: one in-order / ahead pair of 4-layer
+# prefills (8K, 32K) with the re-encoding ahead (DSV4_FP8MMA_AHEAD), gpu_session_s34a.sh's GPU
+# tests of it, then gpu_session_s34b.sh's 43-layer 8K prefill ahead and in order.
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-stage tests 150 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "ahead" \
-    tests/engine/test_moe_fp8_codes_gpu.py
 for v in 0 1; do
     DSV4_FP8MMA_AHEAD=$v stage "p4_$v" 60 python bench/flash_bench.py --layers 4 \
         --prefill 8192,32768 --decode-batches "" --reps 3
     grep -h "prefill S" "$LOGS/p4_$v.log"
 done
+stage tests 150 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "ahead" \
+    tests/engine/test_moe_fp8_codes_gpu.py
 for v in 1 0; do
     DSV4_FP8MMA_AHEAD=$v stage "p43_ahead$v" 110 python bench/flash_bench.py --layers 43 \
         --experts $EXPERTS --prefill 8192 --decode-batches "" --reps 2
