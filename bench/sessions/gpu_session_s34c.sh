@@ -7,14 +7,14 @@ cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for v in 0 1; do
-    DSV4_FP8MMA_AHEAD=$v stage "p4_$v" 60 python bench/flash_bench.py --layers 4 \
+    DSV4_FP8MMA_AHEAD=$v stage "p4_$v" 55 python bench/flash_bench.py --layers 4 \
         --prefill 8192,32768 --decode-batches "" --reps 3
     grep -h "prefill S" "$LOGS/p4_$v.log"
 done
-stage tests 150 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "ahead" \
+stage tests 120 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "ahead" \
     tests/engine/test_moe_fp8_codes_gpu.py
 for v in 1 0; do
-    DSV4_FP8MMA_AHEAD=$v stage "p43_ahead$v" 110 python bench/flash_bench.py --layers 43 \
+    DSV4_FP8MMA_AHEAD=$v stage "p43_ahead$v" 100 python bench/flash_bench.py --layers 43 \
         --experts $EXPERTS --prefill 8192 --decode-batches "" --reps 2
     grep -h "prefill S\|model built" "$LOGS/p43_ahead$v.log" | tail -n 2
 done
