@@ -60,11 +60,13 @@ def test_engine_moe_fp8_ahead_same_tokens_gpu(tmp_path, monkeypatch) -> None:
     started = []
     real = f8.encode_ahead
 
-    def counted(*args, **kwargs):
-        codes = real(*args, **kwargs)
-        started.append(codes is not None and codes.ready is not None)
+    def counted(experts, tokens, topk, *args, **kwargs):
+        codes = real(experts, tokens, topk, *args, **kwargs)
+        # (the call takes the path: pairs >= 1 per expert, the codes with their event)
+        started.append((tokens * topk >= experts.num_experts,
+                        codes is not None and codes.ready is not None))
         return codes
 
     monkeypatch.setattr(f8, "encode_ahead", counted)
     assert _run(LLMEngine(path, **kw), reqs) == want
-    assert started and all(started)
+    assert any(takes for takes, _ in started) and all(takes == got for takes, got in started)
