@@ -147,7 +147,9 @@ _PREDECODE_TILE = tuple(int(v) for v in
 # c run (memory-bound next to tensor-core-bound), in two scratch slots of half the budget each.
 # Same bits, measured no faster (H200, V4-Flash, run E of bench/sessions/gpu_session_s10e.sh:
 # 8K tokens 10.56 ms, 32K 28.04 against 10.86 / 26.89 in order with a slower re-encoding
-# tile), so off: in order on the current stream.
+# tile), so off: in order on the current stream.  With the GEMMs walking N tiles first it is
+# slower (H100, thirty-fourth session, bench/moe_order.py: 8K 10.30-10.37 ms against
+# 9.84-9.86, 32K 26.63-26.66 against 25.47-25.94; 43 layers' 8K prefill 639.0 against 639.5).
 PREDECODE_OVERLAP = os.environ.get("DSV4_FP8MMA_OVERLAP", "0") == "1"
 _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 # DSV4_FP8MMA_AHEAD=1: a prefill layer starts the re-encoding of all its experts when the layer
@@ -156,7 +158,11 @@ _predecode_streams: dict[torch.device, torch.cuda.Stream] = {}
 # (compute-bound kernels) instead of before its expert GEMMs; the expert call waits for it.
 # Same codes, same bits.  At most DSV4_FP8MMA_AHEAD_MB of scratch (one layer's codes: 1.03
 # bytes a weight, 6.6 GB for V4-Flash's 256 experts, 3.3 GB for 128); a layer whose codes do
-# not fit re-encodes in the call as before.
+# not fit re-encodes in the call as before.  Off: it hides little of the re-encoding for its
+# memory (H100, docs/PERFORMANCE.md thirty-fourth session: 4 layers of 256 experts, 8K tokens
+# 70.4-70.5 ms against 72.4-72.9, 32K 245.5-245.8 against 248.8-248.9; 43 layers of 64 experts
+# 8K 638.9 against 640.9), and the FP8-MMA path from 96 pairs an expert with it is slower at
+# 4K tokens (46.5 ms against the bf16 path's 36.4-37.1).
 AHEAD = os.environ.get("DSV4_FP8MMA_AHEAD", "0") == "1"
 AHEAD_BYTES = int(os.environ.get("DSV4_FP8MMA_AHEAD_MB", "8192")) << 20
 _ahead_scratch: dict[torch.device, "Fp8Codes"] = {}
