@@ -210,8 +210,7 @@ def profile_decode_graph_bytes(model: Any, cfg: ModelConfig, *, device: torch.de
     B = buckets[-1]
     ctx = StepContext.static_decode([0], [0], [0], [static.pad_table()], B, static,
                                     token_types=[-1] if cfg.is_v41 else None, device=device)
-    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)),
-                         transient=True)
+    peak = _measure_peak(device, lambda: model.compute_logits(model.forward(ctx, cache)))
     del cache, ctx
     torch.cuda.empty_cache()
     return peak + sum(buckets) * cfg.vocab_size * 4
