@@ -6,23 +6,27 @@ with 1×128 scales on both operands, CUDA >= 12.9, sm_90: the same per-step scal
 that gave 950–1,230 TFLOP/s for the dense prefill GEMMs).  V4-Flash widths (D 4096, I 2048,
 top-6), MXFP4 stacks re-encoded losslessly to e4m3 codes + per-(column, 128-step) factors.
 
-    PYTHONPATH=. python bench/moe_cublas.py [--tokens 8192,32768] [--experts 256] [--out f.json]
+    PYTHONPATH=. python bench/moe_cublas.py [--tokens 8192,32768] [--experts 256]
+        [--streams 1,4] [--out f.json]
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/moe_cublas.py --tiny   # CPU smoke run
 
 The prototype: the call's plan and prep kernels (rows sorted by expert in blocks of 64, codes in
 the kernels' MMA K order — the kept codes share it, so every dot is unchanged), then one
 ``_scaled_mm`` per active expert for gate+up (the w1 and w3 codes side by side: N = 2·I) and one
-for down, the clamped SwiGLU × routing weight and the combine in torch.  Its cuBLAS calls need
-each expert's activation scales packed (one copy an expert, made before the timing: a real
-kernel would write them so); the host must know every expert's rows (one sync a call).
+for down (in order on one stream, or round-robin over ``--streams`` streams so that several of
+the small GEMMs can fill the GPU together), the clamped SwiGLU × routing weight and the combine
+in torch.  Its cuBLAS calls need each expert's activation scales packed (one copy an expert,
+made before the timing: a real kernel would write them so); the host must know every expert's
+rows (one sync a call).
 
-Printed per token count: the Triton call's µs; the prototype's up and down GEMM loops (GPU µs
-between CUDA events, the host's µs issuing them, TFLOP/s of the GEMMs) and its whole call; the
-relative difference of the outputs (both round gate / up to bf16 before the SwiGLU, as the
-twin does; they differ only where the two sum a 128-wide step's products differently).  First a probe picks the layout of the weight
-scales cuBLAS reads (checked against an fp32 product; the run stops if no layout matches).
-On the CPU (``--tiny``, the Triton interpreter for the prep kernel) the scaled GEMM is an fp32
-emulation with the same layout checks: a smoke run of the glue, no speed.
+Printed per token count and stream count: the Triton call's µs; the prototype's up and down
+GEMM loops (GPU µs between CUDA events, the host's µs issuing them, TFLOP/s of the GEMMs) and
+its whole call; the relative difference of the outputs (both round gate / up to bf16 before the
+SwiGLU, as the twin does; they differ only where the two sum a 128-wide step's products
+differently).  First a probe picks the layout of the weight scales cuBLAS reads (checked
+against an fp32 product; the run stops if no layout matches).  On the CPU (``--tiny``, the
+Triton interpreter for the prep kernel) the scaled GEMM is an fp32 emulation with the same
+layout checks: a smoke run of the glue, no speed.
 """
 
 from __future__ import annotations
@@ -69,10 +73,32 @@ def emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 
 
 def scaled_mm(device: str) -> Callable[..., torch.Tensor]:
+    """``mm(a, b, scale_a, scale_b, out_dtype)``: cuBLAS's (torch._scaled_mm) or the emulation."""
     if device == "cuda":
         return lambda a, b, sa, sb, out_dtype: torch._scaled_mm(
             a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     return emulated_scaled_mm
+
+
+def scaled_mm_into(device: str) -> Callable[..., None]:
+    """``mm_into(a, b, scale_a, scale_b, out)``: the bf16 product written into ``out`` (a row
+    range of the call's buffer) — through ``_scaled_mm``'s out= form where torch has it, else
+    computed and copied."""
+    mm = scaled_mm(device)
+    direct = [device == "cuda"]
+
+    def into(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+             out: torch.Tensor) -> None:
+        if direct[0]:
+            try:
+                torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out.dtype, out=out)
+                return
+            except (TypeError, RuntimeError) as e:
+                print(f"_scaled_mm(out=...) not usable ({type(e).__name__}): copying")
+                direct[0] = False
+        out.copy_(mm(a, b, sa, sb, out.dtype))
+
+    return into
 
 
 def weight_scale_layouts(f: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -108,7 +134,7 @@ def probe_layout(mm: Callable[..., torch.Tensor], codes: f8.Fp8Codes, gen: torch
 class CublasExperts:
     """The prototype expert call on kept codes (see the module docstring)."""
 
-    def __init__(self, codes: f8.Fp8Codes, layout: str, device: str) -> None:
+    def __init__(self, codes: f8.Fp8Codes, layout: str, device: str, streams: int = 1) -> None:
         self.E, self.inter, self.D = codes.q1.shape
         # gate+up side by side: codes [E, 2I, D], factors [E, D/128, 2I].
         self.q13 = torch.cat([codes.q1, codes.q3], dim=1)
@@ -116,8 +142,29 @@ class CublasExperts:
         self.q2, self.f2 = codes.q2, codes.f2
         self.sb13 = [weight_scale_layouts(self.f13[e])[layout] for e in range(self.E)]
         self.sb2 = [weight_scale_layouts(self.f2[e])[layout] for e in range(self.E)]
-        self.mm = scaled_mm(device)
+        self.mm_into = scaled_mm_into(device)
         self.device = device
+        # streams > 1: the experts' calls go round-robin over that many CUDA streams, so that
+        # several small GEMMs (~192 rows an expert at 8K tokens) can fill the GPU together.
+        self.side = ([torch.cuda.Stream() for _ in range(streams - 1)]
+                     if device == "cuda" else [])
+
+    def _per_expert(self, calls: list[Callable[[], None]]) -> None:
+        """Run ``calls`` in order on the current stream, or round-robin over it and the side
+        streams (each forked from and joined back into the current one)."""
+        if not self.side:
+            for call in calls:
+                call()
+            return
+        main = torch.cuda.current_stream()
+        lanes = [main] + self.side
+        for s in self.side:
+            s.wait_stream(main)
+        for i, call in enumerate(calls):
+            with torch.cuda.stream(lanes[i % len(lanes)]):
+                call()
+        for s in self.side:
+            main.wait_stream(s)
 
     def plan(self, x: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
         """The call's plan and prep: sorted rows, e4m3 codes in MMA order, each expert's row
@@ -154,9 +201,12 @@ class CublasExperts:
         """gate|up [rows, 2I] bf16, one cuBLAS call an expert."""
         out = torch.empty(plan["xq"].shape[0], 2 * self.inter, dtype=torch.bfloat16,
                           device=plan["xq"].device)
-        for (e, r0, r1), sa in zip(plan["ranges"], plan["sa"]):
-            out[r0:r1] = self.mm(plan["xq"][r0:r1], self.q13[e].t(), sa, self.sb13[e],
-                                 torch.bfloat16)
+        def call(e: int, r0: int, r1: int, sa: torch.Tensor) -> Callable[[], None]:
+            return lambda: self.mm_into(plan["xq"][r0:r1], self.q13[e].t(), sa, self.sb13[e],
+                                        out[r0:r1])
+
+        self._per_expert([call(e, r0, r1, sa) for (e, r0, r1), sa
+                          in zip(plan["ranges"], plan["sa"])])
         return out
 
     def act(self, plan: dict[str, Any], gate_up: torch.Tensor, wts: torch.Tensor
@@ -183,9 +233,12 @@ class CublasExperts:
         """y [rows, D] bf16, one cuBLAS call an expert."""
         out = torch.zeros(act["aq"].shape[0], self.D, dtype=torch.bfloat16,
                           device=act["aq"].device)
-        for (e, r0, r1), sa in zip(plan["ranges"], act["sa"]):
-            out[r0:r1] = self.mm(act["aq"][r0:r1], self.q2[e].t(), sa, self.sb2[e],
-                                 torch.bfloat16)
+        def call(e: int, r0: int, r1: int, sa: torch.Tensor) -> Callable[[], None]:
+            return lambda: self.mm_into(act["aq"][r0:r1], self.q2[e].t(), sa, self.sb2[e],
+                                        out[r0:r1])
+
+        self._per_expert([call(e, r0, r1, sa) for (e, r0, r1), sa
+                          in zip(plan["ranges"], act["sa"])])
         return out
 
     def combine(self, plan: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
@@ -244,39 +297,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if layout is None:
         raise SystemExit("moe_cublas: no scale_b layout gives the fp32 product: cuBLAS's 1x128 "
                          "block-scaled GEMM is not usable here")
-    proto = CublasExperts(codes, layout, device)
+    streams = [int(v) for v in args.streams.split(",")] if device == "cuda" else [1]
     rows: list[dict[str, Any]] = []
     print(f"{E} experts, D {D}, I {inter}, top-{k}; scale_b {layout}; µs")
-    print("| tokens | Triton call | cuBLAS up GPU / host | cuBLAS down GPU / host | GEMM TFLOP/s "
-          "| prototype call | rel diff |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | streams | Triton call | cuBLAS up GPU / host | cuBLAS down GPU / host | "
+          "GEMM TFLOP/s | prototype call | rel diff |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in tokens:
         x = torch.randn(T, D, generator=gen, device=device).to(torch.bfloat16)
         ids, w = routing(T, E, k, gen, device)
         y_tri = f8.moe_experts_fp8mma(x, ids, w, kept, LIMIT, predecode=True)
         t_tri = time_us(lambda: f8.moe_experts_fp8mma(x, ids, w, kept, LIMIT, predecode=True),
                         device)
-        y_pro = proto(x, ids, w)
-        plan = proto.plan(x, ids)
-        gate_up = proto.up(plan)
-        act = proto.act(plan, gate_up, w.reshape(-1).float())
-        up_gpu, up_host = timed_loop(lambda: proto.up(plan), device)
-        dn_gpu, dn_host = timed_loop(lambda: proto.down(plan, act), device)
-        call_gpu, _ = timed_loop(lambda: proto(x, ids, w), device)
-        flops = 2 * 3 * T * k * D * inter
-        row = {"tokens": T, "triton_us": t_tri, "up_gpu_us": up_gpu, "up_host_us": up_host,
-               "down_gpu_us": dn_gpu, "down_host_us": dn_host,
-               "gemm_tflops": flops / ((up_gpu + dn_gpu) * 1e-6) / 1e12,
-               "prototype_us": call_gpu, "rel_diff": rel_diff(y_pro, y_tri),
-               "finite": bool(torch.isfinite(y_pro).all())}
-        rows.append(row)
-        print(f"| {T} | {t_tri:.0f} | {up_gpu:.0f} / {up_host:.0f} | {dn_gpu:.0f} / "
-              f"{dn_host:.0f} | {row['gemm_tflops']:.0f} | {call_gpu:.0f} | "
-              f"{row['rel_diff']:.2e}{'' if row['finite'] else ' (not finite)'} |", flush=True)
+        for S in streams:
+            rows.append(time_prototype(CublasExperts(codes, layout, device, S), x, ids, w,
+                                       y_tri, t_tri))
     result = {"shape": shape, "device": device, "scale_b": layout, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def time_prototype(proto: CublasExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   y_tri: torch.Tensor, t_tri: float) -> dict[str, Any]:
+    """One table row: the prototype's loops and call against the Triton call's output / µs."""
+    T, D = x.shape
+    k, device = ids.shape[1], proto.device
+    S = len(proto.side) + 1
+    y_pro = proto(x, ids, w)
+    plan = proto.plan(x, ids)
+    gate_up = proto.up(plan)
+    act = proto.act(plan, gate_up, w.reshape(-1).float())
+    up_gpu, up_host = timed_loop(lambda: proto.up(plan), device)
+    dn_gpu, dn_host = timed_loop(lambda: proto.down(plan, act), device)
+    call_gpu, _ = timed_loop(lambda: proto(x, ids, w), device)
+    flops = 2 * 3 * T * k * D * proto.inter
+    row = {"tokens": T, "streams": S, "triton_us": t_tri, "up_gpu_us": up_gpu,
+           "up_host_us": up_host, "down_gpu_us": dn_gpu, "down_host_us": dn_host,
+           "gemm_tflops": flops / ((up_gpu + dn_gpu) * 1e-6) / 1e12,
+           "prototype_us": call_gpu, "rel_diff": rel_diff(y_pro, y_tri),
+           "finite": bool(torch.isfinite(y_pro).all())}
+    print(f"| {T} | {S} | {t_tri:.0f} | {up_gpu:.0f} / {up_host:.0f} | {dn_gpu:.0f} / "
+          f"{dn_host:.0f} | {row['gemm_tflops']:.0f} | {call_gpu:.0f} | "
+          f"{row['rel_diff']:.2e}{'' if row['finite'] else ' (not finite)'} |", flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -285,6 +349,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
+    ap.add_argument("--streams", default="1,4",
+                    help="comma-separated CUDA stream counts the experts' calls go over")
     ap.add_argument("--tiny", action="store_true", help="toy widths on CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     return run(ap.parse_args(argv))

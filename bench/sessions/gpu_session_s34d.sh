@@ -6,7 +6,7 @@ set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-stage cublas 150 python bench/moe_cublas.py --tokens 8192,32768 --out "$LOGS/cublas.json"
+stage cublas 200 python bench/moe_cublas.py --tokens 8192,32768 --streams 1,4 --out "$LOGS/cublas.json"
 grep -h "^| \|scale_b\|moe_cublas" "$LOGS/cublas.log"
 stage cublas64 90 python bench/moe_cublas.py --tokens 8192 --experts 64
 grep -h "^| [0-9]" "$LOGS/cublas64.log"
