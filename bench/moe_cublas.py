@@ -45,8 +45,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_decode import mxfp4_stacks, routing  # noqa: E402
-from moe_prefill_fp8 import FLASH, TINY, rel_diff, time_us  # noqa: E402
+from moe_decode import routing  # noqa: E402
+from moe_prefill_fp8 import bench_setup, rel_diff, time_us  # noqa: E402
 
 from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
@@ -278,16 +278,9 @@ def timed_loop(fn: Callable[[], Any], device: str, reps: int = 5) -> tuple[float
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = dict(TINY if args.tiny else FLASH)
-    if args.experts:
-        shape["E"] = args.experts
-    device = "cpu" if args.tiny else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moe_cublas: needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)")
+    shape, device, tokens, gen, ex = bench_setup(args, "moe_cublas", "8192,32768", "40",
+                                                 args.experts)
     E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
-    tokens = [int(t) for t in (args.tokens or ("40" if args.tiny else "8192,32768")).split(",")]
-    gen = torch.Generator(device=device).manual_seed(0)
-    ex = mxfp4_stacks(E, D, inter, gen, device, kchunk=device == "cuda")
     codes = f8.encode_fp8_codes(ex)
     if codes is None:
         raise SystemExit("moe_cublas: the random stacks do not take the FP8-MMA path")

@@ -27,24 +27,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_decode import mxfp4_stacks  # noqa: E402
-from moe_prefill_fp8 import FLASH, TINY, time_us  # noqa: E402
+from moe_prefill_fp8 import bench_setup, time_us  # noqa: E402
 
 from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = dict(TINY if args.tiny else FLASH)
-    if args.experts:
-        shape["E"] = args.experts
-    device = "cpu" if args.tiny else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moe_order: needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)")
+    shape, device, tokens, gen, ex = bench_setup(args, "moe_order", "2048,8192", "4,20",
+                                                 args.experts)
     E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
-    tokens = [int(t) for t in (args.tokens or ("4,20" if args.tiny else "2048,8192")).split(",")]
-    gen = torch.Generator(device=device).manual_seed(0)
-    ex = mxfp4_stacks(E, D, inter, gen, device, kchunk=device == "cuda")
     known = ["bf16-MMA", "FP8-MMA re-encoded", "FP8-MMA kept codes"]
     wanted = [p.strip() for p in args.paths.split(",")] if args.paths else known
     unknown = [p for p in wanted if p not in known]

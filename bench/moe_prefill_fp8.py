@@ -79,16 +79,30 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = TINY if args.tiny else FLASH
+def bench_setup(args: argparse.Namespace, name: str, tokens: str, tiny_tokens: str,
+                experts: int = 0, rows: bool = False
+                ) -> tuple[dict[str, int], str, list[int], torch.Generator, Any]:
+    """What the expert benchmarks start from: (shape, device, token counts, generator, random
+    MXFP4 stacks) — V4-Flash widths on the GPU (``experts`` routed experts if set), toy widths
+    on the CPU under ``--tiny``; the stacks K-chunk-major on the GPU (the model's layout)
+    unless ``rows``."""
+    shape = dict(TINY if args.tiny else FLASH)
+    if experts:
+        shape["E"] = experts
     device = "cpu" if args.tiny else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moe_prefill_fp8: needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)")
-    E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
-    tokens = [int(t) for t in (args.tokens or ("4,20" if args.tiny else "2048,8192")).split(",")]
+        raise SystemExit(f"{name}: needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)")
+    counts = [int(t) for t in (args.tokens or (tiny_tokens if args.tiny else tokens)).split(",")]
     gen = torch.Generator(device=device).manual_seed(0)
-    # The model's GPU layout (K-chunk-major) unless --rows.
-    ex = mxfp4_stacks(E, D, inter, gen, device, kchunk=device == "cuda" and not args.rows)
+    ex = mxfp4_stacks(shape["E"], shape["D"], shape["I"], gen, device,
+                      kchunk=device == "cuda" and not rows)
+    return shape, device, counts, gen, ex
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    shape, device, tokens, gen, ex = bench_setup(args, "moe_prefill_fp8", "2048,8192", "4,20",
+                                                 rows=args.rows)
+    E, D, inter, k = shape["E"], shape["D"], shape["I"], shape["k"]
     # The same stacks with their FP8 re-encoding kept on the device (the engine option
     # moe_fp8_codes): the GEMMs read it, nothing is re-encoded per call.
     kept = replace(ex, fp8_codes=f8.encode_fp8_codes(ex)) if args.kept else None

@@ -16,8 +16,9 @@ from test_cuda_graphs import run as _run  # the greedy run-to-completion helper
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_engine_moe_fp8_codes_same_tokens_gpu(tmp_path, monkeypatch) -> None:
-    from dsv4.engine.llm_engine import LLMEngine
+def _setup(tmp_path, monkeypatch, seed: int) -> tuple[str, list, dict]:
+    """The tiny V4 checkpoint, the FP8-MMA path forced on for every step (pair thresholds 1),
+    five random requests and the engine options both engines of a test share."""
     from dsv4.ops import triton_moe_fp8 as f8
     from dsv4.tiny import make_tiny_checkpoint
 
@@ -25,11 +26,18 @@ def test_engine_moe_fp8_codes_same_tokens_gpu(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
     monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 1)
     monkeypatch.setattr(f8, "MIN_PAIRS_KEPT", 1)
-    rng = random.Random(1)
+    rng = random.Random(seed)
     reqs = [([rng.randrange(20, 500) for _ in range(rng.randrange(5, 200))],
              rng.randrange(4, 16)) for _ in range(5)]
     kw = dict(device="cuda", numerics="official", max_model_len=512, max_num_seqs=8,
               num_pages=64, enforce_eager=True)
+    return path, reqs, kw
+
+
+def test_engine_moe_fp8_codes_same_tokens_gpu(tmp_path, monkeypatch) -> None:
+    from dsv4.engine.llm_engine import LLMEngine
+
+    path, reqs, kw = _setup(tmp_path, monkeypatch, 1)
     want = _run(LLMEngine(path, **kw), reqs)
     kept = LLMEngine(path, moe_fp8_codes=True, **kw)
     codes = [m.fp8_codes for m in kept.model.modules() if getattr(m, "fp8_codes", None)]
@@ -44,17 +52,8 @@ def test_engine_moe_fp8_ahead_same_tokens_gpu(tmp_path, monkeypatch) -> None:
     (the FP8-MMA path forced on for every step, as above), and the codes did come ahead."""
     from dsv4.engine.llm_engine import LLMEngine
     from dsv4.ops import triton_moe_fp8 as f8
-    from dsv4.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path / "v4", variant="v4", seed=0)
-    monkeypatch.setattr(f8, "FP8MMA_PREFILL", True)
-    monkeypatch.setattr(f8, "MIN_PAIRS_PER_EXPERT", 1)
-    monkeypatch.setattr(f8, "MIN_PAIRS_KEPT", 1)
-    rng = random.Random(2)
-    reqs = [([rng.randrange(20, 500) for _ in range(rng.randrange(5, 200))],
-             rng.randrange(4, 16)) for _ in range(5)]
-    kw = dict(device="cuda", numerics="official", max_model_len=512, max_num_seqs=8,
-              num_pages=64, enforce_eager=True)
+    path, reqs, kw = _setup(tmp_path, monkeypatch, 2)
     want = _run(LLMEngine(path, **kw), reqs)
     monkeypatch.setattr(f8, "AHEAD", True)
     started = []

@@ -703,6 +703,28 @@ def test_bench_tiny_smoke(tmp_path) -> None:
     assert res["predecode_us"] > 0
 
 
+def test_cublas_bench_tiny_smoke(tmp_path) -> None:
+    """bench/moe_cublas.py --tiny (its scaled GEMM an fp32 emulation): the probe finds a scale
+    layout, the prototype's output equals the Triton call's (the same bf16 roundings), JSON."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "bench" / "moe_cublas.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("moe_cublas_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    res = bench.main(["--tiny", "--tokens", "24", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert res["scale_b"] == "N-major" and len(res["rows"]) == 1
+    row = res["rows"][0]
+    assert row["tokens"] == 24 and row["streams"] == 1 and row["finite"]
+    assert row["rel_diff"] < 1e-6
+
+
 @pytest.mark.parametrize("predecode", [False, True])
 def test_n_tiles_first_same_bits(predecode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """triton_moe.N_FIRST: the FP8-MMA GEMMs walking each row block's N tiles first give the
