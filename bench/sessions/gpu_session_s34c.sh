@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Thirty-fourth session, one call for little device time: one in-order / ahead pair of 4-layer
-# prefills (8K, 32K) with the re-encoding ahead (DSV4_FP8MMA_AHEAD), gpu_session_s34a.sh's GPU
-# tests of it, then gpu_session_s34b.sh's 43-layer 8K prefill ahead and in order.
+# Thirty-fourth session (run A), one call for little device time: one in-order / ahead pair of
+# 4-layer prefills (8K, 32K) with the experts' re-encoding started when the layer starts
+# (DSV4_FP8MMA_AHEAD), its GPU tests, then 43 layers' 8K prefill ahead and in order.
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
