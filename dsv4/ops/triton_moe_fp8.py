@@ -804,10 +804,10 @@ def encode_ahead(experts: ExpertWeights, tokens: int, topk: int,
         return None
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    ab = experts.act_block
-    if not ab or experts.dim % ab or not fp8_codes_apply(experts):
+    if not fp8_codes_apply(experts):      # (the act block and widths too)
         return None
-    E, inter, D, ks = experts.num_experts, experts.inter_dim, experts.dim, k_step(ab)
+    E, inter, D = experts.num_experts, experts.inter_dim, experts.dim
+    ks = k_step(experts.act_block)
     if codes_nbytes(E, inter, D, ks) > AHEAD_BYTES:
         return None
     codes = _ahead_codes(E, inter, D, ks, device)

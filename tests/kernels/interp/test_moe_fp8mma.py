@@ -681,17 +681,24 @@ def test_config_validation_and_pick() -> None:
     assert f8.pick_fp8mma_config(8192 * 6, 256, predecode=True) == f8.PLAN_PREDECODED
 
 
+def _load_bench(name: str):
+    """The module of bench/<name>.py (it puts bench/ on sys.path for its own imports)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_bench_tiny_smoke(tmp_path) -> None:
     """bench/moe_prefill_fp8.py --tiny: one row per token count and weight mode (in-loop
     decode, predecoded), both agreeing with the bf16-MMA path, JSON, the re-encoding's time."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "bench" / "moe_prefill_fp8.py"
-    spec = importlib.util.spec_from_file_location("moe_prefill_fp8_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench("moe_prefill_fp8")
     out = tmp_path / "r.json"
     res = bench.main(["--tiny", "--tokens", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == res
@@ -706,16 +713,9 @@ def test_bench_tiny_smoke(tmp_path) -> None:
 def test_cublas_bench_tiny_smoke(tmp_path) -> None:
     """bench/moe_cublas.py --tiny (its scaled GEMM an fp32 emulation): the probe finds a scale
     layout, the prototype's output equals the Triton call's (the same bf16 roundings), JSON."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "bench" / "moe_cublas.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("moe_cublas_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench("moe_cublas")
     out = tmp_path / "r.json"
     res = bench.main(["--tiny", "--tokens", "24", "--out", str(out)])
     assert json.loads(out.read_text()) == res
