@@ -1,0 +1,290 @@
+"""Prefill expert GEMMs on FP8 codes with the per-step rescale overlapped (Gluon; dsv4 issue #5).
+
+The FP8-MMA prefill path (:mod:`dsv4.ops.triton_moe_fp8`) runs its expert GEMMs on e4m3 codes
+with one scale per (row, 128-wide K step) on each operand: every step's product is rescaled in
+fp32 before it joins the sum.  Triton 3.6 waits on each step's ``wgmma`` before that rescale
+(``warp_group_dot_wait {pendings = 0}`` right after every dot, checked offline with the sm_90
+compile), so within a program the tensor cores idle while the previous step is rescaled and the
+next tiles are not yet being multiplied.  These kernels are the same GEMMs written in Gluon:
+
+* the operand tiles come in by TMA into a ring of ``STAGES`` shared-memory slots, each slot
+  with its own mbarrier;
+* step i's product starts asynchronously into a fresh accumulator (``use_acc=False``); then the
+  kernel waits for step i − 1's product only (``warpgroup_mma_wait(num_outstanding=n)``), adds
+  it rescaled to the running sum — ``acc = fma(d · sa, sb, acc)``, the Triton kernels'
+  operation — while step i runs, and refills the slot step i − 1 used;
+* the epilogues are the Triton kernels': up stores act = w · swiglu(g, u) (g, u rounded to
+  bf16, the V4 clamp) rounded to bf16 per row of the plan; down stores y[pair] rounded to bf16.
+
+Same inputs as ``_fp8mma_up_kernel`` / ``_fp8mma_down_kernel`` with ``PREDECODED`` (the plan's
+rows, their codes ``xq`` / ``aq`` and scales in the MMA K order; the weights' codes
+[E, N, K] and step factors [E, K / ks, N] of :class:`~dsv4.ops.triton_moe_fp8.Fp8Codes` or of
+the call's re-encoding), same products per step and same fp32 operations in the same order:
+the results are meant to be bit-equal to the Triton kernels' (the GPU test checks it).
+
+Gluon has no interpreter (triton 3.6): these kernels run on sm_90 GPUs only and are compiled
+offline for sm_90 by the CPU tests.  Off by default while measured (``DSV4_FP8MMA_GLUON=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from dsv4.ops.triton_dense import round_to_bf16
+from dsv4.ops.triton_moe import weighted_swiglu
+
+try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is off.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older triton
+    HAVE_GLUON = False
+
+__all__ = ["GLUON_PREFILL", "HAVE_GLUON", "GluonGemmPlan", "PLAN_UP", "PLAN_DOWN",
+           "gemm_up", "gemm_down", "qualifies"]
+
+# Off by default until measured faster on the GPU (docs/PERFORMANCE.md).
+GLUON_PREFILL = os.environ.get("DSV4_FP8MMA_GLUON", "0") == "1"
+
+
+@dataclass(frozen=True)
+class GluonGemmPlan:
+    """Tile plan of one Gluon expert GEMM: BM plan rows (the plan's row blocks), BN weight rows
+    a tile, ``stages`` shared-memory slots, warps (4: one warpgroup; 8: two, BM split)."""
+
+    BM: int = 64
+    BN: int = 64
+    stages: int = 4
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.BM not in (64, 128) or self.BN not in (32, 64, 128, 256):
+            raise ValueError(f"GluonGemmPlan: BM must be 64 or 128 and BN 32..256 (a power of "
+                             f"two); found BM={self.BM}, BN={self.BN}")
+        if self.warps not in (4, 8) or (self.warps == 8 and self.BM != 128):
+            raise ValueError(f"GluonGemmPlan: warps must be 4, or 8 with BM 128; found "
+                             f"{self.warps} (BM {self.BM})")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"GluonGemmPlan: stages must be 2..8; found {self.stages}")
+
+
+# The up kernel holds two sums and two step products in flight (and the previous step's two
+# being rescaled): 64-wide tiles keep that in registers; down holds one of each.
+PLAN_UP = GluonGemmPlan(BM=64, BN=64, stages=4, warps=4)
+PLAN_DOWN = GluonGemmPlan(BM=64, BN=128, stages=4, warps=4)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, step, row0, wrow0, pred,
+                    TWO: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+        """TMA loads of K step ``step`` (the activation rows and the weight rows) into slot
+        step % STAGES, completing on that slot's barrier; nothing when ``pred`` is false."""
+        slot = step % STAGES
+        bar = bars.index(slot)
+        # b3's box is b's (TWO: both weights' tiles of the step).
+        NBYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes * (1 + TWO)
+        mbarrier.expect(bar, NBYTES, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [row0, step * BK], bar, a_s.index(slot), pred)
+        tma.async_copy_global_to_shared(b_desc, [wrow0, step * BK], bar, b_s.index(slot), pred)
+        if TWO:
+            tma.async_copy_global_to_shared(b3_desc, [wrow0, step * BK], bar, b3_s.index(slot),
+                                            pred)
+
+    @gluon.jit
+    def _step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, i, row0, wrow0, zero, prev, prev3,
+              sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base, f3_base, stride_fk,
+              TWO: gl.constexpr, NK: gl.constexpr, AB: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr):
+        """K step i (> 0): its w1 (or w2) product starts; step i − 1's products, done, are
+        rescaled into the sums while it runs; then (TWO) its w3 product starts and step i − 1's
+        slot takes step i + STAGES − 1.  Returns the products in flight, their scales and the
+        sums."""
+        slot = i % STAGES
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        d = warpgroup_mma(a_s.index(slot), b_s.index(slot).permute((1, 0)), zero,
+                          use_acc=False, is_async=True)
+        sa = gl.load(sa_base + (i * BK) // AB)
+        sb = gl.load(f_base + i * stride_fk)
+        sb3 = gl.load(f3_base + i * stride_fk)
+        if TWO:
+            # All but d are done: step i - 1's two products.
+            done, done3 = warpgroup_mma_wait(num_outstanding=1, deps=(prev, prev3))
+            acc3 = gl.fma(done3 * sa_prev[:, None], sb3_prev[None, :], acc3)
+        else:
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+        acc = gl.fma(done * sa_prev[:, None], sb_prev[None, :], acc)
+        if TWO:
+            d3 = warpgroup_mma(a_s.index(slot), b3_s.index(slot).permute((1, 0)), zero,
+                               use_acc=False, is_async=True)
+        else:
+            d3 = d
+        nxt = i + STAGES - 1
+        _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, nxt, row0, wrow0, nxt < NK,
+                    TWO, BK, STAGES)
+        return d, d3, sa, sb, sb3, acc, acc3
+
+    @gluon.jit
+    def _gemm_kernel(a_desc, b_desc, b3_desc, sa_ptr, f_ptr, f3_ptr, pair_ptr, bexp_ptr, wt_ptr,
+                     out_ptr, P, N, e0, e1, stride_sam, stride_fe, stride_fk, stride_om,
+                     limit, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, K: gl.constexpr,
+                     AB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, N_FIRST: gl.constexpr, num_warps: gl.constexpr):
+        """One (row block, N tile) of the up (TWO: w1 and w3, act = w · swiglu stored per plan
+        row) or down (y stored per pair) GEMM; experts e0 <= e < e1 only, weights indexed
+        e − e0 (the descriptors view them as [chunk · N, K])."""
+        if N_FIRST:
+            blk = gl.program_id(1)
+            pid_n = gl.program_id(0)
+        else:
+            blk = gl.program_id(0)
+            pid_n = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_desc.layout)
+        b_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b_desc.layout)
+        if TWO:
+            b3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b3_desc.layout)
+        else:
+            b3_s = b_s
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        if (e >= e0) & (e < e1):
+            NK: gl.constexpr = K // BK
+            row0 = blk * BM
+            wrow0 = (e - e0) * N + pid_n * BN
+            for s in gl.static_range(STAGES - 1):
+                _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, s, row0, wrow0,
+                            s < NK, TWO, BK, STAGES)
+            rm = row0 + gl.arange(0, BM, layout=row_l)
+            rn = pid_n * BN + gl.arange(0, BN, layout=col_l)
+            f_base = f_ptr + (e - e0).to(gl.int64) * stride_fe + rn
+            f3_base = f3_ptr + (e - e0).to(gl.int64) * stride_fe + rn
+            sa_base = sa_ptr + rm.to(gl.int64) * stride_sam
+            zero = gl.zeros([BM, BN], gl.float32, mma)
+            acc = zero
+            acc3 = zero
+            # Step 0 starts here; each loop turn runs two steps, so that the product in flight
+            # and the one being rescaled never share registers (ptxas serializes the wgmmas
+            # when a loop-carried product is copied).
+            mbarrier.wait(bars.index(0), 0)
+            prev = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), zero,
+                                 use_acc=False, is_async=True)
+            if TWO:
+                prev3 = warpgroup_mma(a_s.index(0), b3_s.index(0).permute((1, 0)), zero,
+                                      use_acc=False, is_async=True)
+            else:
+                prev3 = prev
+            _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, STAGES - 1, row0,
+                        wrow0, STAGES - 1 < NK, TWO, BK, STAGES)
+            sa_prev = gl.load(sa_base)
+            sb_prev = gl.load(f_base)
+            sb3_prev = gl.load(f3_base)
+            for j in range(0, (NK - 1) // 2):
+                prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
+                    a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, 2 * j + 1, row0, wrow0,
+                    zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
+                    f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
+                prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
+                    a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, 2 * j + 2, row0, wrow0,
+                    zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
+                    f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
+            if NK % 2 == 0:
+                prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
+                    a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, NK - 1, row0, wrow0,
+                    zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
+                    f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
+            if TWO:
+                done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(prev, prev3))
+                acc3 = gl.fma(done3 * sa_prev[:, None], sb3_prev[None, :], acc3)
+            else:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+            acc = gl.fma(done * sa_prev[:, None], sb_prev[None, :], acc)
+            pair = gl.load(pair_ptr + rm)
+            m_mask = pair < P
+            mask = m_mask[:, None] & (rn < N)[None, :]
+            if TWO:
+                wt = gl.load(wt_ptr + pair, mask=m_mask, other=0.0)
+                a = weighted_swiglu(acc, acc3, wt, limit, gl.bfloat16, HAS_LIMIT)
+                ptrs = out_ptr + rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
+                gl.store(ptrs, round_to_bf16(a).to(gl.bfloat16), mask=mask)
+            else:
+                ptrs = out_ptr + pair.to(gl.int64)[:, None] * stride_om + rn[None, :]
+                gl.store(ptrs, round_to_bf16(acc).to(gl.bfloat16), mask=mask)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+
+def qualifies(x: torch.Tensor, K: int, N: int, ks: int, plan: GluonGemmPlan) -> bool:
+    """Whether the Gluon GEMMs can run this call: Gluon with its Hopper parts, a CUDA device of
+    sm_90, K a multiple of the K step ``ks`` (128: the TMA box), N of the N tile."""
+    if not (HAVE_GLUON and x.is_cuda and ks == 128):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    return K % ks == 0 and N % plan.BN == 0
+
+
+def _desc(t: torch.Tensor, rows: int, box: list[int]) -> "TensorDescriptor":
+    """A TMA descriptor over ``t`` viewed as [rows, K] e4m3 (K contiguous), box ``box``."""
+    K = t.shape[-1]
+    view = t.reshape(rows, K)
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+    return TensorDescriptor(view, [rows, K], [view.stride(0), 1], box, layout)
+
+
+def _grid(blocks: int, tiles: int, n_first: bool) -> tuple[tuple[int, int], bool]:
+    from dsv4.ops.triton_moe import tile_grid
+    return tile_grid(blocks, tiles, n_first=n_first)
+
+
+def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tensor,
+            f1: torch.Tensor, f3: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
+            wts: torch.Tensor, act: torch.Tensor, P: int, e0: int, e1: int, limit: float,
+            ab: int, ks: int, plan: GluonGemmPlan = PLAN_UP, n_first: bool = True) -> None:
+    """act[plan row] = w · swiglu(w1 x, w3 x) (bf16) for the row blocks of experts e0 <= e < e1
+    (the Triton ``_fp8mma_up_kernel`` with ``PREDECODED``): xq [rows, D] e4m3 / xs [rows, D/ab]
+    the prepped activation, q1 / q3 [chunk, I, D] e4m3 and f1 / f3 [chunk, D/ks, I] fp32 the
+    weights' codes and step factors, rows of the plan's ``BM``-row blocks."""
+    chunk, inter, D = q1.shape
+    nb = block_expert.shape[0]
+    a_desc = _desc(xq, xq.shape[0], [plan.BM, ks])
+    b_desc = _desc(q1, chunk * inter, [plan.BN, ks])
+    b3_desc = _desc(q3, chunk * inter, [plan.BN, ks])
+    grid, first = _grid(nb, inter // plan.BN, n_first)
+    _gemm_kernel[grid](a_desc, b_desc, b3_desc, xs, f1, f3, pairs, block_expert, wts, act, P,
+                       inter, e0, e1, xs.stride(0),
+                       f1.stride(0), f1.stride(1), act.stride(0), float(limit), TWO=True,
+                       HAS_LIMIT=limit > 0, K=D, AB=ab, BM=plan.BM, BN=plan.BN, BK=ks,
+                       STAGES=plan.stages, N_FIRST=first, num_warps=plan.warps)
+
+
+def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.Tensor,
+              pairs: torch.Tensor, block_expert: torch.Tensor, y: torch.Tensor, P: int, e0: int,
+              e1: int, ab: int, ks: int, plan: GluonGemmPlan = PLAN_DOWN,
+              n_first: bool = True) -> None:
+    """y[pair] = w2 · act[plan row] (bf16) for the row blocks of experts e0 <= e < e1 (the
+    Triton ``_fp8mma_down_kernel`` with ``PREDECODED``): aq [rows, I] e4m3 / as_ [rows, I/ab],
+    q2 [chunk, D, I] e4m3, f2 [chunk, I/ks, D] fp32."""
+    chunk, D, inter = q2.shape
+    nb = block_expert.shape[0]
+    a_desc = _desc(aq, aq.shape[0], [plan.BM, ks])
+    b_desc = _desc(q2, chunk * D, [plan.BN, ks])
+    grid, first = _grid(nb, D // plan.BN, n_first)
+    _gemm_kernel[grid](a_desc, b_desc, b_desc, as_, f2, f2, pairs, block_expert, pairs, y, P,
+                       D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
+                       y.stride(0), 0.0, TWO=False, HAS_LIMIT=False, K=inter, AB=ab,
+                       BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages, N_FIRST=first,
+                       num_warps=plan.warps)
