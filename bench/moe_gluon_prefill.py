@@ -5,7 +5,7 @@ wgmma runs) on the same prepped inputs: V4-Flash widths (D 4096, I 2048, top-6),
 stacks re-encoded to kept codes, random routing.
 
     PYTHONPATH=. python bench/moe_gluon_prefill.py [--tokens 8192,32768] [--experts 256]
-        [--plans up:BN:stages:warps,...] [--out f.json]
+        [--plans up:BN:stages[:lag],...] [--out f.json]
 
 Printed per token count: each GEMM's µs and TFLOP/s for Triton and for every Gluon plan, and
 whether the Gluon output has the Triton kernel's bits (act rows of the plan for up, y rows of
@@ -35,18 +35,21 @@ from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 from dsv4.ops.triton_moe import moe_plan, tile_grid  # noqa: E402
 
 LIMIT = 10.0
-DEFAULT_PLANS = "up:32:4:4,up:64:4:4,up:64:3:4,down:64:4:4,down:128:4:4,down:64:6:4"
+DEFAULT_PLANS = ("up:32:4:lag,up:32:4,up:64:4,up:64:3,up:64:6,"
+                 "down:64:4:lag,down:64:4,down:128:4,down:128:3,down:128:6,down:64:8")
 
 
 def parse_plans(text: str) -> list[tuple[str, gp.GluonGemmPlan]]:
-    """``gemm:BN:stages:warps`` items -> (gemm, plan); 64-row blocks (the Triton plan's)."""
+    """``gemm:BN:stages[:lag]`` items -> (gemm, plan): 64-row blocks (the Triton plan's),
+    4 warps, the rescale lagging one step behind with ``lag``."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        if parts[0] not in ("up", "down") or len(parts) != 4:
-            raise SystemExit(f"moe_gluon_prefill: bad plan {item!r} (up|down:BN:stages:warps)")
+        if parts[0] not in ("up", "down") or len(parts) not in (3, 4) or \
+                (len(parts) == 4 and parts[3] != "lag"):
+            raise SystemExit(f"moe_gluon_prefill: bad plan {item!r} (up|down:BN:stages[:lag])")
         out.append((parts[0], gp.GluonGemmPlan(BM=64, BN=int(parts[1]), stages=int(parts[2]),
-                                               warps=int(parts[3]))))
+                                               warps=4, lag=len(parts) == 4)))
     return out
 
 
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                       device), flops_down, "reference")
         valid_pairs = pl["pairs"][rows].long()
         for gemm, plan in plans:
-            name = f"gluon BM{plan.BM} BN{plan.BN} s{plan.stages} w{plan.warps}"
+            name = (f"gluon BN{plan.BN} s{plan.stages}"
+                    f"{' lag' if plan.lag else ''}")
             try:
                 if gemm == "up":
                     act_g = torch.full_like(act_t, float("nan"))
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
     ap.add_argument("--plans", default=DEFAULT_PLANS,
-                    help="Gluon plans, comma-separated gemm:BN:stages:warps")
+                    help="Gluon plans, comma-separated gemm:BN:stages[:lag]")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return run(ap.parse_args(argv))

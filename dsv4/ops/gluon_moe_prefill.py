@@ -13,6 +13,9 @@ next tiles are not yet being multiplied.  These kernels are the same GEMMs writt
   kernel waits for step i − 1's product only (``warpgroup_mma_wait(num_outstanding=n)``), adds
   it rescaled to the running sum — ``acc = fma(d · sa, sb, acc)``, the Triton kernels'
   operation — while step i runs, and refills the slot step i − 1 used;
+* or (``lag`` off) each step's product is waited for and rescaled at once, as in Triton, with
+  ~95-170 registers and 64-147 KB of shared memory, so that two or three programs share an SM
+  and overlap each other's rescales (ptxas serializes the lagged form's wgmmas anyway);
 * the epilogues are the Triton kernels': up stores act = w · swiglu(g, u) (g, u rounded to
   bf16, the V4 clamp) rounded to bf16 per row of the plan; down stores y[pair] rounded to bf16.
 
@@ -57,12 +60,16 @@ GLUON_PREFILL = os.environ.get("DSV4_FP8MMA_GLUON", "0") == "1"
 @dataclass(frozen=True)
 class GluonGemmPlan:
     """Tile plan of one Gluon expert GEMM: BM plan rows (the plan's row blocks), BN weight rows
-    a tile, ``stages`` shared-memory slots, warps (4: one warpgroup; 8: two, BM split)."""
+    a tile, ``stages`` shared-memory slots, warps (4: one warpgroup; 8: two, BM split);
+    ``lag``: step i − 1 is rescaled while step i's wgmma runs (else each step's product is
+    waited for and rescaled at once, as Triton does, and only other programs on the SM
+    overlap it)."""
 
     BM: int = 64
     BN: int = 64
     stages: int = 4
     warps: int = 4
+    lag: bool = True
 
     def __post_init__(self) -> None:
         if self.BM not in (64, 128) or self.BN not in (32, 64, 128, 256):
@@ -137,7 +144,8 @@ if HAVE_GLUON:
                      out_ptr, P, N, e0, e1, stride_sam, stride_fe, stride_fk, stride_om,
                      limit, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, K: gl.constexpr,
                      AB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                     STAGES: gl.constexpr, N_FIRST: gl.constexpr, num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, N_FIRST: gl.constexpr, LAG: gl.constexpr,
+                     num_warps: gl.constexpr):
         """One (row block, N tile) of the up (TWO: w1 and w3, act = w · swiglu stored per plan
         row) or down (y stored per pair) GEMM; experts e0 <= e < e1 only, weights indexed
         e − e0 (the descriptors view them as [chunk · N, K])."""
@@ -176,42 +184,65 @@ if HAVE_GLUON:
             zero = gl.zeros([BM, BN], gl.float32, mma)
             acc = zero
             acc3 = zero
-            # Step 0 starts here; each loop turn runs two steps, so that the product in flight
-            # and the one being rescaled never share registers (ptxas serializes the wgmmas
-            # when a loop-carried product is copied).
-            mbarrier.wait(bars.index(0), 0)
-            prev = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), zero,
-                                 use_acc=False, is_async=True)
-            if TWO:
-                prev3 = warpgroup_mma(a_s.index(0), b3_s.index(0).permute((1, 0)), zero,
+            if LAG:
+                # Step 0 starts here; each loop turn runs two steps, so that the product in flight
+                # and the one being rescaled need no copy between them.  ptxas (CUDA 13, sm_90)
+                # still reports these wgmmas serialized (C7514 / C7515) and needs ~2x the
+                # registers: measured anyway (bench/moe_gluon_prefill.py).
+                mbarrier.wait(bars.index(0), 0)
+                prev = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)
+                if TWO:
+                    prev3 = warpgroup_mma(a_s.index(0), b3_s.index(0).permute((1, 0)), zero,
+                                          use_acc=False, is_async=True)
+                else:
+                    prev3 = prev
+                _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, STAGES - 1, row0,
+                            wrow0, STAGES - 1 < NK, TWO, BK, STAGES)
+                sa_prev = gl.load(sa_base)
+                sb_prev = gl.load(f_base)
+                sb3_prev = gl.load(f3_base)
+                for j in range(0, (NK - 1) // 2):
+                    prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
+                        a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, 2 * j + 1, row0, wrow0,
+                        zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
+                        f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
+                    prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
+                        a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, 2 * j + 2, row0, wrow0,
+                        zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
+                        f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
+                if NK % 2 == 0:
+                    prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
+                        a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, NK - 1, row0, wrow0,
+                        zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
+                        f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
+                if TWO:
+                    done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(prev, prev3))
+                    acc3 = gl.fma(done3 * sa_prev[:, None], sb3_prev[None, :], acc3)
+                else:
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+                acc = gl.fma(done * sa_prev[:, None], sb_prev[None, :], acc)
+            else:
+                for i in range(NK):
+                    slot = i % STAGES
+                    mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+                    # Step i - 1's slot is free (its product was waited for): step i + STAGES - 1.
+                    nxt = i + STAGES - 1
+                    _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, nxt, row0, wrow0,
+                                nxt < NK, TWO, BK, STAGES)
+                    d = warpgroup_mma(a_s.index(slot), b_s.index(slot).permute((1, 0)), zero,
                                       use_acc=False, is_async=True)
-            else:
-                prev3 = prev
-            _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, STAGES - 1, row0,
-                        wrow0, STAGES - 1 < NK, TWO, BK, STAGES)
-            sa_prev = gl.load(sa_base)
-            sb_prev = gl.load(f_base)
-            sb3_prev = gl.load(f3_base)
-            for j in range(0, (NK - 1) // 2):
-                prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
-                    a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, 2 * j + 1, row0, wrow0,
-                    zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
-                    f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
-                prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
-                    a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, 2 * j + 2, row0, wrow0,
-                    zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
-                    f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
-            if NK % 2 == 0:
-                prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3 = _step(
-                    a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, NK - 1, row0, wrow0,
-                    zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
-                    f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
-            if TWO:
-                done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(prev, prev3))
-                acc3 = gl.fma(done3 * sa_prev[:, None], sb3_prev[None, :], acc3)
-            else:
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-            acc = gl.fma(done * sa_prev[:, None], sb_prev[None, :], acc)
+                    sa = gl.load(sa_base + (i * BK) // AB)
+                    sb = gl.load(f_base + i * stride_fk)
+                    if TWO:
+                        d3 = warpgroup_mma(a_s.index(slot), b3_s.index(slot).permute((1, 0)),
+                                           zero, use_acc=False, is_async=True)
+                        sb3 = gl.load(f3_base + i * stride_fk)
+                        done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d, d3))
+                        acc3 = gl.fma(done3 * sa[:, None], sb3[None, :], acc3)
+                    else:
+                        done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                    acc = gl.fma(done * sa[:, None], sb[None, :], acc)
             pair = gl.load(pair_ptr + rm)
             m_mask = pair < P
             mask = m_mask[:, None] & (rn < N)[None, :]
@@ -268,7 +299,8 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tens
                        inter, e0, e1, xs.stride(0),
                        f1.stride(0), f1.stride(1), act.stride(0), float(limit), TWO=True,
                        HAS_LIMIT=limit > 0, K=D, AB=ab, BM=plan.BM, BN=plan.BN, BK=ks,
-                       STAGES=plan.stages, N_FIRST=first, num_warps=plan.warps)
+                       STAGES=plan.stages, N_FIRST=first, LAG=plan.lag,
+                       num_warps=plan.warps)
 
 
 def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.Tensor,
@@ -287,4 +319,4 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.T
                        D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
                        y.stride(0), 0.0, TWO=False, HAS_LIMIT=False, K=inter, AB=ab,
                        BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages, N_FIRST=first,
-                       num_warps=plan.warps)
+                       LAG=plan.lag, num_warps=plan.warps)
