@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 msg = str(e).splitlines()[0][:120] if str(e) else ""
                 print(f"| {T} | {gemm} | {name} | failed: {type(e).__name__}: {msg} | | |",
                       flush=True)
+        # The whole expert call with the default Gluon plans (DSV4_FP8MMA_GLUON's switch).
+        for mode, exm in (("call, kept codes", replace(ex, fp8_codes=codes)),
+                          ("call, re-encoded", ex)):
+            outs = {}
+            for on in (False, True):
+                gp.GLUON_PREFILL = on
+                try:
+                    outs[on] = f8.moe_experts_fp8mma(x, ids, w, exm, LIMIT, predecode=True)
+                    us = time_us(lambda: f8.moe_experts_fp8mma(x, ids, w, exm, LIMIT,
+                                                               predecode=True), device)
+                finally:
+                    gp.GLUON_PREFILL = False
+                out = "reference" if not on else compare(outs[True], outs[False],
+                                                         torch.arange(T, device=device))
+                row(mode, "gluon" if on else "triton", us, flops_up + flops_down, out)
     result = {"shape": shape, "rows": rows_out}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

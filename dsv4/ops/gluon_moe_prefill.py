@@ -69,7 +69,7 @@ class GluonGemmPlan:
     BN: int = 64
     stages: int = 4
     warps: int = 4
-    lag: bool = True
+    lag: bool = False
 
     def __post_init__(self) -> None:
         if self.BM not in (64, 128) or self.BN not in (32, 64, 128, 256):
@@ -82,8 +82,9 @@ class GluonGemmPlan:
             raise ValueError(f"GluonGemmPlan: stages must be 2..8; found {self.stages}")
 
 
-# The up kernel holds two sums and two step products in flight (and the previous step's two
-# being rescaled): 64-wide tiles keep that in registers; down holds one of each.
+# Until measured: the up kernel holds two sums and two step products (167 registers at 64-wide
+# tiles, 96 KB at 4 stages), down one of each (168 at 128-wide); the 64-row blocks of the
+# predecoded Triton plan (triton_moe_fp8.PLAN_PREDECODED).
 PLAN_UP = GluonGemmPlan(BM=64, BN=64, stages=4, warps=4)
 PLAN_DOWN = GluonGemmPlan(BM=64, BN=128, stages=4, warps=4)
 

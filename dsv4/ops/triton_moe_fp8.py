@@ -81,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops import gluon_moe_prefill as _gluon
 from dsv4.ops import triton_moe as _triton_moe
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_dense import ExpertWeights
@@ -919,6 +920,10 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
               BN=cfg.BN_up, N_FIRST=first_up, num_warps=cfg.warps_up, num_stages=cfg.stages)
     down = dict(ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_down, N_FIRST=first_down,
                 num_warps=cfg.warps_down, num_stages=cfg.stages)
+    # The Gluon GEMMs on the codes (DSV4_FP8MMA_GLUON=1; read per call): same bits.
+    use_gluon = (predecode and _gluon.GLUON_PREFILL and cfg.BM == _gluon.PLAN_UP.BM
+                 and _gluon.qualifies(x, D, inter, ks, _gluon.PLAN_UP)
+                 and _gluon.qualifies(x, inter, D, ks, _gluon.PLAN_DOWN))
     if not predecode:
         _fp8mma_up_kernel[grid_up](
             xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, 0, E,
@@ -946,6 +951,10 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_up(slot: int, e0: int, e1: int) -> None:
             q1, q3, f1, f3 = bufs[slot]
+            if use_gluon:
+                _gluon.gemm_up(xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, e0,
+                               e1, swiglu_limit, ab, ks, n_first=first_up)
+                return
             _fp8mma_up_kernel[grid_up](
                 xq, xs, q1, q3, f1, f3, pairs, block_expert, wts, act, P, inter, D, e0, e1,
                 xq.stride(0), xs.stride(0), act.stride(0), q1.stride(0), q1.stride(1),
@@ -983,6 +992,10 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
         def gemm_down(slot: int, e0: int, e1: int) -> None:
             q2, f2 = down_bufs[slot]
+            if use_gluon:
+                _gluon.gemm_down(aq, as_, q2, f2, pairs, block_expert, y, P, e0, e1, ab, ks,
+                                 n_first=first_down)
+                return
             _fp8mma_down_kernel[grid_down](
                 aq, as_, q2, f2, pairs, block_expert, y, P, D, inter, e0, e1, aq.stride(0),
                 as_.stride(0), y.stride(0), q2.stride(0), q2.stride(1), f2.stride(0),

@@ -815,6 +815,40 @@ def _moe_fp8mma() -> None:
         tf8.fold_spread_ok = real_ok
 
 
+@scenario("moe_experts/v4_flash/fp8_codes_gluon/prefill")
+def _moe_fp8_codes_gluon() -> None:
+    """The prefill expert GEMMs on FP8 codes in Gluon (dsv4.ops.gluon_moe_prefill, TMA ring;
+    no interpreter: this is its only CPU check): the default up / down plans and every plan of
+    bench/moe_gluon_prefill.py (with and without the lagged rescale), V4-Flash widths, 64-row
+    blocks of an 8,192-token call's plan."""
+    import torch
+
+    from dsv4.ops import gluon_moe_prefill as gp
+    m, E, P = V4_FLASH, E_ALLOC, 8192 * V4_FLASH.topk
+    nb = P // 64 + E
+    rows = nb * 64
+    pairs = _empty(rows, dtype=torch.int32)
+    bexp = _empty(nb, dtype=torch.int32)
+    e4m3 = torch.float8_e4m3fn
+    xq, xs = _empty(rows, m.dim, dtype=e4m3), _empty(rows, m.dim // 128, dtype=torch.float32)
+    q1, q3 = _empty(E, m.inter, m.dim, dtype=e4m3), _empty(E, m.inter, m.dim, dtype=e4m3)
+    f1 = _empty(E, m.dim // 128, m.inter, dtype=torch.float32)
+    act = _empty(rows, m.inter, dtype=torch.bfloat16)
+    aq, as_ = _empty(rows, m.inter, dtype=e4m3), _empty(rows, m.inter // 128, dtype=torch.float32)
+    q2 = _empty(E, m.dim, m.inter, dtype=e4m3)
+    f2 = _empty(E, m.inter // 128, m.dim, dtype=torch.float32)
+    y = _empty(P, m.dim, dtype=torch.bfloat16)
+    plans = [("up", gp.PLAN_UP), ("down", gp.PLAN_DOWN)]
+    plans += _bench_module("moe_gluon_prefill").parse_plans(
+        _bench_module("moe_gluon_prefill").DEFAULT_PLANS)
+    for gemm, plan in plans:
+        if gemm == "up":
+            gp.gemm_up(xq, xs, q1, q3, f1, f1, pairs, bexp, _empty(P, dtype=torch.float32),
+                       act, P, 0, E, 10.0, 128, 128, plan)
+        else:
+            gp.gemm_down(aq, as_, q2, f2, pairs, bexp, y, P, 0, E, 128, 128, plan)
+
+
 def _bench_module(name: str):
     """bench/<name>.py as a module (the plan and tile lists its sweeps time)."""
     import importlib.util
