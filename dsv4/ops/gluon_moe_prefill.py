@@ -285,11 +285,14 @@ def _grid(blocks: int, tiles: int, n_first: bool) -> tuple[tuple[int, int], bool
 def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tensor,
             f1: torch.Tensor, f3: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
             wts: torch.Tensor, act: torch.Tensor, P: int, e0: int, e1: int, limit: float,
-            ab: int, ks: int, plan: GluonGemmPlan = PLAN_UP, n_first: bool = True) -> None:
+            ab: int, ks: int, plan: GluonGemmPlan | None = None, n_first: bool = True
+            ) -> None:
     """act[plan row] = w · swiglu(w1 x, w3 x) (bf16) for the row blocks of experts e0 <= e < e1
     (the Triton ``_fp8mma_up_kernel`` with ``PREDECODED``): xq [rows, D] e4m3 / xs [rows, D/ab]
     the prepped activation, q1 / q3 [chunk, I, D] e4m3 and f1 / f3 [chunk, D/ks, I] fp32 the
-    weights' codes and step factors, rows of the plan's ``BM``-row blocks."""
+    weights' codes and step factors, rows of the plan's ``BM``-row blocks (``plan``: None for
+    :data:`PLAN_UP`)."""
+    plan = PLAN_UP if plan is None else plan
     chunk, inter, D = q1.shape
     nb = block_expert.shape[0]
     a_desc = _desc(xq, xq.shape[0], [plan.BM, ks])
@@ -306,11 +309,12 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tens
 
 def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.Tensor,
               pairs: torch.Tensor, block_expert: torch.Tensor, y: torch.Tensor, P: int, e0: int,
-              e1: int, ab: int, ks: int, plan: GluonGemmPlan = PLAN_DOWN,
+              e1: int, ab: int, ks: int, plan: GluonGemmPlan | None = None,
               n_first: bool = True) -> None:
     """y[pair] = w2 · act[plan row] (bf16) for the row blocks of experts e0 <= e < e1 (the
     Triton ``_fp8mma_down_kernel`` with ``PREDECODED``): aq [rows, I] e4m3 / as_ [rows, I/ab],
-    q2 [chunk, D, I] e4m3, f2 [chunk, I/ks, D] fp32."""
+    q2 [chunk, D, I] e4m3, f2 [chunk, I/ks, D] fp32 (``plan``: None for :data:`PLAN_DOWN`)."""
+    plan = PLAN_DOWN if plan is None else plan
     chunk, D, inter = q2.shape
     nb = block_expert.shape[0]
     a_desc = _desc(aq, aq.shape[0], [plan.BM, ks])
