@@ -5,7 +5,7 @@ wgmma runs) on the same prepped inputs: V4-Flash widths (D 4096, I 2048, top-6),
 stacks re-encoded to kept codes, random routing.
 
     PYTHONPATH=. python bench/moe_gluon_prefill.py [--tokens 8192,32768] [--experts 256]
-        [--plans up:BN:stages[:lag],...] [--out f.json]
+        [--plans up:BN:stages[:lag|:ws],...] [--out f.json]
 
 Printed per token count: each GEMM's µs and TFLOP/s for Triton and for every Gluon plan, and
 whether the Gluon output has the Triton kernel's bits (act rows of the plan for up, y rows of
@@ -36,21 +36,25 @@ from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 from dsv4.ops.triton_moe import moe_plan, tile_grid  # noqa: E402
 
 LIMIT = 10.0
-DEFAULT_PLANS = ("up:32:4:lag,up:32:4,up:64:4,up:64:3,up:64:6,"
-                 "down:64:4:lag,down:64:4,down:128:4,down:128:3,down:128:6,down:64:8")
+DEFAULT_PLANS = ("up:128:4:ws,up:128:3:ws,up:64:6:ws,up:32:4:lag,up:32:4,up:64:4,up:64:6,"
+                 "down:256:4:ws,down:128:4:ws,down:128:6:ws,down:64:4:lag,down:64:4,"
+                 "down:128:4,down:128:6")
 
 
 def parse_plans(text: str) -> list[tuple[str, gp.GluonGemmPlan]]:
-    """``gemm:BN:stages[:lag]`` items -> (gemm, plan): 64-row blocks (the Triton plan's),
-    4 warps, the rescale lagging one step behind with ``lag``."""
+    """``gemm:BN:stages[:lag|:ws]`` items -> (gemm, plan): 64-row blocks (the Triton plan's),
+    4 warps; ``lag``: the rescale one step behind; ``ws``: warp-specialized (two consumer
+    warpgroups of BN / 2 columns)."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
+        mode = parts[3] if len(parts) == 4 else ""
         if parts[0] not in ("up", "down") or len(parts) not in (3, 4) or \
-                (len(parts) == 4 and parts[3] != "lag"):
-            raise SystemExit(f"moe_gluon_prefill: bad plan {item!r} (up|down:BN:stages[:lag])")
+                mode not in ("", "lag", "ws"):
+            raise SystemExit(f"moe_gluon_prefill: bad plan {item!r} "
+                             f"(up|down:BN:stages[:lag|:ws])")
         out.append((parts[0], gp.GluonGemmPlan(BM=64, BN=int(parts[1]), stages=int(parts[2]),
-                                               warps=4, lag=len(parts) == 4)))
+                                               warps=4, lag=mode == "lag", ws=mode == "ws")))
     return out
 
 
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         valid_pairs = pl["pairs"][rows].long()
         for gemm, plan in plans:
             name = (f"gluon BN{plan.BN} s{plan.stages}"
-                    f"{' lag' if plan.lag else ''}")
+                    f"{' lag' if plan.lag else ''}{' ws' if plan.ws else ''}")
             try:
                 if gemm == "up":
                     act_g = torch.full_like(act_t, float("nan"))
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
     ap.add_argument("--plans", default=DEFAULT_PLANS,
-                    help="Gluon plans, comma-separated gemm:BN:stages[:lag]")
+                    help="Gluon plans, comma-separated gemm:BN:stages[:lag|:ws]")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return run(ap.parse_args(argv))

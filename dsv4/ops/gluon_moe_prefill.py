@@ -63,13 +63,15 @@ class GluonGemmPlan:
     a tile, ``stages`` shared-memory slots, warps (4: one warpgroup; 8: two, BM split);
     ``lag``: step i − 1 is rescaled while step i's wgmma runs (else each step's product is
     waited for and rescaled at once, as Triton does, and only other programs on the SM
-    overlap it)."""
+    overlap it); ``ws``: warp-specialized (a TMA warp, two consumer warpgroups of BN / 2
+    columns each: :func:`_gemm_ws_kernel`)."""
 
     BM: int = 64
     BN: int = 64
     stages: int = 4
     warps: int = 4
     lag: bool = False
+    ws: bool = False
 
     def __post_init__(self) -> None:
         if self.BM not in (64, 128) or self.BN not in (32, 64, 128, 256):
@@ -78,6 +80,8 @@ class GluonGemmPlan:
         if self.warps not in (4, 8) or (self.warps == 8 and self.BM != 128):
             raise ValueError(f"GluonGemmPlan: warps must be 4, or 8 with BM 128; found "
                              f"{self.warps} (BM {self.BM})")
+        if self.ws and (self.lag or self.warps != 4 or self.BN < 64):
+            raise ValueError("GluonGemmPlan: ws takes 4 warps a consumer, BN >= 64, no lag")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"GluonGemmPlan: stages must be 2..8; found {self.stages}")
 
@@ -258,6 +262,118 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
+    @gluon.jit
+    def _ws_producer(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, full, empty, row0, wrow0, nk,
+                     TWO: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+        """The TMA warp: step i's tiles into slot i % STAGES once both consumers released the
+        slot's previous step (its ``empty`` barrier's phase)."""
+        for i in range(nk):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, full, i, row0, wrow0, True,
+                        TWO, BK, STAGES)
+
+    @gluon.jit
+    def _ws_consumer(a_s, b_s, b3_s, full, empty, sa_ptr, f_ptr, f3_ptr, pair_ptr, wt_ptr,
+                     out_ptr, e_local, P, N, row0, n0, nk, stride_sam, stride_fe, stride_fk,
+                     stride_om, limit, HALF: gl.constexpr, PART: gl.constexpr,
+                     TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, AB: gl.constexpr,
+                     BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup: columns [PART · HALF, (PART + 1) · HALF) of the tile, each
+        step's product waited for and rescaled at once (the other warpgroup's wgmma runs
+        meanwhile), the slot released, then the tile's epilogue for its columns."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        rm = row0 + gl.arange(0, BM, layout=row_l)
+        rn = n0 + PART * HALF + gl.arange(0, HALF, layout=col_l)
+        f_base = f_ptr + e_local.to(gl.int64) * stride_fe + rn
+        f3_base = f3_ptr + e_local.to(gl.int64) * stride_fe + rn
+        sa_base = sa_ptr + rm.to(gl.int64) * stride_sam
+        zero = gl.zeros([BM, HALF], gl.float32, mma)
+        acc = zero
+        acc3 = zero
+        for i in range(nk):
+            slot = i % STAGES
+            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+            a = a_s.index(slot)
+            d = warpgroup_mma(a, b_s.index(slot).slice(PART * HALF, HALF, dim=0).permute((1, 0)),
+                              zero, use_acc=False, is_async=True)
+            sa = gl.load(sa_base + (i * BK) // AB)
+            sb = gl.load(f_base + i * stride_fk)
+            if TWO:
+                d3 = warpgroup_mma(
+                    a, b3_s.index(slot).slice(PART * HALF, HALF, dim=0).permute((1, 0)), zero,
+                    use_acc=False, is_async=True)
+                sb3 = gl.load(f3_base + i * stride_fk)
+                done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d, d3))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc3 = gl.fma(done3 * sa[:, None], sb3[None, :], acc3)
+            else:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                mbarrier.arrive(empty.index(slot), count=1)
+            acc = gl.fma(done * sa[:, None], sb[None, :], acc)
+        if nk > 0:
+            pair = gl.load(pair_ptr + rm)
+            m_mask = pair < P
+            mask = m_mask[:, None] & (rn < N)[None, :]
+            if TWO:
+                wt = gl.load(wt_ptr + pair, mask=m_mask, other=0.0)
+                v = weighted_swiglu(acc, acc3, wt, limit, gl.bfloat16, HAS_LIMIT)
+                ptrs = out_ptr + rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
+                gl.store(ptrs, round_to_bf16(v).to(gl.bfloat16), mask=mask)
+            else:
+                ptrs = out_ptr + pair.to(gl.int64)[:, None] * stride_om + rn[None, :]
+                gl.store(ptrs, round_to_bf16(acc).to(gl.bfloat16), mask=mask)
+
+    @gluon.jit
+    def _gemm_ws_kernel(a_desc, b_desc, b3_desc, sa_ptr, f_ptr, f3_ptr, pair_ptr, bexp_ptr,
+                        wt_ptr, out_ptr, P, N, e0, e1, stride_sam, stride_fe, stride_fk,
+                        stride_om, limit, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                        K: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                        BK: gl.constexpr, STAGES: gl.constexpr, N_FIRST: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """:func:`_gemm_kernel`'s tile warp-specialized: a TMA warp fills the ring, two
+        consumer warpgroups (the default partition and a 4-warp worker) each multiply and
+        rescale half of the BN columns, so one's rescale runs beside the other's wgmma."""
+        if N_FIRST:
+            blk = gl.program_id(1)
+            pid_n = gl.program_id(0)
+        else:
+            blk = gl.program_id(0)
+            pid_n = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        active = (e >= e0) & (e < e1)
+        nk = gl.where(active, K // BK, 0)
+        e_local = gl.where(active, e - e0, 0)
+        row0 = blk * BM
+        wrow0 = e_local * N + pid_n * BN
+        a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_desc.layout)
+        b_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b_desc.layout)
+        if TWO:
+            b3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b3_desc.layout)
+        else:
+            b3_s = b_s
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        HALF: gl.constexpr = BN // 2
+        gl.warp_specialize([
+            (_ws_consumer, (a_s, b_s, b3_s, full, empty, sa_ptr, f_ptr, f3_ptr, pair_ptr,
+                            wt_ptr, out_ptr, e_local, P, N, row0, pid_n * BN, nk, stride_sam,
+                            stride_fe, stride_fk, stride_om, limit, HALF, 0, TWO, HAS_LIMIT,
+                            AB, BM, BK, STAGES)),
+            (_ws_consumer, (a_s, b_s, b3_s, full, empty, sa_ptr, f_ptr, f3_ptr, pair_ptr,
+                            wt_ptr, out_ptr, e_local, P, N, row0, pid_n * BN, nk, stride_sam,
+                            stride_fe, stride_fk, stride_om, limit, HALF, 1, TWO, HAS_LIMIT,
+                            AB, BM, BK, STAGES)),
+            (_ws_producer, (a_desc, b_desc, b3_desc, a_s, b_s, b3_s, full, empty, row0, wrow0,
+                            nk, TWO, BK, STAGES)),
+        ], [4, 1], [232, 40])
+
 
 def qualifies(x: torch.Tensor, K: int, N: int, ks: int, plan: GluonGemmPlan) -> bool:
     """Whether the Gluon GEMMs can run this call: Gluon with its Hopper parts, a CUDA device of
@@ -299,6 +415,13 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tens
     b_desc = _desc(q1, chunk * inter, [plan.BN, ks])
     b3_desc = _desc(q3, chunk * inter, [plan.BN, ks])
     grid, first = _grid(nb, inter // plan.BN, n_first)
+    if plan.ws:
+        _gemm_ws_kernel[grid](a_desc, b_desc, b3_desc, xs, f1, f3, pairs, block_expert, wts, act,
+                              P, inter, e0, e1, xs.stride(0), f1.stride(0), f1.stride(1),
+                              act.stride(0), float(limit), TWO=True, HAS_LIMIT=limit > 0, K=D,
+                              AB=ab, BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages,
+                              N_FIRST=first, num_warps=4)
+        return
     _gemm_kernel[grid](a_desc, b_desc, b3_desc, xs, f1, f3, pairs, block_expert, wts, act, P,
                        inter, e0, e1, xs.stride(0),
                        f1.stride(0), f1.stride(1), act.stride(0), float(limit), TWO=True,
@@ -320,6 +443,13 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.T
     a_desc = _desc(aq, aq.shape[0], [plan.BM, ks])
     b_desc = _desc(q2, chunk * D, [plan.BN, ks])
     grid, first = _grid(nb, D // plan.BN, n_first)
+    if plan.ws:
+        _gemm_ws_kernel[grid](a_desc, b_desc, b_desc, as_, f2, f2, pairs, block_expert, pairs, y,
+                              P, D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
+                              y.stride(0), 0.0, TWO=False, HAS_LIMIT=False, K=inter, AB=ab,
+                              BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages, N_FIRST=first,
+                              num_warps=4)
+        return
     _gemm_kernel[grid](a_desc, b_desc, b_desc, as_, f2, f2, pairs, block_expert, pairs, y, P,
                        D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
                        y.stride(0), 0.0, TWO=False, HAS_LIMIT=False, K=inter, AB=ab,
