@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Thirty-fifth session: the prefill expert GEMMs on FP8 codes in Gluon (TMA ring, the previous
-# step's rescale beside the next step's wgmma; bench/moe_gluon_prefill.py) against the Triton
+# Thirty-fifth session: the prefill expert GEMMs on FP8 codes in Gluon (TMA ring; plain, the previous
+# step's rescale beside the next wgmma, warp-specialized; bench/moe_gluon_prefill.py) against the Triton
 # kernels, bits and µs; their GPU test; then cuBLAS's block-scaled GEMM an expert at 8K tokens
 # (bench/moe_cublas.py, the thirty-fourth session's, not run yet).
 set -u
