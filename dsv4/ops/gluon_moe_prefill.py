@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_to_bf16
 from dsv4.ops.triton_moe import weighted_swiglu
 
@@ -150,10 +151,11 @@ if HAVE_GLUON:
                      limit, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, K: gl.constexpr,
                      AB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, N_FIRST: gl.constexpr, LAG: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     WARPS: gl.constexpr, PDL: gl.constexpr = False):
         """One (row block, N tile) of the up (TWO: w1 and w3, act = w · swiglu stored per plan
         row) or down (y stored per pair) GEMM; experts e0 <= e < e1 only, weights indexed
         e − e0 (the descriptors view them as [chunk · N, K])."""
+        grid_dependency_sync(PDL)
         if N_FIRST:
             blk = gl.program_id(1)
             pid_n = gl.program_id(0)
@@ -162,7 +164,7 @@ if HAVE_GLUON:
             pid_n = gl.program_id(1)
         e = gl.load(bexp_ptr + blk)
         mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
+            version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_desc.layout)
@@ -333,10 +335,11 @@ if HAVE_GLUON:
                         stride_om, limit, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr,
                         K: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         BK: gl.constexpr, STAGES: gl.constexpr, N_FIRST: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        PDL: gl.constexpr = False):
         """:func:`_gemm_kernel`'s tile warp-specialized: a TMA warp fills the ring, two
         consumer warpgroups (the default partition and a 4-warp worker) each multiply and
         rescale half of the BN columns, so one's rescale runs beside the other's wgmma."""
+        grid_dependency_sync(PDL)
         if N_FIRST:
             blk = gl.program_id(1)
             pid_n = gl.program_id(0)
@@ -420,14 +423,14 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tens
                               P, inter, e0, e1, xs.stride(0), f1.stride(0), f1.stride(1),
                               act.stride(0), float(limit), TWO=True, HAS_LIMIT=limit > 0, K=D,
                               AB=ab, BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages,
-                              N_FIRST=first, num_warps=4)
+                              N_FIRST=first, num_warps=4, **pdl_args(xq))
         return
     _gemm_kernel[grid](a_desc, b_desc, b3_desc, xs, f1, f3, pairs, block_expert, wts, act, P,
                        inter, e0, e1, xs.stride(0),
                        f1.stride(0), f1.stride(1), act.stride(0), float(limit), TWO=True,
                        HAS_LIMIT=limit > 0, K=D, AB=ab, BM=plan.BM, BN=plan.BN, BK=ks,
-                       STAGES=plan.stages, N_FIRST=first, LAG=plan.lag,
-                       num_warps=plan.warps)
+                       STAGES=plan.stages, N_FIRST=first, LAG=plan.lag, WARPS=plan.warps,
+                       num_warps=plan.warps, **pdl_args(xq))
 
 
 def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.Tensor,
@@ -448,10 +451,10 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.T
                               P, D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
                               y.stride(0), 0.0, TWO=False, HAS_LIMIT=False, K=inter, AB=ab,
                               BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages, N_FIRST=first,
-                              num_warps=4)
+                              num_warps=4, **pdl_args(aq))
         return
     _gemm_kernel[grid](a_desc, b_desc, b_desc, as_, f2, f2, pairs, block_expert, pairs, y, P,
                        D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
                        y.stride(0), 0.0, TWO=False, HAS_LIMIT=False, K=inter, AB=ab,
                        BM=plan.BM, BN=plan.BN, BK=ks, STAGES=plan.stages, N_FIRST=first,
-                       LAG=plan.lag, num_warps=plan.warps)
+                       LAG=plan.lag, WARPS=plan.warps, num_warps=plan.warps, **pdl_args(aq))
