@@ -87,11 +87,11 @@ class GluonGemmPlan:
             raise ValueError(f"GluonGemmPlan: stages must be 2..8; found {self.stages}")
 
 
-# Until measured: the up kernel holds two sums and two step products (167 registers at 64-wide
-# tiles, 96 KB at 4 stages), down one of each (168 at 128-wide); the 64-row blocks of the
-# predecoded Triton plan (triton_moe_fp8.PLAN_PREDECODED).
-PLAN_UP = GluonGemmPlan(BM=64, BN=64, stages=4, warps=4)
-PLAN_DOWN = GluonGemmPlan(BM=64, BN=128, stages=4, warps=4)
+# The fastest plans of bench/moe_gluon_prefill.py (H100, 8K / 32K tokens, 256 experts;
+# docs/PERFORMANCE.md, thirty-fifth session): warp-specialized, 64-row blocks (the predecoded
+# Triton plan's), up 128 columns (64 a consumer) with 3 stages, down 256 (128 a consumer).
+PLAN_UP = GluonGemmPlan(BM=64, BN=128, stages=3, warps=4, ws=True)
+PLAN_DOWN = GluonGemmPlan(BM=64, BN=256, stages=4, warps=4, ws=True)
 
 
 if HAVE_GLUON:
