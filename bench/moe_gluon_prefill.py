@@ -153,18 +153,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flops_up, "reference")
         row("down", "triton", time_us(lambda: triton_down(pl, codes, aq, as_, y_t, cfg, ab),
                                       device), flops_down, "reference")
-        # The whole expert call with the default Gluon plans (DSV4_FP8MMA_GLUON's switch).
+        # The whole expert call with the default Gluon plans (DSV4_FP8MMA_GLUON=0 / 1).
         for mode, exm in (("call, kept codes", replace(ex, fp8_codes=codes)),
                           ("call, re-encoded", ex)):
             outs = {}
             for on in (False, True):
-                gp.GLUON_PREFILL = on
+                saved, gp.GLUON_PREFILL = gp.GLUON_PREFILL, "1" if on else "0"
                 try:
                     outs[on] = f8.moe_experts_fp8mma(x, ids, w, exm, LIMIT, predecode=True)
                     us = time_us(lambda: f8.moe_experts_fp8mma(x, ids, w, exm, LIMIT,
                                                                predecode=True), device)
                 finally:
-                    gp.GLUON_PREFILL = False
+                    gp.GLUON_PREFILL = saved
                 out = "reference" if not on else compare(outs[True], outs[False],
                                                          torch.arange(T, device=device))
                 row(mode, "gluon" if on else "triton", us, flops_up + flops_down, out)

@@ -25,8 +25,13 @@ rows, their codes ``xq`` / ``aq`` and scales in the MMA K order; the weights' co
 the call's re-encoding), same products per step and same fp32 operations in the same order:
 the results are meant to be bit-equal to the Triton kernels' (the GPU test checks it).
 
+Measured (H100, V4-Flash widths, 256 experts; docs/PERFORMANCE.md, thirty-fifth session): the
+warp-specialized form is 2-6% faster than the Triton kernels per GEMM and gives their bits; the
+plain and lagged forms are slower.  On by default for expert calls on kept codes only
+(:data:`GLUON_PREFILL`).
+
 Gluon has no interpreter (triton 3.6): these kernels run on sm_90 GPUs only and are compiled
-offline for sm_90 by the CPU tests.  Off by default while measured (``DSV4_FP8MMA_GLUON=1``).
+offline for sm_90 by the CPU tests.
 """
 
 from __future__ import annotations
@@ -52,10 +57,22 @@ except ImportError:  # pragma: no cover - older triton
     HAVE_GLUON = False
 
 __all__ = ["GLUON_PREFILL", "HAVE_GLUON", "GluonGemmPlan", "PLAN_UP", "PLAN_DOWN",
-           "gemm_up", "gemm_down", "qualifies"]
+           "enabled", "gemm_up", "gemm_down", "qualifies"]
 
-# Off by default until measured faster on the GPU (docs/PERFORMANCE.md).
-GLUON_PREFILL = os.environ.get("DSV4_FP8MMA_GLUON", "0") == "1"
+# Where the expert call runs these GEMMs (DSV4_FP8MMA_GLUON; docs/PERFORMANCE.md, thirty-fifth
+# session, H100): "kept" (default) on kept FP8 codes (Fp8Codes, one chunk: the call 5.2% / 4.6%
+# faster at 8K / 32K tokens); "1" also on the per-call re-encoding's chunks (measured 1.9% /
+# 5.2% slower there: each chunk's launch covers every row block, and a skipped block of the
+# warp-specialized kernel still sets up its ring and partitions); "0" never.
+GLUON_PREFILL = os.environ.get("DSV4_FP8MMA_GLUON", "kept")
+if GLUON_PREFILL not in ("0", "1", "kept"):
+    raise ValueError(f"DSV4_FP8MMA_GLUON={GLUON_PREFILL!r}: expected '0', '1' or 'kept'")
+
+
+def enabled(kept_codes: bool) -> bool:
+    """Whether :data:`GLUON_PREFILL` (read per call) picks these GEMMs for an expert call on
+    kept codes (``kept_codes``) or on the per-call re-encoding."""
+    return GLUON_PREFILL == "1" or (GLUON_PREFILL == "kept" and kept_codes)
 
 
 @dataclass(frozen=True)

@@ -920,8 +920,9 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
               BN=cfg.BN_up, N_FIRST=first_up, num_warps=cfg.warps_up, num_stages=cfg.stages)
     down = dict(ASM_DECODE=asm, AB=ab, KS=ks, BM=cfg.BM, BN=cfg.BN_down, N_FIRST=first_down,
                 num_warps=cfg.warps_down, num_stages=cfg.stages)
-    # The Gluon GEMMs on the codes (DSV4_FP8MMA_GLUON=1; read per call): same bits.
-    use_gluon = (predecode and _gluon.GLUON_PREFILL and cfg.BM == _gluon.PLAN_UP.BM
+    # The Gluon GEMMs on the codes (DSV4_FP8MMA_GLUON, read per call): same bits.
+    use_gluon = (predecode and _gluon.enabled(resident is not None)
+                 and cfg.BM == _gluon.PLAN_UP.BM
                  and cfg.BM == _gluon.PLAN_DOWN.BM
                  and _gluon.qualifies(x, D, inter, ks, _gluon.PLAN_UP)
                  and _gluon.qualifies(x, inter, D, ks, _gluon.PLAN_DOWN))

@@ -398,9 +398,9 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert codes is not None
     x, ids, w = _prefill_inputs(2048, 72)
     for stacks in (replace(ex, fp8_codes=codes), ex):
-        monkeypatch.setattr(gp, "GLUON_PREFILL", False)
+        monkeypatch.setattr(gp, "GLUON_PREFILL", "0")
         want = f8.moe_experts_fp8mma(x, ids, w, stacks, 10.0, predecode=True)
-        monkeypatch.setattr(gp, "GLUON_PREFILL", True)
+        monkeypatch.setattr(gp, "GLUON_PREFILL", "1")
         _poison()
         got = f8.moe_experts_fp8mma(x, ids, w, stacks, 10.0, predecode=True)
         assert bool(torch.isfinite(got).all())
