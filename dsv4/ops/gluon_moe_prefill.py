@@ -5,19 +5,24 @@ with one scale per (row, 128-wide K step) on each operand: every step's product 
 fp32 before it joins the sum.  Triton 3.6 waits on each step's ``wgmma`` before that rescale
 (``warp_group_dot_wait {pendings = 0}`` right after every dot, checked offline with the sm_90
 compile), so within a program the tensor cores idle while the previous step is rescaled and the
-next tiles are not yet being multiplied.  These kernels are the same GEMMs written in Gluon:
+next tiles are not yet being multiplied.  These kernels are the same GEMMs written in Gluon, the
+operand tiles coming in by TMA into a ring of ``STAGES`` shared-memory slots with mbarriers, in
+three forms (:class:`GluonGemmPlan`):
 
-* the operand tiles come in by TMA into a ring of ``STAGES`` shared-memory slots, each slot
-  with its own mbarrier;
-* step i's product starts asynchronously into a fresh accumulator (``use_acc=False``); then the
-  kernel waits for step i − 1's product only (``warpgroup_mma_wait(num_outstanding=n)``), adds
-  it rescaled to the running sum — ``acc = fma(d · sa, sb, acc)``, the Triton kernels'
-  operation — while step i runs, and refills the slot step i − 1 used;
-* or (``lag`` off) each step's product is waited for and rescaled at once, as in Triton, with
-  ~95-170 registers and 64-147 KB of shared memory, so that two or three programs share an SM
-  and overlap each other's rescales (ptxas serializes the lagged form's wgmmas anyway);
-* the epilogues are the Triton kernels': up stores act = w · swiglu(g, u) (g, u rounded to
-  bf16, the V4 clamp) rounded to bf16 per row of the plan; down stores y[pair] rounded to bf16.
+* warp-specialized (``ws``, the default plans; :func:`_gemm_ws_kernel`): a one-warp TMA
+  producer and two consumer warpgroups, each multiplying and rescaling half of the N tile and
+  releasing the slot through an ``empty`` barrier, so one warpgroup's rescale runs beside the
+  other's wgmma;
+* plain: each step's product waited for and rescaled at once, as in Triton, with ~95-170
+  registers, so that two or three programs share an SM;
+* lagged (``lag``): step i's product starts asynchronously into a fresh accumulator
+  (``use_acc=False``), step i − 1's is waited for (``warpgroup_mma_wait(num_outstanding=n)``)
+  and rescaled while step i runs (ptxas still serializes these wgmmas and needs ~2x the
+  registers).
+
+Every form adds ``fma(d · sa, sb, acc)`` per step, the Triton kernels' operation; the epilogues
+are theirs: up stores act = w · swiglu(g, u) (g, u rounded to bf16, the V4 clamp) rounded to
+bf16 per row of the plan; down stores y[pair] rounded to bf16.
 
 Same inputs as ``_fp8mma_up_kernel`` / ``_fp8mma_down_kernel`` with ``PREDECODED`` (the plan's
 rows, their codes ``xq`` / ``aq`` and scales in the MMA K order; the weights' codes
@@ -26,9 +31,9 @@ the call's re-encoding), same products per step and same fp32 operations in the 
 the results are meant to be bit-equal to the Triton kernels' (the GPU test checks it).
 
 Measured (H100, V4-Flash widths, 256 experts; docs/PERFORMANCE.md, thirty-fifth session): the
-warp-specialized form is 2-6% faster than the Triton kernels per GEMM and gives their bits; the
-plain and lagged forms are slower.  On by default for expert calls on kept codes only
-(:data:`GLUON_PREFILL`).
+warp-specialized form is 2-13% faster than the Triton kernels per GEMM (two runs) and gives
+their bits; the plain and lagged forms are slower.  On by default for expert calls on kept
+codes only (:data:`GLUON_PREFILL`).
 
 Gluon has no interpreter (triton 3.6): these kernels run on sm_90 GPUs only and are compiled
 offline for sm_90 by the CPU tests.

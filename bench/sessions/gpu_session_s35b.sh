@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Written in the thirty-fifth session for the next: the warp-specialized Gluon expert GEMMs (the
+# default on kept FP8 codes since cfd1d12 / b110073) in the model.  Their GPU tests with the
+# default plans; the 4-layer 8K / 32K prefill with kept codes, Gluon (default) against the
+# Triton GEMMs (DSV4_FP8MMA_GLUON=0), alternating in separate processes; the per-call re-encoding
+# path unchanged (the default there is Triton).
+set -u
+cd "$(dirname "$0")/../.."
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage gluontest 90 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "gluon or kept"
+for v in kept 0 kept 0; do
+    DSV4_FP8MMA_GLUON=$v stage "kept_$v" 90 python bench/flash_bench.py --layers 4 \
+        --prefill 8192,32768 --decode-batches "" --reps 3 --moe-fp8-codes
+    grep -h "prefill S=" "$LOGS/kept_$v.log"
+done
