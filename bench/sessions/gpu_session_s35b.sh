@@ -9,8 +9,10 @@ cd "$(dirname "$0")/../.."
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage gluontest 90 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "gluon or kept"
-for v in kept 0 kept 0; do
-    DSV4_FP8MMA_GLUON=$v stage "kept_$v" 90 python bench/flash_bench.py --layers 4 \
-        --prefill 8192,32768 --decode-batches "" --reps 3 --moe-fp8-codes
-    grep -h "prefill S=" "$LOGS/kept_$v.log"
+for i in 1 2; do
+    for v in kept 0; do
+        DSV4_FP8MMA_GLUON=$v stage "kept_${v}_$i" 90 python bench/flash_bench.py --layers 4 \
+            --prefill 8192,32768 --decode-batches "" --reps 3 --moe-fp8-codes
+        grep -h "prefill S=" "$LOGS/kept_${v}_$i.log"
+    done
 done
