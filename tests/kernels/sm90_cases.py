@@ -819,8 +819,8 @@ def _moe_fp8mma() -> None:
 def _moe_fp8_codes_gluon() -> None:
     """The prefill expert GEMMs on FP8 codes in Gluon (dsv4.ops.gluon_moe_prefill, TMA ring;
     no interpreter: this is its only CPU check): the default up / down plans and every plan of
-    bench/moe_gluon_prefill.py (with and without the lagged rescale), V4-Flash widths, 64-row
-    blocks of an 8,192-token call's plan."""
+    bench/moe_gluon_prefill.py (plain, lagged, warp-specialized; the last also skipping other
+    chunks' blocks), V4-Flash widths, 64-row blocks of an 8,192-token call's plan."""
     import torch
 
     from dsv4.ops import gluon_moe_prefill as gp
@@ -847,6 +847,11 @@ def _moe_fp8_codes_gluon() -> None:
                        act, P, 0, E, 10.0, 128, 128, plan)
         else:
             gp.gemm_down(aq, as_, q2, f2, pairs, bexp, y, P, 0, E, 128, 128, plan)
+    # The warp-specialized tiles skipping other chunks' blocks (DSV4_GLUON_WS_SKIP).
+    with RECORDER.override(gp._gemm_ws_kernel, SKIP=True):
+        gp.gemm_up(xq, xs, q1, q3, f1, f1, pairs, bexp, _empty(P, dtype=torch.float32), act, P,
+                   0, E, 10.0, 128, 128)
+        gp.gemm_down(aq, as_, q2, f2, pairs, bexp, y, P, 0, E, 128, 128)
 
 
 def _bench_module(name: str):

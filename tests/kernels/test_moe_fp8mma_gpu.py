@@ -374,13 +374,14 @@ def test_n_tiles_first_same_bits_gpu(T: int, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", ["default", "lag", "ws"])
+@pytest.mark.parametrize("mode", ["default", "lag", "ws", "ws_skip"])
 def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMMs on FP8 codes (dsv4.ops.gluon_moe_prefill, DSV4_FP8MMA_GLUON) at
     V4-Flash widths: the expert call on kept codes and on the per-call re-encoding (two chunks,
     short last one) gives the Triton kernels' bits at 2,048 tokens (a skipped pick; outputs over
-    NaN-poisoned memory), with the default plans, with both GEMMs' rescale lagging a step and
-    warp-specialized (two consumer warpgroups)."""
+    NaN-poisoned memory), with the default plans (warp-specialized), with both GEMMs' rescale
+    lagging a step, warp-specialized with 4 stages, and with the blocks of other chunks skipped
+    before the ring (WS_SKIP)."""
     from dataclasses import replace
 
     from dsv4.ops import gluon_moe_prefill as gp
@@ -390,8 +391,10 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=32, lag=True))
         monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=64, lag=True))
     elif mode == "ws":
-        monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=128, ws=True))
-        monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=256, ws=True))
+        monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=128, stages=4, ws=True))
+        monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=256, stages=4, ws=True))
+    elif mode == "ws_skip":
+        monkeypatch.setattr(gp, "WS_SKIP", True)
     monkeypatch.setattr(f8, "PREDECODE_BYTES", 2 * INTER * D * 150)
     ex = _stacks(torch.Generator(device=DEV).manual_seed(71))
     codes = f8.encode_fp8_codes(ex)
