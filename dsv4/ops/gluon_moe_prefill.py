@@ -45,11 +45,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_dense import round_to_bf16
-from dsv4.ops.triton_moe import weighted_swiglu
+from dsv4.ops.triton_moe import tile_grid, weighted_swiglu
 
 try:  # Gluon ships with triton >= 3.5; without its NVIDIA parts this path is off.
     from triton.experimental import gluon
@@ -445,11 +444,6 @@ def _desc(t: torch.Tensor, rows: int, box: list[int]) -> "TensorDescriptor":
     return TensorDescriptor(view, [rows, K], [view.stride(0), 1], box, layout)
 
 
-def _grid(blocks: int, tiles: int, n_first: bool) -> tuple[tuple[int, int], bool]:
-    from dsv4.ops.triton_moe import tile_grid
-    return tile_grid(blocks, tiles, n_first=n_first)
-
-
 def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tensor,
             f1: torch.Tensor, f3: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
             wts: torch.Tensor, act: torch.Tensor, P: int, e0: int, e1: int, limit: float,
@@ -466,7 +460,7 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, q1: torch.Tensor, q3: torch.Tens
     a_desc = _desc(xq, xq.shape[0], [plan.BM, ks])
     b_desc = _desc(q1, chunk * inter, [plan.BN, ks])
     b3_desc = _desc(q3, chunk * inter, [plan.BN, ks])
-    grid, first = _grid(nb, inter // plan.BN, n_first)
+    grid, first = tile_grid(nb, inter // plan.BN, n_first=n_first)
     if plan.ws:
         _gemm_ws_kernel[grid](a_desc, b_desc, b3_desc, xs, f1, f3, pairs, block_expert, wts, act,
                               P, inter, e0, e1, xs.stride(0), f1.stride(0), f1.stride(1),
@@ -494,7 +488,7 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, q2: torch.Tensor, f2: torch.T
     nb = block_expert.shape[0]
     a_desc = _desc(aq, aq.shape[0], [plan.BM, ks])
     b_desc = _desc(q2, chunk * D, [plan.BN, ks])
-    grid, first = _grid(nb, D // plan.BN, n_first)
+    grid, first = tile_grid(nb, D // plan.BN, n_first=n_first)
     if plan.ws:
         _gemm_ws_kernel[grid](a_desc, b_desc, b_desc, as_, f2, f2, pairs, block_expert, pairs, y,
                               P, D, e0, e1, as_.stride(0), f2.stride(0), f2.stride(1),
