@@ -1,16 +1,17 @@
 """The prefill expert GEMMs on FP8 codes: Triton (``_fp8mma_up_kernel`` /
 ``_fp8mma_down_kernel`` with ``PREDECODED``, the shipped plan) against the Gluon kernels of
-:mod:`dsv4.ops.gluon_moe_prefill` (TMA ring, the previous step's rescale while the next step's
-wgmma runs) on the same prepped inputs: V4-Flash widths (D 4096, I 2048, top-6), random MXFP4
-stacks re-encoded to kept codes, random routing.
+:mod:`dsv4.ops.gluon_moe_prefill` (TMA ring; plain, lagged or warp-specialized) on the same
+prepped inputs: V4-Flash widths (D 4096, I 2048, top-6), random MXFP4 stacks re-encoded to
+kept codes, random routing.
 
     PYTHONPATH=. python bench/moe_gluon_prefill.py [--tokens 8192,32768] [--experts 256]
         [--plans up:BN:stages[:lag|:ws],...] [--out f.json]
 
-Printed per token count: each GEMM's µs and TFLOP/s for Triton and for every Gluon plan, and
-whether the Gluon output has the Triton kernel's bits (act rows of the plan for up, y rows of
-the pairs for down; the relative difference where not).  GPU (sm_90) only: Gluon has no
-interpreter.
+Printed per token count: each GEMM's µs and TFLOP/s for Triton and for every Gluon plan, the
+whole expert call (``moe_experts_fp8mma`` on kept codes and on the per-call re-encoding) with
+``DSV4_FP8MMA_GLUON`` off and on (the default plans), and whether the Gluon output has the
+Triton kernels' bits (act rows of the plan for up, y rows of the pairs for down, the call's
+output; the relative difference where not).  GPU (sm_90) only: Gluon has no interpreter.
 """
 
 from __future__ import annotations
