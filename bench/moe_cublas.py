@@ -46,9 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_decode import routing  # noqa: E402
-from moe_prefill_fp8 import bench_setup, rel_diff, time_us  # noqa: E402
+from moe_prefill_fp8 import bench_setup, prepped, rel_diff, time_us  # noqa: E402
 
-from dsv4.ops import triton_moe as tri  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 
 BM = 64          # plan rows per block (a multiple of 4, as cuBLAS wants M)
@@ -169,16 +168,11 @@ class CublasExperts:
     def plan(self, x: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
         """The call's plan and prep: sorted rows, e4m3 codes in MMA order, each expert's row
         range (host) and packed activation scales."""
-        E, D = self.E, self.D
+        E = self.E
         T, k = ids.shape
-        P = T * k
-        pairs, block_expert = tri.moe_plan(ids.contiguous(), E, BM)
-        nb = block_expert.shape[0]
-        xq = torch.zeros(nb * BM, D, dtype=torch.float8_e4m3fn, device=x.device)
-        xs = torch.zeros(nb * BM, D // STEP, dtype=torch.float32, device=x.device)
-        f8._fp8_prep_kernel[(nb, D // STEP)](x, pairs, block_expert, xq, xs, P, E, k,
-                                             x.stride(0), xq.stride(0), xs.stride(0),
-                                             GATHER=True, BM=BM, AB=STEP, num_warps=4)
+        pl = prepped(x, ids, E, BM, STEP)
+        pairs, block_expert, xq, xs, P, nb = (pl[n] for n in ("pairs", "block_expert", "xq",
+                                                               "xs", "P", "nb"))
         blocks = block_expert.tolist()                        # the host sync
         ranges: list[tuple[int, int, int]] = []
         b = 0

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_decode import routing  # noqa: E402
-from moe_prefill_fp8 import bench_setup, rel_diff, time_us  # noqa: E402
+from moe_prefill_fp8 import bench_setup, prepped, rel_diff, time_us  # noqa: E402
 
 from dsv4.ops import gluon_moe_prefill as gp  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
-from dsv4.ops.triton_moe import moe_plan, tile_grid  # noqa: E402
+from dsv4.ops.triton_moe import tile_grid  # noqa: E402
 
 LIMIT = 10.0
 # The warp-specialized plans last (a hang there would cut the run short).
@@ -58,21 +58,6 @@ def parse_plans(text: str) -> list[tuple[str, gp.GluonGemmPlan]]:
         out.append((parts[0], gp.GluonGemmPlan(BM=64, BN=int(parts[1]), stages=int(parts[2]),
                                                warps=4, lag=mode == "lag", ws=mode == "ws")))
     return out
-
-
-def prepped(x: torch.Tensor, ids: torch.Tensor, E: int, BM: int, ab: int) -> dict[str, Any]:
-    """The call's plan and the gathered activation's codes / scales (``_fp8_prep_kernel``)."""
-    T, D = x.shape
-    k = ids.shape[1]
-    P = T * k
-    pairs, block_expert = moe_plan(ids.contiguous(), E, BM)
-    nb = block_expert.shape[0]
-    xq = torch.zeros(nb * BM, D, dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.zeros(nb * BM, D // ab, dtype=torch.float32, device=x.device)
-    f8._fp8_prep_kernel[(nb, D // ab)](x, pairs, block_expert, xq, xs, P, E, k, x.stride(0),
-                                       xq.stride(0), xs.stride(0), GATHER=True, BM=BM, AB=ab,
-                                       num_warps=4)
-    return {"pairs": pairs, "block_expert": block_expert, "xq": xq, "xs": xs, "P": P, "nb": nb}
 
 
 def triton_up(pl: dict[str, Any], codes: f8.Fp8Codes, wts: torch.Tensor, act: torch.Tensor,

@@ -99,6 +99,22 @@ def bench_setup(args: argparse.Namespace, name: str, tokens: str, tiny_tokens: s
     return shape, device, counts, gen, ex
 
 
+def prepped(x: torch.Tensor, ids: torch.Tensor, E: int, BM: int, ab: int) -> dict[str, Any]:
+    """An FP8-MMA expert call's plan (``BM``-row blocks) and its gathered activation's e4m3 codes /
+    scales per ``ab`` columns (``_fp8_prep_kernel``), for the benchmarks that time its GEMMs."""
+    T, D = x.shape
+    k = ids.shape[1]
+    P = T * k
+    pairs, block_expert = tri.moe_plan(ids.contiguous(), E, BM)
+    nb = block_expert.shape[0]
+    xq = torch.zeros(nb * BM, D, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.zeros(nb * BM, D // ab, dtype=torch.float32, device=x.device)
+    f8._fp8_prep_kernel[(nb, D // ab)](x, pairs, block_expert, xq, xs, P, E, k, x.stride(0),
+                                       xq.stride(0), xs.stride(0), GATHER=True, BM=BM, AB=ab,
+                                       num_warps=4)
+    return {"pairs": pairs, "block_expert": block_expert, "xq": xq, "xs": xs, "P": P, "nb": nb}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     shape, device, tokens, gen, ex = bench_setup(args, "moe_prefill_fp8", "2048,8192", "4,20",
                                                  rows=args.rows)

@@ -141,6 +141,24 @@ if HAVE_GLUON:
                                             pred)
 
     @gluon.jit
+    def _store_tile(acc, acc3, rm, rn, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
+                    TWO: gl.constexpr, HAS_LIMIT: gl.constexpr):
+        """The Triton kernels' epilogues for plan rows rm and columns rn: up (TWO) stores
+        act[row] = w · swiglu(acc, acc3) rounded to bf16, down y[pair] = acc rounded to bf16;
+        padding rows (pair ids >= P) are not written."""
+        pair = gl.load(pair_ptr + rm)
+        m_mask = pair < P
+        mask = m_mask[:, None] & (rn < N)[None, :]
+        if TWO:
+            wt = gl.load(wt_ptr + pair, mask=m_mask, other=0.0)
+            v = weighted_swiglu(acc, acc3, wt, limit, gl.bfloat16, HAS_LIMIT)
+            ptrs = out_ptr + rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
+        else:
+            v = acc
+            ptrs = out_ptr + pair.to(gl.int64)[:, None] * stride_om + rn[None, :]
+        gl.store(ptrs, round_to_bf16(v).to(gl.bfloat16), mask=mask)
+
+    @gluon.jit
     def _step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, i, row0, wrow0, zero, prev, prev3,
               sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base, f3_base, stride_fk,
               TWO: gl.constexpr, NK: gl.constexpr, AB: gl.constexpr, BK: gl.constexpr,
@@ -278,17 +296,8 @@ if HAVE_GLUON:
                     else:
                         done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
                     acc = gl.fma(done * sa[:, None], sb[None, :], acc)
-            pair = gl.load(pair_ptr + rm)
-            m_mask = pair < P
-            mask = m_mask[:, None] & (rn < N)[None, :]
-            if TWO:
-                wt = gl.load(wt_ptr + pair, mask=m_mask, other=0.0)
-                a = weighted_swiglu(acc, acc3, wt, limit, gl.bfloat16, HAS_LIMIT)
-                ptrs = out_ptr + rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
-                gl.store(ptrs, round_to_bf16(a).to(gl.bfloat16), mask=mask)
-            else:
-                ptrs = out_ptr + pair.to(gl.int64)[:, None] * stride_om + rn[None, :]
-                gl.store(ptrs, round_to_bf16(acc).to(gl.bfloat16), mask=mask)
+            _store_tile(acc, acc3, rm, rn, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
+                        TWO, HAS_LIMIT)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -345,17 +354,8 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(slot), count=1)
             acc = gl.fma(done * sa[:, None], sb[None, :], acc)
         if nk > 0:
-            pair = gl.load(pair_ptr + rm)
-            m_mask = pair < P
-            mask = m_mask[:, None] & (rn < N)[None, :]
-            if TWO:
-                wt = gl.load(wt_ptr + pair, mask=m_mask, other=0.0)
-                v = weighted_swiglu(acc, acc3, wt, limit, gl.bfloat16, HAS_LIMIT)
-                ptrs = out_ptr + rm.to(gl.int64)[:, None] * stride_om + rn[None, :]
-                gl.store(ptrs, round_to_bf16(v).to(gl.bfloat16), mask=mask)
-            else:
-                ptrs = out_ptr + pair.to(gl.int64)[:, None] * stride_om + rn[None, :]
-                gl.store(ptrs, round_to_bf16(acc).to(gl.bfloat16), mask=mask)
+            _store_tile(acc, acc3, rm, rn, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
+                        TWO, HAS_LIMIT)
 
     @gluon.jit
     def _ws_tile(a_desc, b_desc, b3_desc, sa_ptr, f_ptr, f3_ptr, pair_ptr, wt_ptr, out_ptr,

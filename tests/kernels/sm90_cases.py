@@ -839,8 +839,8 @@ def _moe_fp8_codes_gluon() -> None:
     f2 = _empty(E, m.inter // 128, m.dim, dtype=torch.float32)
     y = _empty(P, m.dim, dtype=torch.bfloat16)
     plans = [("up", gp.PLAN_UP), ("down", gp.PLAN_DOWN)]
-    plans += _bench_module("moe_gluon_prefill").parse_plans(
-        _bench_module("moe_gluon_prefill").DEFAULT_PLANS)
+    bench = _bench_module("moe_gluon_prefill")
+    plans += bench.parse_plans(bench.DEFAULT_PLANS)
     for gemm, plan in plans:
         if gemm == "up":
             gp.gemm_up(xq, xs, q1, q3, f1, f1, pairs, bexp, _empty(P, dtype=torch.float32),
