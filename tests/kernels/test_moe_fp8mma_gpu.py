@@ -374,7 +374,7 @@ def test_n_tiles_first_same_bits_gpu(T: int, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", ["default", "lag", "ws", "ws_skip"])
+@pytest.mark.parametrize("mode", ["default", "plain", "lag", "ws", "ws_skip"])
 def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMMs on FP8 codes (dsv4.ops.gluon_moe_prefill, DSV4_FP8MMA_GLUON) at
     V4-Flash widths: the expert call on kept codes and on the per-call re-encoding (two chunks,
@@ -387,9 +387,12 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
     from dsv4.ops import gluon_moe_prefill as gp
     if not gp.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon and an sm_90 GPU")
-    if mode == "lag":
-        monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=32, lag=True))
-        monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=64, lag=True))
+    if mode == "plain":
+        monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=64, ws=False))
+        monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=128, ws=False))
+    elif mode == "lag":
+        monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=32, lag=True, ws=False))
+        monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=64, lag=True, ws=False))
     elif mode == "ws":
         monkeypatch.setattr(gp, "PLAN_UP", replace(gp.PLAN_UP, BN=128, stages=4, ws=True))
         monkeypatch.setattr(gp, "PLAN_DOWN", replace(gp.PLAN_DOWN, BN=256, stages=4, ws=True))
