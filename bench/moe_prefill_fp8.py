@@ -99,9 +99,11 @@ def bench_setup(args: argparse.Namespace, name: str, tokens: str, tiny_tokens: s
     return shape, device, counts, gen, ex
 
 
-def prepped(x: torch.Tensor, ids: torch.Tensor, E: int, BM: int, ab: int) -> dict[str, Any]:
+def prepped(x: torch.Tensor, ids: torch.Tensor, E: int, BM: int, ab: int, order: int = 0
+            ) -> dict[str, Any]:
     """An FP8-MMA expert call's plan (``BM``-row blocks) and its gathered activation's e4m3 codes /
-    scales per ``ab`` columns (``_fp8_prep_kernel``), for the benchmarks that time its GEMMs."""
+    scales per ``ab`` columns (``_fp8_prep_kernel``, MMA order ``order``), for the benchmarks
+    that time its GEMMs."""
     T, D = x.shape
     k = ids.shape[1]
     P = T * k
@@ -111,7 +113,7 @@ def prepped(x: torch.Tensor, ids: torch.Tensor, E: int, BM: int, ab: int) -> dic
     xs = torch.zeros(nb * BM, D // ab, dtype=torch.float32, device=x.device)
     f8._fp8_prep_kernel[(nb, D // ab)](x, pairs, block_expert, xq, xs, P, E, k, x.stride(0),
                                        xq.stride(0), xs.stride(0), GATHER=True, BM=BM, AB=ab,
-                                       num_warps=4)
+                                       ORDER=order, num_warps=4)
     return {"pairs": pairs, "block_expert": block_expert, "xq": xq, "xs": xs, "P": P, "nb": nb}
 
 

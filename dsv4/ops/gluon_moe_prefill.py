@@ -32,8 +32,7 @@ the results are meant to be bit-equal to the Triton kernels' (the GPU test check
 
 Measured (H100, V4-Flash widths, 256 experts; docs/PERFORMANCE.md, thirty-fifth session): the
 warp-specialized form is 2-13% faster than the Triton kernels per GEMM (two runs) and gives
-their bits; the plain and lagged forms are slower.  On by default for expert calls on kept
-codes only (:data:`GLUON_PREFILL`).
+their bits; the plain and lagged forms are slower.  On by default (:data:`GLUON_PREFILL`).
 
 Gluon has no interpreter (triton 3.6): these kernels run on sm_90 GPUs only and are compiled
 offline for sm_90 by the CPU tests.
@@ -63,21 +62,22 @@ except ImportError:  # pragma: no cover - older triton
 __all__ = ["GLUON_PREFILL", "HAVE_GLUON", "GluonGemmPlan", "PLAN_UP", "PLAN_DOWN",
            "enabled", "gemm_up", "gemm_down", "qualifies"]
 
-# Where the expert call runs these GEMMs (DSV4_FP8MMA_GLUON; docs/PERFORMANCE.md, thirty-fifth
-# session, H100): "kept" (default) on kept FP8 codes (Fp8Codes, one chunk: the call 5.2% / 4.6%
-# faster at 8K / 32K tokens); "1" also on the per-call re-encoding's chunks (measured 1.9% /
-# 5.2% slower there: each chunk's launch covers every row block, and a skipped block of the
-# warp-specialized kernel still sets up its ring and partitions); "0" never.
-GLUON_PREFILL = os.environ.get("DSV4_FP8MMA_GLUON", "kept")
+# Where the expert call runs these GEMMs (DSV4_FP8MMA_GLUON; docs/PERFORMANCE.md, thirty-fifth and
+# thirty-sixth sessions, H100): "1" (default) everywhere: on kept FP8 codes (Fp8Codes, one
+# chunk: the call 5.2% / 4.6% faster at 8K / 32K tokens, the 4-layer prefill ~2% faster) and
+# on the per-call re-encoding's chunks (with WS_SKIP: the call +0.4% / -3.3%, the 4-layer
+# prefill -0.3% / -0.8%); "kept" on kept codes only; "0" never.
+GLUON_PREFILL = os.environ.get("DSV4_FP8MMA_GLUON", "1")
 if GLUON_PREFILL not in ("0", "1", "kept"):
     raise ValueError(f"DSV4_FP8MMA_GLUON={GLUON_PREFILL!r}: expected '0', '1' or 'kept'")
 
 
-# Written in the thirty-fifth session, not yet run on a GPU: the warp-specialized kernel's row
-# blocks of experts outside the launch's chunk return before setting up the ring and the
-# partitions (the cost that makes Gluon slower on the re-encoding's chunks).  Off until
-# gpu_session_s35b.sh checks its bits and time (DSV4_GLUON_WS_SKIP=1).
-WS_SKIP = os.environ.get("DSV4_GLUON_WS_SKIP", "0") == "1"
+# The warp-specialized kernel's row blocks of experts outside the launch's chunk return before
+# setting up the ring and the partitions (DSV4_GLUON_WS_SKIP, default on).  Without it a
+# skipped block still pays that setup: the re-encoding's chunks ran 1.8% / 5.0% slower in
+# Gluon than in Triton at 8K / 32K tokens; with it +0.4% / -3.3% (H100, thirty-sixth session,
+# same bits).
+WS_SKIP = os.environ.get("DSV4_GLUON_WS_SKIP", "1") == "1"
 
 
 def enabled(kept_codes: bool) -> bool:
@@ -399,8 +399,8 @@ if HAVE_GLUON:
         """:func:`_gemm_kernel`'s tile warp-specialized: a TMA warp fills the ring, two
         consumer warpgroups (the default partition and a 4-warp worker) each multiply and
         rescale half of the BN columns, so one's rescale runs beside the other's wgmma.
-        SKIP: row blocks of experts outside [e0, e1) return before setting up the ring (not
-        yet run on a GPU: :data:`WS_SKIP`)."""
+        SKIP: row blocks of experts outside [e0, e1) return before setting up the ring
+        (:data:`WS_SKIP`)."""
         grid_dependency_sync(PDL)
         if N_FIRST:
             blk = gl.program_id(1)

@@ -393,11 +393,13 @@ def _fp8_predecode_kernel(w_ptr, s_ptr, q_ptr, f_ptr, e0, N, stride_we, stride_w
 @triton.jit
 def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stride_src,
                      stride_q, stride_s, GATHER: tl.constexpr, BM: tl.constexpr,
-                     AB: tl.constexpr, PDL: tl.constexpr = False):
+                     AB: tl.constexpr, ORDER: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One row block and act block: q[row] = the e4m3 codes of the source row (GATHER: the
     pair's token row; else the row itself) in the MMA K order, s[row] its fp32 scale, quantized
     as the twin's fake quant (amax floor 1e-4, ue8m0 scale, e4m3 round-to-nearest-even).
-    Padding rows and unused blocks are left unwritten (the GEMMs mask them)."""
+    Padding rows and unused blocks are left unwritten (the GEMMs mask them).  ORDER 0: the
+    order of :func:`mma_k_position` (these GEMMs and the Gluon ones on codes); 1: that of
+    ``gluon_moe_mxfp4.mx_k_position`` (natural 8q + 4h + i at 16h + 4q + i in each 32)."""
     grid_dependency_sync(PDL)
     blk = tl.program_id(0)
     kb = tl.program_id(1)
@@ -416,7 +418,12 @@ def _fp8_prep_kernel(src_ptr, pair_ptr, bexp_ptr, q_ptr, s_ptr, P, E, TOPK, stri
         # Into the MMA K order in registers (natural k = 8g + 4h + r at 8g + 2r + h), then one
         # contiguous store per row: storing each code at mma_k_position(k) scattered single
         # bytes (2.2 ms per 8K-token call on the H200, against ~0.2 ms of bytes).
-        qp = tl.reshape(tl.permute(tl.reshape(q, (BM, AB // 8, 2, 4)), (0, 1, 3, 2)), (BM, AB))
+        if ORDER == 1:
+            qp = tl.reshape(tl.permute(tl.reshape(q, (BM, AB // 32, 4, 2, 4)), (0, 1, 3, 2, 4)),
+                            (BM, AB))
+        else:
+            qp = tl.reshape(tl.permute(tl.reshape(q, (BM, AB // 8, 2, 4)), (0, 1, 3, 2)),
+                            (BM, AB))
         # q is on the e4m3 grid already: the cast is exact.
         tl.store(q_ptr + rows[:, None] * stride_q + rk[None, :], qp.to(tl.float8e4nv),
                  mask=m_mask[:, None])
@@ -906,11 +913,19 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     asm = FP8MMA_DECODE == "asm"
     kchunk = bool(experts.kchunk)
 
+    # Without kept codes, the Gluon GEMMs on the MXFP4 stacks (DSV4_FP8MMA_MX, read per call)
+    # replace the re-encoding and the GEMMs on its codes; their activation codes are in the
+    # MMA order of gluon_moe_mxfp4.mx_k_position (prep ORDER 1).
+    from dsv4.ops import gluon_moe_mxfp4 as _mx
+    use_mx = (predecode and resident is None and _mx.MX_PREFILL
+              and cfg.BM == _mx.PLAN_UP.BM == _mx.PLAN_DOWN.BM
+              and _mx.qualifies(x, experts.kchunk, ks, D, inter))
+    order = 1 if use_mx else 0
     xq = torch.empty(rows, D, dtype=e4m3, device=x.device)
     xs = torch.empty(rows, D // ab, dtype=torch.float32, device=x.device)
     _fp8_prep_kernel[(nb, D // ab)](x, pairs, block_expert, xq, xs, P, E, k, x.stride(0),
                                     xq.stride(0), xs.stride(0), GATHER=True, BM=cfg.BM, AB=ab,
-                                    num_warps=4, **pdl_args(x))
+                                    ORDER=order, num_warps=4, **pdl_args(x))
     act = torch.empty(rows, inter, dtype=torch.bfloat16, device=x.device)
     n_up, n_down = triton.cdiv(inter, cfg.BN_up), triton.cdiv(D, cfg.BN_down)
     # triton_moe.N_FIRST read per call (a benchmark flips it between runs).
@@ -926,7 +941,10 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                  and cfg.BM == _gluon.PLAN_DOWN.BM
                  and _gluon.qualifies(x, D, inter, ks, _gluon.PLAN_UP)
                  and _gluon.qualifies(x, inter, D, ks, _gluon.PLAN_DOWN))
-    if not predecode:
+    if use_mx:
+        _mx.gemm_up(xq, xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, swiglu_limit, ab,
+                    n_first=first_up)
+    elif not predecode:
         _fp8mma_up_kernel[grid_up](
             xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, 0, E,
             xq.stride(0), xs.stride(0), act.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
@@ -969,11 +987,13 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     as_ = torch.empty(rows, inter // ab, dtype=torch.float32, device=x.device)
     _fp8_prep_kernel[(nb, inter // ab)](act, pairs, block_expert, aq, as_, P, E, k,
                                         act.stride(0), aq.stride(0), as_.stride(0),
-                                        GATHER=False, BM=cfg.BM, AB=ab, num_warps=4,
-                                        **pdl_args(act))
+                                        GATHER=False, BM=cfg.BM, AB=ab, ORDER=order,
+                                        num_warps=4, **pdl_args(act))
     del act
     y = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
-    if not predecode:
+    if use_mx:
+        _mx.gemm_down(aq, as_, w2, s2, pairs, block_expert, y, P, ab, n_first=first_down)
+    elif not predecode:
         _fp8mma_down_kernel[grid_down](
             aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, 0, E, aq.stride(0),
             as_.stride(0), y.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),

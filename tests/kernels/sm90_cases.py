@@ -854,6 +854,41 @@ def _moe_fp8_codes_gluon() -> None:
         gp.gemm_down(aq, as_, q2, f2, pairs, bexp, y, P, 0, E, 128, 128)
 
 
+@scenario("moe_experts/v4_flash/fp4_gluon_mx/prefill")
+def _moe_gluon_mx() -> None:
+    """The prefill expert GEMMs on the MXFP4 stacks in Gluon, decoded in registers
+    (dsv4.ops.gluon_moe_mxfp4; no interpreter: this is its only CPU check): the default up /
+    down plans and the other plans of bench/moe_gluon_mx.py, V4-Flash widths, an 8,192-token
+    call's plan."""
+    import torch
+
+    from dsv4.ops import gluon_moe_mxfp4 as mx
+    m, E, P = V4_FLASH, E_ALLOC, 8192 * V4_FLASH.topk
+    e4m3 = torch.float8_e4m3fn
+    w13 = _empty(E, m.inter, m.dim // 2, dtype=torch.uint8)
+    s13 = _empty(E, m.inter, m.dim // 32, dtype=torch.uint8)
+    w2 = _empty(E, m.dim, m.inter // 2, dtype=torch.uint8)
+    s2 = _empty(E, m.dim, m.inter // 32, dtype=torch.uint8)
+    plans = [("up", mx.PLAN_UP), ("down", mx.PLAN_DOWN)]
+    plans += _bench_module("moe_gluon_mx").parse_plans(_bench_module("moe_gluon_mx").DEFAULT_PLANS)
+    for gemm, plan in plans:
+        nb = P // plan.BM + E
+        rows = nb * plan.BM
+        pairs = _empty(rows, dtype=torch.int32)
+        bexp = _empty(nb, dtype=torch.int32)
+        if gemm == "up":
+            xq = _empty(rows, m.dim, dtype=e4m3)
+            xs = _empty(rows, m.dim // 128, dtype=torch.float32)
+            act = _empty(rows, m.inter, dtype=torch.bfloat16)
+            mx.gemm_up(xq, xs, w13, s13, w13, s13, pairs, bexp, _empty(P, dtype=torch.float32),
+                       act, P, 10.0, 128, plan)
+        else:
+            aq = _empty(rows, m.inter, dtype=e4m3)
+            as_ = _empty(rows, m.inter // 128, dtype=torch.float32)
+            mx.gemm_down(aq, as_, w2, s2, pairs, bexp, _empty(P, m.dim, dtype=torch.bfloat16), P,
+                         128, plan)
+
+
 def _bench_module(name: str):
     """bench/<name>.py as a module (the plan and tile lists its sweeps time)."""
     import importlib.util

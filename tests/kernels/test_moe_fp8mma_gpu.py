@@ -411,3 +411,30 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
         got = f8.moe_experts_fp8mma(x, ids, w, stacks, 10.0, predecode=True)
         assert bool(torch.isfinite(got).all())
         assert torch.equal(got, want), _rel(got, want)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_fp8mma_mx_gemms_gpu(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4, DSV4_FP8MMA_MX) at
+    V4-Flash widths: the expert call gives the per-call re-encoding's result (outputs over
+    NaN-poisoned memory, finite) — the same products, summed inside each k32 MMA in another
+    order, so within the FP8-MMA path's 5e-3 class of the re-encoded call's and bit-equal
+    where the tensor cores' k32 sum does not depend on that order (printed)."""
+    from dsv4.ops import gluon_moe_mxfp4 as mx
+    if not mx.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs Gluon and an sm_90 GPU")
+    from dataclasses import replace
+    # K-chunk-major (random bytes either way), group exponents spread over the fold's full
+    # range (11).
+    ex = replace(_stacks(torch.Generator(device=DEV).manual_seed(73), 115, 127), kchunk=128)
+    x, ids, w = _prefill_inputs(T, 74)
+    monkeypatch.setattr(mx, "MX_PREFILL", False)
+    want = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, predecode=True)
+    monkeypatch.setattr(mx, "MX_PREFILL", True)
+    _poison()
+    got = f8.moe_experts_fp8mma(x, ids, w, ex, 10.0, predecode=True)
+    assert bool(torch.isfinite(got).all())
+    rel = _rel(got, want)
+    print(f"mx vs re-encoded at {T} tokens: {'bits' if torch.equal(got, want) else rel}")
+    assert rel < 5e-3, rel

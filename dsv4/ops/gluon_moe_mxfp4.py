@@ -1,0 +1,313 @@
+"""Prefill expert GEMMs straight on the MXFP4 stacks, the codes decoded in registers (Gluon,
+sm_90; dsv4 issue #5).
+
+Without kept FP8 codes, the FP8-MMA prefill path (:mod:`dsv4.ops.triton_moe_fp8`) first
+re-encodes every chunk of experts to e4m3 codes and step factors (``_fp8_predecode_kernel``:
+3.2 GB of MXFP4 read and 6.4 GB of codes written per V4-Flash layer, read again by the GEMMs).
+These kernels skip that pass: the weights are the M side of the wgmma (64 rows a warpgroup),
+loaded as packed bytes into the registers of their A fragments and scale-folded to e4m3 there
+(the re-encoding's own ``prmt`` decode: :data:`~dsv4.ops.triton_moe_fp8._E2M1_TO_E4M3_ASM`,
+the same bytes); the plan's rows (the pairs' activation codes) are the N side, a shared-memory
+ring filled by TMA.  Per 128-wide K step: four chained ``m64nBMk32`` products (one per 32-group)
+for each weight, waited for, then ``fma(d · sa, f, acc)`` in fp32, the Triton kernels'
+operation, with f the step factor 2^(smax − 6 − 127) of each weight row (the re-encoding's).
+
+The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
+column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
+that order (``_fp8_prep_kernel`` with ``ORDER=1``).  Each k32 product sums the same 32 products
+as the Triton kernels', in another order inside the instruction; whether the tensor cores' sum
+depends on that order is what the GPU test measures (bits, else the path's 5e-3 class).
+
+Gluon has no interpreter (triton 3.6): the kernel runs on sm_90 GPUs only and is compiled
+offline for sm_90 by the CPU tests.  Off by default until measured (:data:`MX_PREFILL`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.ops import gluon_moe_prefill as _gp
+from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.triton_moe import tile_grid
+from dsv4.ops.triton_moe_fp8 import (
+    _E2M1_TO_E4M3_ASM,
+    _FOLD,
+    _FOLD_UP_C,
+    _pow2_exact,
+)
+
+HAVE_GLUON = _gp.HAVE_GLUON
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+    from dsv4.ops.gluon_moe_decode import _byte_layout
+
+__all__ = ["MX_PREFILL", "MxPlan", "PLAN_UP", "PLAN_DOWN", "gemm_up", "gemm_down",
+           "mx_k_position", "qualifies"]
+
+# DSV4_FP8MMA_MX=1: expert calls without kept codes run these GEMMs on the MXFP4 stacks (no
+# re-encoding pass).  Off by default until measured against the re-encoding path.
+MX_PREFILL = os.environ.get("DSV4_FP8MMA_MX", "0") == "1"
+
+STEP = 128   # the K step (the act block of V4; one activation scale per row and step)
+
+
+def mx_k_position(k: torch.Tensor | int) -> torch.Tensor | int:
+    """Column of natural K index k in these kernels' MMA order: inside each 32-group, natural
+    8q + 4h + i (q, i < 4; h < 2) sits at 16h + 4q + i (lane q's 4 packed bytes decode to the
+    codes 8q..8q+3 and 8q+4..8q+7, the two halves of its A fragment)."""
+    r = k % 32
+    return k - r + 16 * ((r // 4) % 2) + 4 * (r // 8) + r % 4
+
+
+@dataclass(frozen=True)
+class MxPlan:
+    """Tile plan of one GEMM: BM plan rows (the wgmma N side; the plan's row blocks), warps
+    (4: one warpgroup, 8: two, stacked on the weight rows), ``mt`` 64-row weight tiles a
+    warpgroup (BN = 16 · warps · mt weight rows a program), ``stages`` activation slots."""
+
+    BM: int = 64
+    warps: int = 4
+    mt: int = 1
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.BM not in (32, 64, 128) or self.warps not in (4, 8) or self.mt not in (1, 2):
+            raise ValueError(f"MxPlan: BM 32/64/128, warps 4/8, mt 1/2; found {self}")
+        if not 2 <= self.stages <= 6:
+            raise ValueError(f"MxPlan: stages must be 2..6; found {self.stages}")
+
+    @property
+    def BN(self) -> int:
+        return 16 * self.warps * self.mt
+
+
+PLAN_UP = MxPlan(BM=64, warps=4, mt=1, stages=3)
+PLAN_DOWN = MxPlan(BM=64, warps=4, mt=1, stages=3)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _load_step(w_base, s_base, c, N: gl.constexpr):
+        """K step c of the program's weight rows (K-chunk-major: [K / 128, N, 64] bytes and
+        [K / 128, N, 4] scales an expert): the packed bytes group by group ([BN, 16] each, in
+        the A fragments' byte layout) and each row's four scale bytes as one int32."""
+        w = w_base + c * (N * 64)
+        return (gl.load(w), gl.load(w + 16), gl.load(w + 32), gl.load(w + 48),
+                gl.load((s_base + c * (N * 4)).to(gl.pointer_type(gl.int32), bitcast=True)))
+
+    @gluon.jit
+    def _smax(sw):
+        """The largest of the four biased group exponents packed in each int32."""
+        return gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255),
+                          gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+
+    @gluon.jit
+    def _decode_group(byte, v, BN: gl.constexpr, a_l: gl.constexpr):
+        """Packed bytes [BN, 16] of one 32-group and its exponent add v [BN] (8 · (11 − d))
+        -> the scale-folded e4m3 codes [BN, 32] in the A operand layout (MMA column order of
+        :func:`mx_k_position`)."""
+        vb = gl.broadcast(v[:, None], byte)[0].to(gl.uint8)
+        first, second = gl.inline_asm_elementwise(_E2M1_TO_E4M3_ASM, "=r,=r,r,r", [byte, vb],
+                                                  dtype=(gl.uint8, gl.uint8), is_pure=True,
+                                                  pack=4)
+        codes = gl.reshape(gl.permute(gl.reshape(gl.join(first, second), [BN, 4, 4, 2]),
+                                      [0, 3, 1, 2]), [BN, 32])
+        return gl.convert_layout(codes.to(gl.float8e4nv, bitcast=True), a_l,
+                                 assert_trivial=True)
+
+    @gluon.jit
+    def _step_product(b0, b1, b2, b3, sw, smax, x, zero, BN: gl.constexpr, a_l: gl.constexpr):
+        """One K step's product of the weight rows (packed bytes b0..b3 per group, scale words
+        sw, their largest exponents smax) with the activation tile x [BM, 128] in shared
+        memory: four chained asynchronous k32 products, each group's exponent add folded into
+        its codes."""
+        d = warpgroup_mma(_decode_group(b0, gl.maximum(_FOLD - (smax - (sw & 255)), 0) * 8,
+                                        BN, a_l),
+                          x.slice(0, 32, dim=1).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        d = warpgroup_mma(_decode_group(b1, gl.maximum(_FOLD - (smax - ((sw >> 8) & 255)), 0)
+                                        * 8, BN, a_l),
+                          x.slice(32, 32, dim=1).permute((1, 0)), d, is_async=True)
+        d = warpgroup_mma(_decode_group(b2, gl.maximum(_FOLD - (smax - ((sw >> 16) & 255)), 0)
+                                        * 8, BN, a_l),
+                          x.slice(64, 32, dim=1).permute((1, 0)), d, is_async=True)
+        return warpgroup_mma(_decode_group(b3, gl.maximum(_FOLD - (smax - ((sw >> 24) & 255)),
+                                                          0) * 8, BN, a_l),
+                             x.slice(96, 32, dim=1).permute((1, 0)), d, is_async=True)
+
+    @gluon.jit
+    def _factor(smax, row_l: gl.constexpr):
+        """The step factor 2^(smax − 6 − 127) of each weight row (fp32, accumulator rows)."""
+        return _pow2_exact(gl.convert_layout(smax, row_l) - _FOLD_UP_C)
+
+    @gluon.jit
+    def _issue_x(x_desc, x_s, bars, step, row0, pred, STAGES: gl.constexpr):
+        """TMA load of K step ``step`` of the block's activation rows into its slot."""
+        slot = step % STAGES
+        mbarrier.expect(bars.index(slot), x_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [row0, step * 128], bars.index(slot),
+                                        x_s.index(slot), pred)
+
+    @gluon.jit
+    def _gemm_mx_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
+                        wt_ptr, out_ptr, P, E, stride_xsm, stride_we, stride_se, stride_om,
+                        limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
+                        HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
+                        WARPS: gl.constexpr, MT: gl.constexpr, STAGES: gl.constexpr,
+                        N_FIRST: gl.constexpr, PDL: gl.constexpr = False):
+        """One (row block, N tile) of the up (TWO: w1 and w3; act = w · swiglu stored per plan
+        row) or down (y stored per pair) GEMM on K-chunk-major MXFP4 stacks: BN weight rows
+        × BM plan rows, accumulated transposed ([BN, BM]) and stored through the Triton
+        kernels' epilogue (:func:`dsv4.ops.gluon_moe_prefill._store_tile`)."""
+        grid_dependency_sync(PDL)
+        if N_FIRST:
+            blk = gl.program_id(1)
+            pid_n = gl.program_id(0)
+        else:
+            blk = gl.program_id(0)
+            pid_n = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        if (e >= 0) & (e < E):
+            BN: gl.constexpr = 16 * WARPS * MT
+            NK: gl.constexpr = K // 128
+            BYTE_L: gl.constexpr = _byte_layout(WARPS, MT)
+            acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 32])
+            a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+            out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
+            row0 = blk * BM
+            for s in gl.static_range(STAGES - 1):
+                _issue_x(x_desc, x_s, bars, s, row0, s < NK, STAGES)
+            e64 = e.to(gl.int64)
+            rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BYTE_L))
+            cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
+            w_off = e64 * stride_we + rb[:, None] * 64 + cb[None, :]
+            sb_off = e64 * stride_se + rb * 4
+            row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+            # The block's activation scales [BM, NK] into shared memory once, step-major:
+            # each step then reads its column there (as registers, the accumulator layout
+            # holds 16 columns a thread: their pointers alone would take 32 registers).
+            xs_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // NK if NK < 32 else 1,
+                                                           NK if NK < 32 else 32],
+                                                  [WARPS, 1], [1, 0])
+            rx = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, xs_l))
+            kx = gl.arange(0, NK, layout=gl.SliceLayout(0, xs_l))
+            sa_all = gl.load(xs_ptr + rx.to(gl.int64)[:, None] * stride_xsm
+                             + ((kx * 128) // AB)[None, :])
+            sa_s = gl.allocate_shared_memory(gl.float32, [NK, BM],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+            sa_s.store(gl.permute(sa_all, [1, 0]))
+            gl.thread_barrier()
+            # The same bytes as NK rows of BM to index by step.
+            sa_s = sa_s._reinterpret(gl.float32, [NK, BM],
+                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            zero = gl.zeros([BN, BM], gl.float32, acc_l)
+            acc = zero
+            acc3 = zero
+            a0, a1, a2, a3, asw = _load_step(w1_ptr + w_off, s1_ptr + sb_off, 0, N)
+            b0, b1, b2, b3, bsw = _load_step(w3_ptr + w_off, s3_ptr + sb_off, 0, N)
+            for i in range(NK):
+                slot = i % STAGES
+                mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+                # Step i - 1's slot is free (its products were waited for).
+                nxt = i + STAGES - 1
+                _issue_x(x_desc, x_s, bars, nxt, row0, nxt < NK, STAGES)
+                x = x_s.index(slot)
+                smax1 = _smax(asw)
+                d = _step_product(a0, a1, a2, a3, asw, smax1, x, zero, BN, a_l)
+                if TWO:
+                    smax3 = _smax(bsw)
+                    d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
+                # This step's packed bytes are decoded: the next step's take their registers
+                # and load while the products run (the last step loads itself again, unread).
+                j = gl.minimum(i + 1, NK - 1)
+                a0, a1, a2, a3, asw_next = _load_step(w1_ptr + w_off, s1_ptr + sb_off, j, N)
+                if TWO:
+                    b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off, j, N)
+                sa = sa_s.index(i).load(gl.SliceLayout(0, acc_l))[None, :]
+                f1 = _factor(smax1, row_l)
+                if TWO:
+                    # w1's products are done while w3's run (4 groups outstanding).
+                    done = warpgroup_mma_wait(num_outstanding=4, deps=(d,))
+                    acc = gl.fma(done * sa, f1[:, None], acc)
+                    f3 = _factor(smax3, row_l)
+                    done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
+                    acc3 = gl.fma(done3 * sa, f3[:, None], acc3)
+                    bsw = bsw_next
+                else:
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                    acc = gl.fma(done * sa, f1[:, None], acc)
+                asw = asw_next
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(s))
+            # [BM, BN] for the epilogue, in a layout that stores whole rows of columns.
+            out = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)
+            out3 = gl.convert_layout(gl.permute(acc3, [1, 0]), out_l)
+            rm_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+            rn_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+            _gp._store_tile(out, out3, rm_o, rn_o, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
+                            limit, TWO, HAS_LIMIT)
+
+
+def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
+              up: MxPlan | None = None, down: MxPlan | None = None) -> bool:
+    """Whether these GEMMs can run this call: Gluon with its Hopper parts, an sm_90 CUDA
+    device, K-chunk-major stacks of 128-wide chunks (the K step), D and I multiples of 128 and
+    of the plans' N tiles."""
+    up, down = up or PLAN_UP, down or PLAN_DOWN
+    if not (HAVE_GLUON and x.is_cuda and kchunk == STEP and ks == STEP):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    return D % STEP == 0 and inter % STEP == 0 and inter % up.BN == 0 and D % down.BN == 0
+
+
+def _x_desc(xq: torch.Tensor, BM: int) -> "_gp.TensorDescriptor":
+    return _gp._desc(xq, xq.shape[0], [BM, STEP])
+
+
+def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+            w3: torch.Tensor, s3: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor,
+            wts: torch.Tensor, act: torch.Tensor, P: int, limit: float, ab: int,
+            plan: MxPlan | None = None, n_first: bool = True) -> None:
+    """act[plan row] = w · swiglu(w1 x, w3 x) (bf16) for every row block: xq [rows, D] e4m3 in
+    the order of :func:`mx_k_position` / xs [rows, D / ab] the prepped activation; w1 / w3
+    [E, I, D / 2] packed MXFP4 and s1 / s3 [E, I, D / 32] uint8 scales, K-chunk-major
+    (128-wide chunks); rows in the plan's ``BM``-row blocks (``plan``: None for
+    :data:`PLAN_UP`)."""
+    plan = PLAN_UP if plan is None else plan
+    E, inter, half = w1.shape
+    grid, first = tile_grid(block_expert.shape[0], inter // plan.BN, n_first=n_first)
+    _gemm_mx_kernel[grid](_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts,
+                          act, P, E, xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
+                          float(limit), N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0,
+                          AB=ab, BM=plan.BM, WARPS=plan.warps, MT=plan.mt, STAGES=plan.stages,
+                          N_FIRST=first, num_warps=plan.warps, **pdl_args(xq))
+
+
+def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+              pairs: torch.Tensor, block_expert: torch.Tensor, y: torch.Tensor, P: int, ab: int,
+              plan: MxPlan | None = None, n_first: bool = True) -> None:
+    """y[pair] = w2 · act[plan row] (bf16) for every row block: aq [rows, I] e4m3 in the order
+    of :func:`mx_k_position` / as_ [rows, I / ab]; w2 [E, D, I / 2] and s2 [E, D, I / 32]
+    K-chunk-major (``plan``: None for :data:`PLAN_DOWN`)."""
+    plan = PLAN_DOWN if plan is None else plan
+    E, D, half = w2.shape
+    grid, first = tile_grid(block_expert.shape[0], D // plan.BN, n_first=n_first)
+    _gemm_mx_kernel[grid](_x_desc(aq, plan.BM), as_, w2, s2, w2, s2, pairs, block_expert, pairs,
+                          y, P, E, as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0,
+                          N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,
+                          WARPS=plan.warps, MT=plan.mt, STAGES=plan.stages,
+                          N_FIRST=first, num_warps=plan.warps, **pdl_args(aq))
