@@ -18,8 +18,8 @@ that order (``_fp8_prep_kernel`` with ``ORDER=1``).  Each k32 product sums the s
 as the Triton kernels', in another order inside the instruction; whether the tensor cores' sum
 depends on that order is what the GPU test measures (bits, else the path's 5e-3 class).
 
-Gluon has no interpreter (triton 3.6): the kernel runs on sm_90 GPUs only and is compiled
-offline for sm_90 by the CPU tests.  Off by default until measured (:data:`MX_PREFILL`).
+Gluon has no interpreter (triton 3.6): the kernels run on sm_90 GPUs only and are compiled
+offline for sm_90 by the CPU tests.  On by default (:data:`MX_PREFILL`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ if HAVE_GLUON:
 __all__ = ["MX_PREFILL", "MxPlan", "PLAN_UP", "PLAN_DOWN", "gemm_up", "gemm_down",
            "mx_k_position", "qualifies"]
 
-# DSV4_FP8MMA_MX=1: expert calls without kept codes run these GEMMs on the MXFP4 stacks (no
-# re-encoding pass).  Off by default until measured against the re-encoding path.
-MX_PREFILL = os.environ.get("DSV4_FP8MMA_MX", "0") == "1"
+# Expert calls without kept codes run these GEMMs on the MXFP4 stacks, with no re-encoding
+# pass (DSV4_FP8MMA_MX, default on; 0: the re-encoding).  H100, V4-Flash, 256 experts
+# (docs/PERFORMANCE.md, thirty-sixth session), the same bits: the expert call 7.5 against
+# 9.9 ms at 8K tokens, 3.9 against 7.6 at 4K, 24.8 against 24.6 at 32K; the 4-layer prefill
+# 62.0 against 72.4 ms at 8K, 242 against 245 at 32K.
+MX_PREFILL = os.environ.get("DSV4_FP8MMA_MX", "1") == "1"
 
 STEP = 128   # the K step (the act block of V4; one activation scale per row and step)
 
@@ -70,37 +73,62 @@ def mx_k_position(k: torch.Tensor | int) -> torch.Tensor | int:
 class MxPlan:
     """Tile plan of one GEMM: BM plan rows (the wgmma N side; the plan's row blocks), warps
     (4: one warpgroup, 8: two, stacked on the weight rows), ``mt`` 64-row weight tiles a
-    warpgroup (BN = 16 · warps · mt weight rows a program), ``stages`` activation slots."""
+    warpgroup (BN = 16 · warps · mt weight rows a program), ``stages`` activation slots;
+    ``serial`` (up): w3's product starts once w1's is rescaled (the registers of one product
+    in flight); ``ws``: warp-specialized (:func:`_gemm_mx_ws_kernel`: a TMA warp and two
+    consumer warpgroups of ``regs`` registers; 4 warps a consumer, mt 1)."""
 
     BM: int = 64
     warps: int = 4
     mt: int = 1
     stages: int = 3
+    serial: bool = False
+    ws: bool = False
+    regs: int = 232
 
     def __post_init__(self) -> None:
         if self.BM not in (32, 64, 128) or self.warps not in (4, 8) or self.mt not in (1, 2):
             raise ValueError(f"MxPlan: BM 32/64/128, warps 4/8, mt 1/2; found {self}")
         if not 2 <= self.stages <= 6:
             raise ValueError(f"MxPlan: stages must be 2..6; found {self.stages}")
+        if self.ws and (self.warps != 4 or self.mt != 1 or self.serial
+                        or self.regs % 8 or not 24 <= self.regs <= 256):
+            raise ValueError(f"MxPlan: ws takes 4 warps a consumer, mt 1, not serial, regs a "
+                             f"multiple of 8 in 24..256; found {self}")
 
-    @property
-    def BN(self) -> int:
+    def tile_n(self, two: bool) -> int:
+        """Weight rows a program: 16 · warps · mt; warp-specialized, 64 for the up GEMM (w1
+        and w3 of the same rows) and 128 for the down GEMM."""
+        if self.ws:
+            return 64 if two else 128
         return 16 * self.warps * self.mt
 
 
-PLAN_UP = MxPlan(BM=64, warps=4, mt=1, stages=3)
-PLAN_DOWN = MxPlan(BM=64, warps=4, mt=1, stages=3)
+# The fastest plans of bench/moe_gluon_mx.py (H100, 8K / 16K / 32K tokens, 256 experts;
+# docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks (each decoded weight feeds 128
+# rows), the up GEMM warp-specialized (w1 and w3 in two warpgroups: the registers of one
+# 64 x 128 product each), the down GEMM plain (warp-specialized: the same time).
+PLAN_UP = MxPlan(BM=128, stages=3, ws=True)
+PLAN_DOWN = MxPlan(BM=128, stages=3)
 
 
 if HAVE_GLUON:
 
+    # The re-encoding's decode (triton_moe_fp8._E2M1_TO_E4M3_ASM) on whole words: each
+    # instance gets 4 copies of one int32 of packed bytes ($2..$5) and of the group's exponent
+    # add v · 0x01010101 ($6..$9), the same registers, and leaves the 8 e4m3 codes in 2
+    # registers ($0, $1), the A fragment's.  (Bytes in, the compiler split each loaded word
+    # into bytes and packed them again: 10 instructions a call.)
+    _ASM_WORDS = gl.constexpr(_E2M1_TO_E4M3_ASM.value.replace("$3", "$6"))
+
     @gluon.jit
     def _load_step(w_base, s_base, c, N: gl.constexpr):
         """K step c of the program's weight rows (K-chunk-major: [K / 128, N, 64] bytes and
-        [K / 128, N, 4] scales an expert): the packed bytes group by group ([BN, 16] each, in
-        the A fragments' byte layout) and each row's four scale bytes as one int32."""
-        w = w_base + c * (N * 64)
-        return (gl.load(w), gl.load(w + 16), gl.load(w + 32), gl.load(w + 48),
+        [K / 128, N, 4] scales an expert): group by group, each lane's word of packed bytes
+        (int32 [BN, 16] in the A fragments' byte layout, 4 equal elements a lane: one load),
+        and each row's four scale bytes as one int32."""
+        w = (w_base + c * (N * 64)).to(gl.pointer_type(gl.int32), bitcast=True)
+        return (gl.load(w), gl.load(w + 4), gl.load(w + 8), gl.load(w + 12),
                 gl.load((s_base + c * (N * 4)).to(gl.pointer_type(gl.int32), bitcast=True)))
 
     @gluon.jit
@@ -110,14 +138,14 @@ if HAVE_GLUON:
                           gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
 
     @gluon.jit
-    def _decode_group(byte, v, BN: gl.constexpr, a_l: gl.constexpr):
-        """Packed bytes [BN, 16] of one 32-group and its exponent add v [BN] (8 · (11 − d))
-        -> the scale-folded e4m3 codes [BN, 32] in the A operand layout (MMA column order of
-        :func:`mx_k_position`)."""
-        vb = gl.broadcast(v[:, None], byte)[0].to(gl.uint8)
-        first, second = gl.inline_asm_elementwise(_E2M1_TO_E4M3_ASM, "=r,=r,r,r", [byte, vb],
-                                                  dtype=(gl.uint8, gl.uint8), is_pure=True,
-                                                  pack=4)
+    def _decode_group(word, v, BN: gl.constexpr, a_l: gl.constexpr):
+        """Packed words of one 32-group ([BN, 16], 4 copies a lane) and its exponent add v [BN]
+        (8 · (11 − d)) -> the scale-folded e4m3 codes [BN, 32] in the A operand layout (MMA
+        column order of :func:`mx_k_position`)."""
+        vw = gl.broadcast((v * 0x01010101)[:, None], word)[0]
+        first, second = gl.inline_asm_elementwise(_ASM_WORDS, "=r,=r,r,r,r,r,r,r,r,r",
+                                                  [word, vw], dtype=(gl.uint8, gl.uint8),
+                                                  is_pure=True, pack=4)
         codes = gl.reshape(gl.permute(gl.reshape(gl.join(first, second), [BN, 4, 4, 2]),
                                       [0, 3, 1, 2]), [BN, 32])
         return gl.convert_layout(codes.to(gl.float8e4nv, bitcast=True), a_l,
@@ -157,12 +185,48 @@ if HAVE_GLUON:
                                         x_s.index(slot), pred)
 
     @gluon.jit
+    def _scales_to_shared(xs_ptr, row0, stride_xsm, AB: gl.constexpr, BM: gl.constexpr,
+                          NK: gl.constexpr, WARPS: gl.constexpr):
+        """The row block's activation scales [BM, NK] into shared memory once, step-major
+        (each step then reads its column there: in registers, the accumulator layout holds 16
+        columns a thread, and their pointers alone would take 32 registers)."""
+        xs_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // NK if NK < 32 else 1,
+                                                       NK if NK < 32 else 32],
+                                              [WARPS, 1], [1, 0])
+        rx = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, xs_l))
+        kx = gl.arange(0, NK, layout=gl.SliceLayout(0, xs_l))
+        sa_all = gl.load(xs_ptr + rx.to(gl.int64)[:, None] * stride_xsm
+                         + ((kx * 128) // AB)[None, :])
+        sa_s = gl.allocate_shared_memory(gl.float32, [NK, BM],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        sa_s.store(gl.permute(sa_all, [1, 0]))
+        gl.thread_barrier()
+        # The same bytes as NK rows of BM, to index by step.
+        return sa_s._reinterpret(gl.float32, [NK, BM],
+                                 gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+
+    @gluon.jit
+    def _epilogue(acc, acc3, row0, n0, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
+                  TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, BM: gl.constexpr,
+                  BN: gl.constexpr, WARPS: gl.constexpr):
+        """The transposed sums [BN, BM] as [BM, BN] in a layout that stores whole rows of
+        columns, through the Triton kernels' epilogue (gluon_moe_prefill._store_tile)."""
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+        out = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)
+        out3 = gl.convert_layout(gl.permute(acc3, [1, 0]), out_l)
+        rm = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+        rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+        _gp._store_tile(out, out3, rm, rn, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
+                        TWO, HAS_LIMIT)
+
+    @gluon.jit
     def _gemm_mx_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
                         wt_ptr, out_ptr, P, E, stride_xsm, stride_we, stride_se, stride_om,
                         limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
                         HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
                         WARPS: gl.constexpr, MT: gl.constexpr, STAGES: gl.constexpr,
-                        N_FIRST: gl.constexpr, PDL: gl.constexpr = False):
+                        SERIAL: gl.constexpr, N_FIRST: gl.constexpr,
+                        PDL: gl.constexpr = False):
         """One (row block, N tile) of the up (TWO: w1 and w3; act = w · swiglu stored per plan
         row) or down (y stored per pair) GEMM on K-chunk-major MXFP4 stacks: BN weight rows
         × BM plan rows, accumulated transposed ([BN, BM]) and stored through the Triton
@@ -182,7 +246,6 @@ if HAVE_GLUON:
             acc_l: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 32])
             a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
-            out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
             x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES):
@@ -193,26 +256,11 @@ if HAVE_GLUON:
             e64 = e.to(gl.int64)
             rb = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, BYTE_L))
             cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
-            w_off = e64 * stride_we + rb[:, None] * 64 + cb[None, :]
+            # Byte offsets of each lane's word (4 equal elements a lane: one load).
+            w_off = e64 * stride_we + rb[:, None] * 64 + (cb - cb % 4)[None, :]
             sb_off = e64 * stride_se + rb * 4
             row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-            # The block's activation scales [BM, NK] into shared memory once, step-major:
-            # each step then reads its column there (as registers, the accumulator layout
-            # holds 16 columns a thread: their pointers alone would take 32 registers).
-            xs_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // NK if NK < 32 else 1,
-                                                           NK if NK < 32 else 32],
-                                                  [WARPS, 1], [1, 0])
-            rx = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, xs_l))
-            kx = gl.arange(0, NK, layout=gl.SliceLayout(0, xs_l))
-            sa_all = gl.load(xs_ptr + rx.to(gl.int64)[:, None] * stride_xsm
-                             + ((kx * 128) // AB)[None, :])
-            sa_s = gl.allocate_shared_memory(gl.float32, [NK, BM],
-                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-            sa_s.store(gl.permute(sa_all, [1, 0]))
-            gl.thread_barrier()
-            # The same bytes as NK rows of BM to index by step.
-            sa_s = sa_s._reinterpret(gl.float32, [NK, BM],
-                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            sa_s = _scales_to_shared(xs_ptr, row0, stride_xsm, AB, BM, NK, WARPS)
             zero = gl.zeros([BN, BM], gl.float32, acc_l)
             acc = zero
             acc3 = zero
@@ -228,20 +276,30 @@ if HAVE_GLUON:
                 smax1 = _smax(asw)
                 d = _step_product(a0, a1, a2, a3, asw, smax1, x, zero, BN, a_l)
                 if TWO:
-                    smax3 = _smax(bsw)
-                    d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
+                    if not SERIAL:
+                        smax3 = _smax(bsw)
+                        d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
+                        b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off,
+                                                              gl.minimum(i + 1, NK - 1), N)
                 # This step's packed bytes are decoded: the next step's take their registers
                 # and load while the products run (the last step loads itself again, unread).
-                j = gl.minimum(i + 1, NK - 1)
-                a0, a1, a2, a3, asw_next = _load_step(w1_ptr + w_off, s1_ptr + sb_off, j, N)
-                if TWO:
-                    b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off, j, N)
+                a0, a1, a2, a3, asw_next = _load_step(w1_ptr + w_off, s1_ptr + sb_off,
+                                                      gl.minimum(i + 1, NK - 1), N)
                 sa = sa_s.index(i).load(gl.SliceLayout(0, acc_l))[None, :]
                 f1 = _factor(smax1, row_l)
                 if TWO:
-                    # w1's products are done while w3's run (4 groups outstanding).
-                    done = warpgroup_mma_wait(num_outstanding=4, deps=(d,))
-                    acc = gl.fma(done * sa, f1[:, None], acc)
+                    if SERIAL:
+                        # w3's product starts once w1's is rescaled: one product's registers.
+                        done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                        acc = gl.fma(done * sa, f1[:, None], acc)
+                        smax3 = _smax(bsw)
+                        d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
+                        b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off,
+                                                              gl.minimum(i + 1, NK - 1), N)
+                    else:
+                        # w1's products are done while w3's run (4 groups outstanding).
+                        done = warpgroup_mma_wait(num_outstanding=4, deps=(d,))
+                        acc = gl.fma(done * sa, f1[:, None], acc)
                     f3 = _factor(smax3, row_l)
                     done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
                     acc3 = gl.fma(done3 * sa, f3[:, None], acc3)
@@ -252,13 +310,125 @@ if HAVE_GLUON:
                 asw = asw_next
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
-            # [BM, BN] for the epilogue, in a layout that stores whole rows of columns.
-            out = gl.convert_layout(gl.permute(acc, [1, 0]), out_l)
-            out3 = gl.convert_layout(gl.permute(acc3, [1, 0]), out_l)
-            rm_o = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-            rn_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-            _gp._store_tile(out, out3, rm_o, rn_o, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
-                            limit, TWO, HAS_LIMIT)
+            _epilogue(acc, acc3, row0, pid_n * BN, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
+                      limit, TWO, HAS_LIMIT, BM, BN, WARPS)
+    @gluon.jit
+    def _ws_producer(x_desc, x_s, full, empty, row0, NK: gl.constexpr, STAGES: gl.constexpr):
+        """The TMA warp: step i's activation tile into slot i % STAGES once both consumers
+        released the slot's previous step."""
+        for i in range(NK):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            mbarrier.expect(full.index(slot), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full.index(slot),
+                                            x_s.index(slot))
+
+    @gluon.jit
+    def _ws_consumer(x_s, full, empty, sa_s, acc_s, w_ptr, s_ptr, pair_ptr, wt_ptr, out_ptr,
+                     e, P, N, row0, n0, stride_we, stride_se, stride_om, limit,
+                     PART: gl.constexpr, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                     K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup: 64 weight rows from n0 of its stack (w1 or w3 of the same
+        rows for the up GEMM, PART 0 / 1; rows n0 + 64 · PART of w2 for the down GEMM) against
+        the block's BM rows, each step's slot released once its product is done.  Down: the
+        rows' epilogue here; up: PART 1 leaves its sums in ``acc_s``, PART 0 returns its own
+        (the epilogue follows the partitions)."""
+        NK: gl.constexpr = K // 128
+        BYTE_L: gl.constexpr = _byte_layout(4, 1)
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+        if TWO:
+            r0 = n0
+        else:
+            r0 = n0 + 64 * PART
+        e64 = e.to(gl.int64)
+        rb = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, BYTE_L))
+        cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
+        w_base = w_ptr + (e64 * stride_we + rb[:, None] * 64 + (cb - cb % 4)[None, :])
+        s_base = s_ptr + (e64 * stride_se + rb * 4)
+        zero = gl.zeros([64, BM], gl.float32, acc_l)
+        acc = zero
+        b0, b1, b2, b3, bsw = _load_step(w_base, s_base, 0, N)
+        for i in range(NK):
+            slot = i % STAGES
+            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
+            smax = _smax(bsw)
+            d = _step_product(b0, b1, b2, b3, bsw, smax, x_s.index(slot), zero, 64, a_l)
+            b0, b1, b2, b3, bsw_next = _load_step(w_base, s_base, gl.minimum(i + 1, NK - 1), N)
+            sa = sa_s.index(i).load(gl.SliceLayout(0, acc_l))[None, :]
+            f = _factor(smax, row_l)
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+            mbarrier.arrive(empty.index(slot), count=1)
+            acc = gl.fma(done * sa, f[:, None], acc)
+            bsw = bsw_next
+        if TWO:
+            if PART == 1:
+                acc_s.store(acc)
+        else:
+            _epilogue(acc, acc, row0, r0, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
+                      False, False, BM, 64, 4)
+        return (acc,)   # a partition's results are a tuple
+
+    @gluon.jit
+    def _ws_worker(x_s, full, empty, sa_s, acc_s, w_ptr, s_ptr, pair_ptr, wt_ptr, out_ptr, e,
+                   P, N, row0, n0, stride_we, stride_se, stride_om, limit, TWO: gl.constexpr,
+                   HAS_LIMIT: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """The second consumer (a worker partition returns nothing)."""
+        _ws_consumer(x_s, full, empty, sa_s, acc_s, w_ptr, s_ptr, pair_ptr, wt_ptr, out_ptr, e,
+                     P, N, row0, n0, stride_we, stride_se, stride_om, limit, 1, TWO, HAS_LIMIT,
+                     K, BM, STAGES)
+
+    @gluon.jit
+    def _gemm_mx_ws_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
+                           wt_ptr, out_ptr, P, E, stride_xsm, stride_we, stride_se, stride_om,
+                           limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
+                           HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
+                           STAGES: gl.constexpr, REGS: gl.constexpr, N_FIRST: gl.constexpr,
+                           PDL: gl.constexpr = False):
+        """:func:`_gemm_mx_kernel` warp-specialized: a TMA warp fills the activation ring and
+        two consumer warpgroups decode and multiply 64 weight rows each — w1 and w3 of the
+        same rows (up: the N tile is 64 rows; its epilogue after the partitions, from both
+        sums), or two halves of a 128-row N tile of w2 (down) — so one warpgroup's decode and
+        rescale run beside the other's products.  REGS: each consumer's registers."""
+        grid_dependency_sync(PDL)
+        if N_FIRST:
+            blk = gl.program_id(1)
+            pid_n = gl.program_id(0)
+        else:
+            blk = gl.program_id(0)
+            pid_n = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        if (e >= 0) & (e < E):
+            NK: gl.constexpr = K // 128
+            BN: gl.constexpr = 64 if TWO else 128
+            row0 = blk * BM
+            n0 = pid_n * BN
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
+            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full.index(s), count=1)
+                mbarrier.init(empty.index(s), count=2)
+            sa_s = _scales_to_shared(xs_ptr, row0, stride_xsm, AB, BM, NK, 4)
+            acc_s = gl.allocate_shared_memory(gl.float32, [64, BM if TWO else 1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+            sums = gl.warp_specialize([
+                (_ws_consumer, (x_s, full, empty, sa_s, acc_s, w1_ptr, s1_ptr, pair_ptr, wt_ptr,
+                                out_ptr, e, P, N, row0, n0, stride_we, stride_se, stride_om,
+                                limit, 0, TWO, HAS_LIMIT, K, BM, STAGES)),
+                (_ws_worker, (x_s, full, empty, sa_s, acc_s, w3_ptr, s3_ptr, pair_ptr, wt_ptr,
+                              out_ptr, e, P, N, row0, n0, stride_we, stride_se, stride_om,
+                              limit, TWO, HAS_LIMIT, K, BM, STAGES)),
+                (_ws_producer, (x_desc, x_s, full, empty, row0, NK, STAGES)),
+            ], [4, 1], [REGS, 40])
+            if TWO:
+                acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+                    version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
+                _epilogue(sums[0], acc_s.load(acc_l), row0, n0, pair_ptr, wt_ptr, out_ptr, P, N,
+                          stride_om, limit, True, HAS_LIMIT, BM, 64, 4)
 
 
 def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
@@ -271,7 +441,8 @@ def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
-    return D % STEP == 0 and inter % STEP == 0 and inter % up.BN == 0 and D % down.BN == 0
+    return (D % STEP == 0 and inter % STEP == 0 and inter % up.tile_n(True) == 0
+            and D % down.tile_n(False) == 0)
 
 
 def _x_desc(xq: torch.Tensor, BM: int) -> "_gp.TensorDescriptor":
@@ -289,13 +460,16 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tens
     :data:`PLAN_UP`)."""
     plan = PLAN_UP if plan is None else plan
     E, inter, half = w1.shape
-    grid, first = tile_grid(block_expert.shape[0], inter // plan.BN, n_first=n_first)
-    _gemm_mx_kernel[grid](_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts,
-                          act, P, E, xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0),
-                          float(limit), N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0,
-                          AB=ab, BM=plan.BM, WARPS=plan.warps, MT=plan.mt, STAGES=plan.stages,
-                          N_FIRST=first, num_warps=plan.warps, **pdl_args(xq))
-
+    grid, first = tile_grid(block_expert.shape[0], inter // plan.tile_n(True), n_first=n_first)
+    args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, E,
+            xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0), float(limit))
+    common = dict(N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0, AB=ab, BM=plan.BM,
+                  STAGES=plan.stages, N_FIRST=first, num_warps=4 if plan.ws else plan.warps)
+    if plan.ws:
+        _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(xq))
+    else:
+        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, SERIAL=plan.serial,
+                              **common, **pdl_args(xq))
 
 def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
               pairs: torch.Tensor, block_expert: torch.Tensor, y: torch.Tensor, P: int, ab: int,
@@ -305,9 +479,13 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
     K-chunk-major (``plan``: None for :data:`PLAN_DOWN`)."""
     plan = PLAN_DOWN if plan is None else plan
     E, D, half = w2.shape
-    grid, first = tile_grid(block_expert.shape[0], D // plan.BN, n_first=n_first)
-    _gemm_mx_kernel[grid](_x_desc(aq, plan.BM), as_, w2, s2, w2, s2, pairs, block_expert, pairs,
-                          y, P, E, as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0,
-                          N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,
-                          WARPS=plan.warps, MT=plan.mt, STAGES=plan.stages,
-                          N_FIRST=first, num_warps=plan.warps, **pdl_args(aq))
+    grid, first = tile_grid(block_expert.shape[0], D // plan.tile_n(False), n_first=n_first)
+    args = (_x_desc(aq, plan.BM), as_, w2, s2, w2, s2, pairs, block_expert, pairs, y, P, E,
+            as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0)
+    common = dict(N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,
+                  STAGES=plan.stages, N_FIRST=first, num_warps=4 if plan.ws else plan.warps)
+    if plan.ws:
+        _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(aq))
+    else:
+        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, SERIAL=False, **common,
+                              **pdl_args(aq))

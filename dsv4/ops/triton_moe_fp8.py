@@ -606,10 +606,23 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     ab = experts.act_block
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not ab or x.shape[1] % ab:
         return False
-    least = MIN_PAIRS_KEPT if experts.fp8_codes is not None else MIN_PAIRS_PER_EXPERT
+    # Kept codes, or the GEMMs on the MXFP4 stacks: no re-encoding to pay for.
+    no_encoding = experts.fp8_codes is not None or mx_applies(x, experts)
+    least = MIN_PAIRS_KEPT if no_encoding else MIN_PAIRS_PER_EXPERT
     if topk_ids.numel() < least * experts.num_experts:
         return False
     return fp8_codes_apply(experts)     # the stacks' conditions, the spread check last (syncs)
+
+
+def mx_applies(x: torch.Tensor, experts: ExpertWeights) -> bool:
+    """Whether a call without kept codes runs the Gluon GEMMs on the MXFP4 stacks
+    (``gluon_moe_mxfp4``, :data:`~dsv4.ops.gluon_moe_mxfp4.MX_PREFILL`) instead of re-encoding
+    them: the predecoded form (:data:`FP8MMA_PREDECODE`), K-chunk-major stacks, an sm_90 GPU."""
+    from dsv4.ops import gluon_moe_mxfp4 as mx
+    ab = experts.act_block
+    if not (mx.MX_PREFILL and FP8MMA_PREDECODE and ab and x.dim() == 2):
+        return False
+    return mx.qualifies(x, experts.kchunk, k_step(ab), x.shape[1], experts.inter_dim)
 
 
 def predecode_chunk(num_experts: int, inter: int, dim: int, slots: int = 1) -> int:
@@ -895,8 +908,18 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         raise ValueError(f"moe_experts_fp8mma: the kept FP8 codes are for other stacks (K step "
                          f"{resident.ks}, {tuple(resident.q1.shape)}); expected K step {ks}, "
                          f"{(E, inter, D)}")
+    # Without kept codes, the Gluon GEMMs on the MXFP4 stacks (DSV4_FP8MMA_MX, read per call)
+    # replace the re-encoding and the GEMMs on its codes, with their plans' row blocks; their
+    # activation codes are in the MMA order of gluon_moe_mxfp4.mx_k_position (prep ORDER 1).
+    from dsv4.ops import gluon_moe_mxfp4 as _mx
+    use_mx = (predecode and resident is None and _mx.MX_PREFILL
+              and (cfg is None or cfg.BM == _mx.PLAN_UP.BM)
+              and _mx.PLAN_UP.BM == _mx.PLAN_DOWN.BM
+              and _mx.qualifies(x, experts.kchunk, ks, D, inter))
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
+        if use_mx:
+            cfg = replace(cfg, BM=_mx.PLAN_UP.BM)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -913,13 +936,6 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     asm = FP8MMA_DECODE == "asm"
     kchunk = bool(experts.kchunk)
 
-    # Without kept codes, the Gluon GEMMs on the MXFP4 stacks (DSV4_FP8MMA_MX, read per call)
-    # replace the re-encoding and the GEMMs on its codes; their activation codes are in the
-    # MMA order of gluon_moe_mxfp4.mx_k_position (prep ORDER 1).
-    from dsv4.ops import gluon_moe_mxfp4 as _mx
-    use_mx = (predecode and resident is None and _mx.MX_PREFILL
-              and cfg.BM == _mx.PLAN_UP.BM == _mx.PLAN_DOWN.BM
-              and _mx.qualifies(x, experts.kchunk, ks, D, inter))
     order = 1 if use_mx else 0
     xq = torch.empty(rows, D, dtype=e4m3, device=x.device)
     xs = torch.empty(rows, D // ab, dtype=torch.float32, device=x.device)

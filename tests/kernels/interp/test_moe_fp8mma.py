@@ -203,9 +203,13 @@ def test_weight_step_decode_act_block_32() -> None:
 
 
 # ------------------------------------------------------------------------------ prep kernel
-def test_prep_codes_and_scales_equal_the_twins_fake_quant() -> None:
+@pytest.mark.parametrize("order", [0, 1])
+def test_prep_codes_and_scales_equal_the_twins_fake_quant(order: int) -> None:
     """The gathered e4m3 codes × scales are the twin's fake-quantized rows, bit for bit, with
-    zero and tiny blocks (the 1e-4 amax floor) and rows above e4m3's range."""
+    zero and tiny blocks (the 1e-4 amax floor) and rows above e4m3's range; the codes in the
+    MMA K order of the Triton GEMMs (ORDER 0: a permutation within each 8 columns) or of the
+    Gluon GEMMs on MXFP4 stacks (ORDER 1: gluon_moe_mxfp4.mx_k_position, within each 32)."""
+    from dsv4.ops.gluon_moe_mxfp4 import mx_k_position
     gen = torch.Generator().manual_seed(3)
     T, ab, bm = 5, 64, 16
     x = (torch.randn(T, D, generator=gen) * 3).to(torch.bfloat16)
@@ -218,14 +222,22 @@ def test_prep_codes_and_scales_equal_the_twins_fake_quant() -> None:
     q = torch.zeros(nb * bm, D, dtype=torch.float8_e4m3fn)
     s = torch.zeros(nb * bm, D // ab)
     f8._fp8_prep_kernel[(nb, D // ab)](x, pairs, bexp, q, s, ids.numel(), E, TOPK, x.stride(0),
-                                       q.stride(0), s.stride(0), GATHER=True, BM=bm, AB=ab)
+                                       q.stride(0), s.stride(0), GATHER=True, BM=bm, AB=ab,
+                                       ORDER=order)
     want = ref.fake_act_quant(x, ab).float()
     real = pairs < ids.numel()
     rows = pairs[real].long()
     k = torch.arange(D)
-    pos = (k & -8) | ((k & 3) << 1) | ((k >> 2) & 1)    # stored in the MMA K order
-    assert torch.equal(pos.sort().values, k)           # a permutation ...
-    assert torch.equal(pos // 8, k // 8)               # ... within each 8 columns
+    # Stored in the MMA K order: a permutation within each 8 (ORDER 0) or 32 columns (1).
+    if order == 0:
+        pos, width = (k & -8) | ((k & 3) << 1) | ((k >> 2) & 1), 8
+    else:
+        pos, width = mx_k_position(k), 32
+    assert torch.equal(pos.sort().values, k)
+    assert torch.equal(pos // width, k // width)
+    if order == 1:   # natural 8q + 4h + i at 16h + 4q + i
+        assert [int(mx_k_position(v)) for v in (0, 3, 4, 8, 12, 31, 36)] == [0, 3, 16, 4, 20,
+                                                                               31, 48]
     deq = (q.float()[:, pos].reshape(-1, D // ab, ab) * s[:, :, None]).reshape(-1, D)
     assert torch.equal(deq[real], want[rows // TOPK])
     assert (s[real] > 0).all() and torch.equal(s[real], torch.exp2(torch.log2(s[real]).round()))
