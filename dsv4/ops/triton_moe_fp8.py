@@ -1,10 +1,13 @@
 """Routed experts (spec §3.9) on FP8 tensor cores: MXFP4 stacks under official numerics, for
 large prefill steps (dsv4 issue #5).  ``triton_moe.moe_experts`` routes a call here when
 :data:`FP8MMA_PREFILL` (``DSV4_FP8MMA``, default on) and :func:`fp8mma_applies` (from
-:data:`MIN_PAIRS_PER_EXPERT` pairs per local expert).  By default each chunk of experts is
-first re-encoded to e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so
-the GEMMs stream plain FP8 tiles; the first form decoded the codes inside the GEMMs' K loop
-(``predecode=False``), between the MMAs.  Measured on the H200 (2026-12-01, V4-Flash, one
+:data:`MIN_PAIRS_PER_EXPERT` pairs per local expert; :data:`MIN_PAIRS_KEPT` where nothing is
+re-encoded).  On sm_90 with K-chunk-major stacks the GEMMs decode the MXFP4 words in the
+wgmma's registers (``gluon_moe_mxfp4``, :func:`mx_applies`, ``DSV4_FP8MMA_MX``: the same bytes
+and bits as below, no re-encoding pass).  Else each chunk of experts is first re-encoded to
+e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so the GEMMs stream
+plain FP8 tiles (Gluon GEMMs on sm_90: ``gluon_moe_prefill``); the first form decoded the
+codes inside the Triton GEMMs' K loop (``predecode=False``), between the MMAs.  Measured on the H200 (2026-12-01, V4-Flash, one
 layer's experts, docs/PERFORMANCE.md tenth session): predecoded 10.6 ms at 8,192 tokens and
 28.0 ms at 32,768 against 10.5 / 35.2 ms for the bf16-MMA kernels; in-loop 13.3 / 43.4 ms.
 The wgmma of each step is still waited on at once (its result is rescaled before the next

@@ -1,0 +1,86 @@
+"""The host side of the Gluon prefill expert GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4)
+on the CPU: the MMA column order, the tile plans' checks and N tiles, and where a call takes
+them (sm_90 GPUs only: never here, so the CPU keeps the other paths).  The kernels have no
+interpreter: tests/kernels/sm90_cases.py compiles them for sm_90, and
+tests/kernels/test_moe_fp8mma_gpu.py::test_fp8mma_mx_gemms_gpu checks their bits on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4.ops import gluon_moe_mxfp4 as mx
+from dsv4.ops import triton_moe_fp8 as f8
+from dsv4.ops.torch_dense import ExpertWeights
+
+
+def test_mx_k_position_is_a_permutation_within_each_group() -> None:
+    k = torch.arange(256)
+    pos = mx.mx_k_position(k)
+    assert torch.equal(pos.sort().values, k)
+    assert torch.equal(pos // 32, k // 32)
+    # Lane q's packed word (natural 8q .. 8q + 7) fills columns 4q .. 4q + 3 and 16 + 4q ...
+    for q in range(4):
+        assert [mx.mx_k_position(8 * q + j) for j in range(8)] == \
+            [4 * q + j for j in range(4)] + [16 + 4 * q + j for j in range(4)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"BM": 48}, {"warps": 2}, {"mt": 3}, {"stages": 1}, {"stages": 7},
+    {"ws": True, "warps": 8}, {"ws": True, "mt": 2}, {"ws": True, "serial": True},
+    {"ws": True, "regs": 20}, {"ws": True, "regs": 230}])
+def test_plan_checks(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        mx.MxPlan(**kwargs)
+
+
+def test_plan_tiles_and_defaults() -> None:
+    assert mx.MxPlan(warps=8, mt=1).tile_n(True) == 128
+    assert mx.MxPlan(warps=4, mt=2).tile_n(False) == 128
+    ws = mx.MxPlan(BM=128, ws=True)
+    assert (ws.tile_n(True), ws.tile_n(False)) == (64, 128)     # w1 / w3 rows; two halves
+    # The measured defaults (docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks for
+    # both GEMMs (one plan for the call), the up GEMM warp-specialized.
+    assert mx.PLAN_UP.BM == mx.PLAN_DOWN.BM == 128 and mx.PLAN_UP.ws
+    if "DSV4_FP8MMA_MX" not in os.environ:
+        assert mx.MX_PREFILL
+
+
+def _stacks(kchunk: int) -> ExpertWeights:
+    E, D, inter = 2, 256, 128
+
+    def stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(E, n, k // 2, dtype=torch.int8),
+                torch.full((E, n, k // 32), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu))
+
+    (w1, s1), (w3, s3), (w2, s2) = stack(inter, D), stack(inter, D), stack(D, inter)
+    return ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2, 128, kchunk)
+
+
+def test_never_on_the_cpu() -> None:
+    """qualifies needs an sm_90 CUDA tensor: a CPU call keeps the re-encoding path (and its
+    pair threshold)."""
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not mx.qualifies(x, 128, 128, 256, 128)
+    assert not f8.mx_applies(x, _stacks(128))
+    assert not f8.mx_applies(x, _stacks(0))
+
+
+def test_qualifies_needs_kchunk_stacks_and_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shape conditions, with the device check stubbed to an sm_90 GPU."""
+    class _Cuda:
+        is_cuda = True
+        device = "cuda:0"
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    if not mx.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    x = _Cuda()
+    assert mx.qualifies(x, 128, 128, 4096, 2048)
+    assert not mx.qualifies(x, 0, 128, 4096, 2048)           # row-major stacks
+    assert not mx.qualifies(x, 128, 32, 4096, 2048)          # V4.1's act block 32
+    assert not mx.qualifies(x, 128, 128, 4096, 2048 + 64)    # I not a multiple of 128
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not mx.qualifies(x, 128, 128, 4096, 2048)
