@@ -12,6 +12,12 @@ ring filled by TMA.  Per 128-wide K step: four chained ``m64nBMk32`` products (o
 for each weight, waited for, then ``fma(d · sa, f, acc)`` in fp32, the Triton kernels'
 operation, with f the step factor 2^(smax − 6 − 127) of each weight row (the re-encoding's).
 
+Three forms (:class:`MxPlan`): the plain kernel (:func:`_gemm_mx_kernel`, the default down
+GEMM); warp-specialized (:func:`_gemm_mx_ws_kernel`: a TMA warp and two consumer warpgroups,
+w1 and w3 of the same rows for the up GEMM); and with a decode warpgroup
+(:func:`_gemm_mx_dec_kernel`, the default up GEMM: one warpgroup decodes each K step's w1 and
+w3 tiles into shared memory, the A operand of two consumer warpgroups of 64 plan rows each).
+
 The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
 column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
 that order (``_fp8_prep_kernel`` with ``ORDER=1``).  Each k32 product sums the same 32 products
@@ -44,7 +50,7 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
     from dsv4.ops.gluon_moe_decode import _byte_layout
 
@@ -85,20 +91,33 @@ class MxPlan:
     serial: bool = False
     ws: bool = False
     regs: int = 232
+    dec: bool = False
+    dregs: int = 112
 
     def __post_init__(self) -> None:
-        if self.BM not in (32, 64, 128) or self.warps not in (4, 8) or self.mt not in (1, 2):
-            raise ValueError(f"MxPlan: BM 32/64/128, warps 4/8, mt 1/2; found {self}")
+        if (self.BM not in (32, 64, 128, 256) or (self.BM == 256 and not self.dec)
+                or self.warps not in (4, 8) or self.mt not in (1, 2)):
+            raise ValueError(f"MxPlan: BM 32/64/128 (256 with dec), warps 4/8, mt 1/2; found "
+                             f"{self}")
         if not 2 <= self.stages <= 6:
             raise ValueError(f"MxPlan: stages must be 2..6; found {self.stages}")
         if self.ws and (self.warps != 4 or self.mt != 1 or self.serial
                         or self.regs % 8 or not 24 <= self.regs <= 256):
             raise ValueError(f"MxPlan: ws takes 4 warps a consumer, mt 1, not serial, regs a "
                              f"multiple of 8 in 24..256; found {self}")
+        if self.dec and (self.ws or self.serial or self.warps != 4 or self.mt != 1
+                         or self.BM not in (128, 256) or self.regs % 8 or self.dregs % 8
+                         or not 24 <= min(self.regs, self.dregs) <= max(self.regs, self.dregs)
+                         <= 256):
+            raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, not "
+                             f"ws or serial, regs and dregs multiples of 8 in 24..256; found "
+                             f"{self}")
 
     def tile_n(self, two: bool) -> int:
         """Weight rows a program: 16 · warps · mt; warp-specialized, 64 for the up GEMM (w1
         and w3 of the same rows) and 128 for the down GEMM."""
+        if self.dec:
+            return 64
         if self.ws:
             return 64 if two else 128
         return 16 * self.warps * self.mt
@@ -106,9 +125,11 @@ class MxPlan:
 
 # The fastest plans of bench/moe_gluon_mx.py (H100, 8K / 16K / 32K tokens, 256 experts;
 # docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks (each decoded weight feeds 128
-# rows), the up GEMM warp-specialized (w1 and w3 in two warpgroups: the registers of one
-# 64 x 128 product each), the down GEMM plain (warp-specialized: the same time).
-PLAN_UP = MxPlan(BM=128, stages=3, ws=True)
+# rows); the up GEMM with a decode warpgroup (w1 and w3 decoded once into shared memory for
+# two consumer warpgroups of 64 rows; 4% faster than two consumers decoding w1 / w3 each:
+# ``ws``), the down GEMM plain (its decode-warpgroup and warp-specialized forms: slower / the
+# same).
+PLAN_UP = MxPlan(BM=128, stages=4, dec=True, regs=192)
 PLAN_DOWN = MxPlan(BM=128, stages=3)
 
 
@@ -452,6 +473,163 @@ if HAVE_GLUON:
                 _epilogue(sums[0], acc_s.load(acc_l), row0, n0, pair_ptr, wt_ptr, out_ptr, P, N,
                           stride_om, limit, True, HAS_LIMIT, BM, 64, 4)
 
+    # -------------------------------------------------------------- decode partition form
+    @gluon.jit
+    def _dec_load(w_base, s_base, c, N: gl.constexpr):
+        """K step c of the decoder's 64 weight rows: [64, 64] int32, each lane's packed words
+        of one (row, group) as 4 copies each (one load a word), and the rows' scale words."""
+        w = (w_base + c * (N * 64)).to(gl.pointer_type(gl.int32), bitcast=True)
+        return (gl.load(w),
+                gl.load((s_base + c * (N * 4)).to(gl.pointer_type(gl.int32), bitcast=True)))
+
+    @gluon.jit
+    def _dec_tile(words, sw, shift):
+        """One K step of 64 weight rows decoded: (e4m3 codes [64, 128] in the order of
+        :func:`mx_k_position`, each row's fp32 step factor [64])."""
+        smax = _smax(sw)
+        v = gl.maximum(_FOLD - (smax[:, None] - ((sw[:, None] >> shift[None, :]) & 255)), 0) * 8
+        first, second = gl.inline_asm_elementwise(_ASM_WORDS, "=r,=r,r,r,r,r,r,r,r,r",
+                                                  [words, v * 0x01010101],
+                                                  dtype=(gl.uint8, gl.uint8), is_pure=True,
+                                                  pack=4)
+        # (row, 16g + 4q + b, h) -> column 32g + 16h + 4q + b.
+        codes = gl.reshape(gl.permute(gl.reshape(gl.join(first, second), [64, 4, 4, 4, 2]),
+                                      [0, 1, 4, 2, 3]), [64, 128])
+        return codes.to(gl.float8e4nv, bitcast=True), _pow2_exact(smax - _FOLD_UP_C)
+
+    @gluon.jit
+    def _dec_decoder(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n0,
+                     stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
+                     K: gl.constexpr, STAGES: gl.constexpr):
+        """The decode warpgroup: each K step's 64 weight rows (w1 and w3 for the up GEMM)
+        decoded into the slot's shared-memory A tiles and factors, once both consumers
+        released the slot's previous step; the next step's words load meanwhile."""
+        NK: gl.constexpr = K // 128
+        DEC_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        e64 = e.to(gl.int64)
+        rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, DEC_L))
+        cb = gl.arange(0, 64, layout=gl.SliceLayout(0, DEC_L))
+        w_off = e64 * stride_we + rows[:, None] * 64 + (cb - cb % 4)[None, :]
+        s_off = e64 * stride_se + rows * 4
+        shift = (cb // 16) * 8
+        wa, swa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, 0, N)
+        wb, swb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, 0, N)
+        for i in range(NK):
+            slot = i % STAGES
+            j = gl.minimum(i + 1, NK - 1)
+            na, nsa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, j, N)
+            if TWO:
+                nb, nsb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, j, N)
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            codes, f = _dec_tile(wa, swa, shift)
+            a_s.index(slot).store(codes)
+            f_s.index(slot).store(f)
+            if TWO:
+                codes3, f3 = _dec_tile(wb, swb, shift)
+                a3_s.index(slot).store(codes3)
+                f3_s.index(slot).store(f3)
+                wb, swb = nb, nsb
+            fence_async_shared()
+            mbarrier.arrive(full_a.index(slot), count=1)
+            wa, swa = na, nsa
+
+    @gluon.jit
+    def _dec_consumer(x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty, sa_s, pair_ptr, wt_ptr,
+                      out_ptr, P, N, row0, n0, stride_om, limit, PART: gl.constexpr,
+                      TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, K: gl.constexpr,
+                      BMC: gl.constexpr, STAGES: gl.constexpr):
+        """A consumer warpgroup: plan rows [PART · BMC, (PART + 1) · BMC) of the block against
+        the decoded A tiles (w1 and w3: both sums here, so the epilogue too)."""
+        NK: gl.constexpr = K // 128
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        zero = gl.zeros([64, BMC], gl.float32, acc_l)
+        acc = zero
+        acc3 = zero
+        for i in range(NK):
+            slot = i % STAGES
+            phase = (i // STAGES) & 1
+            mbarrier.wait(full_x.index(slot), phase)
+            mbarrier.wait(full_a.index(slot), phase)
+            xb = x_s.index(slot).slice(PART * BMC, BMC, dim=0).permute((1, 0))
+            d = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False, is_async=True)
+            if TWO:
+                d3 = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False, is_async=True)
+                f3 = f3_s.index(slot).load(row_l)
+            f1 = f_s.index(slot).load(row_l)
+            sa = sa_s.index(i).slice(PART * BMC, BMC).load(col_l)[None, :]
+            if TWO:
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
+                acc = gl.fma(done * sa, f1[:, None], acc)
+                done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc3 = gl.fma(done3 * sa, f3[:, None], acc3)
+            else:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc = gl.fma(done * sa, f1[:, None], acc)
+        _epilogue(acc, acc3, row0 + PART * BMC, n0, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
+                  limit, TWO, HAS_LIMIT, BMC, 64, 4)
+
+    @gluon.jit
+    def _gemm_mx_dec_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
+                            wt_ptr, out_ptr, P, E, stride_xsm, stride_we, stride_se, stride_om,
+                            limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
+                            HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
+                            STAGES: gl.constexpr, REGS: gl.constexpr, DREGS: gl.constexpr,
+                            N_FIRST: gl.constexpr, PDL: gl.constexpr = False):
+        """:func:`_gemm_mx_kernel` with each weight tile decoded once for the whole row block:
+        a decode warpgroup writes each K step's 64 weight rows (w1 and w3 for the up GEMM) as
+        e4m3 A tiles into shared memory, two consumer warpgroups multiply them against half of
+        the BM plan rows each (A and B from shared memory), a TMA warp fills the activation
+        ring.  REGS / DREGS: the consumers' / the decoder's registers."""
+        grid_dependency_sync(PDL)
+        if N_FIRST:
+            blk = gl.program_id(1)
+            pid_n = gl.program_id(0)
+        else:
+            blk = gl.program_id(0)
+            pid_n = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        if (e >= 0) & (e < E):
+            NK: gl.constexpr = K // 128
+            BMC: gl.constexpr = BM // 2
+            row0 = blk * BM
+            n0 = pid_n * 64
+            a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128],
+                                                                          gl.float8e4nv)
+            f_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
+            a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
+            f_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], f_layout)
+            if TWO:
+                a3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
+                f3_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], f_layout)
+            else:
+                a3_s = a_s
+                f3_s = f_s
+            full_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            full_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full_x.index(s), count=1)
+                mbarrier.init(full_a.index(s), count=1)
+                mbarrier.init(empty.index(s), count=2)
+            sa_s = _scales_to_shared(xs_ptr, row0, stride_xsm, AB, BM, NK, 4)
+            gl.warp_specialize([
+                (_dec_consumer, (x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty, sa_s,
+                                 pair_ptr, wt_ptr, out_ptr, P, N, row0, n0, stride_om, limit, 0,
+                                 TWO, HAS_LIMIT, K, BMC, STAGES)),
+                (_dec_consumer, (x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty, sa_s,
+                                 pair_ptr, wt_ptr, out_ptr, P, N, row0, n0, stride_om, limit, 1,
+                                 TWO, HAS_LIMIT, K, BMC, STAGES)),
+                (_dec_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr,
+                                s3_ptr, e, n0, stride_we, stride_se, N, TWO, K, STAGES)),
+                (_ws_producer, (x_desc, x_s, full_x, empty, row0, NK, STAGES)),
+            ], [4, 4, 1], [REGS, DREGS, 40])
+
 
 def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
               up: MxPlan | None = None, down: MxPlan | None = None) -> bool:
@@ -486,8 +664,12 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tens
     args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, E,
             xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0), float(limit))
     common = dict(N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0, AB=ab, BM=plan.BM,
-                  STAGES=plan.stages, N_FIRST=first, num_warps=4 if plan.ws else plan.warps)
-    if plan.ws:
+                  STAGES=plan.stages, N_FIRST=first,
+                  num_warps=4 if plan.ws or plan.dec else plan.warps)
+    if plan.dec:
+        _gemm_mx_dec_kernel[grid](*args, REGS=plan.regs, DREGS=plan.dregs, **common,
+                                  **pdl_args(xq))
+    elif plan.ws:
         _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(xq))
     else:
         _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, SERIAL=plan.serial,
@@ -505,8 +687,12 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
     args = (_x_desc(aq, plan.BM), as_, w2, s2, w2, s2, pairs, block_expert, pairs, y, P, E,
             as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0)
     common = dict(N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,
-                  STAGES=plan.stages, N_FIRST=first, num_warps=4 if plan.ws else plan.warps)
-    if plan.ws:
+                  STAGES=plan.stages, N_FIRST=first,
+                  num_warps=4 if plan.ws or plan.dec else plan.warps)
+    if plan.dec:
+        _gemm_mx_dec_kernel[grid](*args, REGS=plan.regs, DREGS=plan.dregs, **common,
+                                  **pdl_args(aq))
+    elif plan.ws:
         _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(aq))
     else:
         _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, SERIAL=False, **common,
