@@ -21,8 +21,8 @@ w3 tiles into shared memory, the A operand of two consumer warpgroups of 64 plan
 The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
 column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
 that order (``_fp8_prep_kernel`` with ``ORDER=1``).  Each k32 product sums the same 32 products
-as the Triton kernels', in another order inside the instruction; whether the tensor cores' sum
-depends on that order is what the GPU test measures (bits, else the path's 5e-3 class).
+as the Triton kernels', in another order inside the instruction, and the tensor cores' sum does
+not depend on that order: every form gives the re-encoded path's bits (the GPU test).
 
 Gluon has no interpreter (triton 3.6): the kernels run on sm_90 GPUs only and are compiled
 offline for sm_90 by the CPU tests.  On by default (:data:`MX_PREFILL`).
@@ -38,12 +38,7 @@ import torch
 from dsv4.ops import gluon_moe_prefill as _gp
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.triton_moe import tile_grid
-from dsv4.ops.triton_moe_fp8 import (
-    _E2M1_TO_E4M3_ASM,
-    _FOLD,
-    _FOLD_UP_C,
-    _pow2_exact,
-)
+from dsv4.ops.triton_moe_fp8 import _FOLD, _FOLD_UP_C, _pow2_exact
 
 HAVE_GLUON = _gp.HAVE_GLUON
 if HAVE_GLUON:
@@ -80,15 +75,15 @@ class MxPlan:
     """Tile plan of one GEMM: BM plan rows (the wgmma N side; the plan's row blocks), warps
     (4: one warpgroup, 8: two, stacked on the weight rows), ``mt`` 64-row weight tiles a
     warpgroup (BN = 16 · warps · mt weight rows a program), ``stages`` activation slots;
-    ``serial`` (up): w3's product starts once w1's is rescaled (the registers of one product
-    in flight); ``ws``: warp-specialized (:func:`_gemm_mx_ws_kernel`: a TMA warp and two
-    consumer warpgroups of ``regs`` registers; 4 warps a consumer, mt 1)."""
+    ``ws``: warp-specialized (:func:`_gemm_mx_ws_kernel`: a TMA warp and two
+    consumer warpgroups of ``regs`` registers; 4 warps a consumer, mt 1); ``dec``: a decode
+    warpgroup of ``dregs`` registers feeding two consumer warpgroups of ``regs``, BM / 2 rows
+    each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256)."""
 
     BM: int = 64
     warps: int = 4
     mt: int = 1
     stages: int = 3
-    serial: bool = False
     ws: bool = False
     regs: int = 232
     dec: bool = False
@@ -101,21 +96,21 @@ class MxPlan:
                              f"{self}")
         if not 2 <= self.stages <= 6:
             raise ValueError(f"MxPlan: stages must be 2..6; found {self.stages}")
-        if self.ws and (self.warps != 4 or self.mt != 1 or self.serial
+        if self.ws and (self.warps != 4 or self.mt != 1
                         or self.regs % 8 or not 24 <= self.regs <= 256):
-            raise ValueError(f"MxPlan: ws takes 4 warps a consumer, mt 1, not serial, regs a "
-                             f"multiple of 8 in 24..256; found {self}")
-        if self.dec and (self.ws or self.serial or self.warps != 4 or self.mt != 1
+            raise ValueError(f"MxPlan: ws takes 4 warps a consumer, mt 1, regs a multiple "
+                             f"of 8 in 24..256; found {self}")
+        if self.dec and (self.ws or self.warps != 4 or self.mt != 1
                          or self.BM not in (128, 256) or self.regs % 8 or self.dregs % 8
                          or not 24 <= min(self.regs, self.dregs) <= max(self.regs, self.dregs)
                          <= 256):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, not "
-                             f"ws or serial, regs and dregs multiples of 8 in 24..256; found "
+                             f"ws, regs and dregs multiples of 8 in 24..256; found "
                              f"{self}")
 
     def tile_n(self, two: bool) -> int:
         """Weight rows a program: 16 · warps · mt; warp-specialized, 64 for the up GEMM (w1
-        and w3 of the same rows) and 128 for the down GEMM."""
+        and w3 of the same rows) and 128 for the down GEMM; with a decode warpgroup, 64."""
         if self.dec:
             return 64
         if self.ws:
@@ -268,7 +263,7 @@ if HAVE_GLUON:
                         limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
                         HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
                         WARPS: gl.constexpr, MT: gl.constexpr, STAGES: gl.constexpr,
-                        SERIAL: gl.constexpr, N_FIRST: gl.constexpr,
+                        N_FIRST: gl.constexpr,
                         PDL: gl.constexpr = False):
         """One (row block, N tile) of the up (TWO: w1 and w3; act = w · swiglu stored per plan
         row) or down (y stored per pair) GEMM on K-chunk-major MXFP4 stacks: BN weight rows
@@ -319,11 +314,10 @@ if HAVE_GLUON:
                 smax1 = _smax(asw)
                 d = _step_product(a0, a1, a2, a3, asw, smax1, x, zero, BN, a_l)
                 if TWO:
-                    if not SERIAL:
-                        smax3 = _smax(bsw)
-                        d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
-                        b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off,
-                                                              gl.minimum(i + 1, NK - 1), N)
+                    smax3 = _smax(bsw)
+                    d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
+                    b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off,
+                                                          gl.minimum(i + 1, NK - 1), N)
                 # This step's packed bytes are decoded: the next step's take their registers
                 # and load while the products run (the last step loads itself again, unread).
                 a0, a1, a2, a3, asw_next = _load_step(w1_ptr + w_off, s1_ptr + sb_off,
@@ -331,18 +325,9 @@ if HAVE_GLUON:
                 sa = sa_s.index(i).load(gl.SliceLayout(0, acc_l))[None, :]
                 f1 = _factor(smax1, row_l)
                 if TWO:
-                    if SERIAL:
-                        # w3's product starts once w1's is rescaled: one product's registers.
-                        done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
-                        acc = gl.fma(done * sa, f1[:, None], acc)
-                        smax3 = _smax(bsw)
-                        d3 = _step_product(b0, b1, b2, b3, bsw, smax3, x, zero, BN, a_l)
-                        b0, b1, b2, b3, bsw_next = _load_step(w3_ptr + w_off, s3_ptr + sb_off,
-                                                              gl.minimum(i + 1, NK - 1), N)
-                    else:
-                        # w1's products are done while w3's run (4 groups outstanding).
-                        done = warpgroup_mma_wait(num_outstanding=4, deps=(d,))
-                        acc = gl.fma(done * sa, f1[:, None], acc)
+                    # w1's products are done while w3's run (4 groups outstanding).
+                    done = warpgroup_mma_wait(num_outstanding=4, deps=(d,))
+                    acc = gl.fma(done * sa, f1[:, None], acc)
                     f3 = _factor(smax3, row_l)
                     done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
                     acc3 = gl.fma(done3 * sa, f3[:, None], acc3)
@@ -355,6 +340,7 @@ if HAVE_GLUON:
                 mbarrier.invalidate(bars.index(s))
             _epilogue(acc, acc3, row0, pid_n * BN, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
                       limit, TWO, HAS_LIMIT, BM, BN, WARPS)
+
     @gluon.jit
     def _ws_producer(x_desc, x_s, full, empty, row0, NK: gl.constexpr, STAGES: gl.constexpr):
         """The TMA warp: step i's activation tile into slot i % STAGES once both consumers
@@ -672,7 +658,7 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tens
     elif plan.ws:
         _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(xq))
     else:
-        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, SERIAL=plan.serial,
+        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt,
                               **common, **pdl_args(xq))
 
 def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
@@ -695,5 +681,5 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
     elif plan.ws:
         _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(aq))
     else:
-        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, SERIAL=False, **common,
+        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, **common,
                               **pdl_args(aq))

@@ -29,7 +29,7 @@ def test_mx_k_position_is_a_permutation_within_each_group() -> None:
 
 @pytest.mark.parametrize("kwargs", [
     {"BM": 48}, {"warps": 2}, {"mt": 3}, {"stages": 1}, {"stages": 7},
-    {"ws": True, "warps": 8}, {"ws": True, "mt": 2}, {"ws": True, "serial": True},
+    {"ws": True, "warps": 8}, {"ws": True, "mt": 2},
     {"ws": True, "regs": 20}, {"ws": True, "regs": 230}, {"BM": 256}, {"BM": 64, "dec": True},
     {"dec": True, "ws": True}, {"dec": True, "dregs": 100}])
 def test_plan_checks(kwargs: dict) -> None:
