@@ -7,16 +7,12 @@ wgmma's registers (``gluon_moe_mxfp4``, :func:`mx_applies`, ``DSV4_FP8MMA_MX``: 
 and bits as below, no re-encoding pass).  Else each chunk of experts is first re-encoded to
 e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so the GEMMs stream
 plain FP8 tiles (Gluon GEMMs on sm_90: ``gluon_moe_prefill``); the first form decoded the
-codes inside the Triton GEMMs' K loop (``predecode=False``), between the MMAs.  Measured on the H200 (2026-12-01, V4-Flash, one
-layer's experts, docs/PERFORMANCE.md tenth session): predecoded 10.6 ms at 8,192 tokens and
-28.0 ms at 32,768 against 10.5 / 35.2 ms for the bf16-MMA kernels; in-loop 13.3 / 43.4 ms.
-The wgmma of each step is still waited on at once (its result is rescaled before the next
-step).  Overlapping it inside a program does not pay on the H200: Gluon kernels that keep the
-next step's wgmma in flight during the rescale gave the same bits at 3,521 / 2,773 µs (up /
-down, 8K tokens) against these kernels' 3,614 / 1,998 (docs/PERFORMANCE.md, twentieth session;
-the code is at commit 9fb6c51).  Two programs per SM already overlap each other's rescales
-and MMAs; the down GEMM's in-flight product costs it the second program (registers), and the
-up GEMM runs one program per SM either way.  Triton 3.6's automatic warp specialization hung.
+codes inside the Triton GEMMs' K loop (``predecode=False``), between the MMAs.  Measured on
+the H200 (2026-12-01, V4-Flash, one layer's experts, docs/PERFORMANCE.md tenth session):
+predecoded 10.6 ms at 8,192 tokens and 28.0 ms at 32,768 against 10.5 / 35.2 ms for the
+bf16-MMA kernels; in-loop 13.3 / 43.4 ms.  Triton 3.6 waits on each step's wgmma before its
+rescale (its automatic warp specialization hung); the Gluon GEMMs run one warpgroup's rescale
+beside another's products (docs/PERFORMANCE.md, thirty-fifth and thirty-sixth sessions).
 
 The products are exact.  With ``ExpertWeights.act_block`` set, the torch twin
 (``dsv4.ops.torch_dense.moe_experts``) FP8-fake-quantizes the expert inputs per act block with
@@ -915,10 +911,9 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     # replace the re-encoding and the GEMMs on its codes, with their plans' row blocks; their
     # activation codes are in the MMA order of gluon_moe_mxfp4.mx_k_position (prep ORDER 1).
     from dsv4.ops import gluon_moe_mxfp4 as _mx
-    use_mx = (predecode and resident is None and _mx.MX_PREFILL
+    use_mx = (predecode and resident is None and mx_applies(x, experts)
               and (cfg is None or cfg.BM == _mx.PLAN_UP.BM)
-              and _mx.PLAN_UP.BM == _mx.PLAN_DOWN.BM
-              and _mx.qualifies(x, experts.kchunk, ks, D, inter))
+              and _mx.PLAN_UP.BM == _mx.PLAN_DOWN.BM)
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
         if use_mx:

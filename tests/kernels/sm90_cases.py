@@ -870,7 +870,8 @@ def _moe_gluon_mx() -> None:
     w2 = _empty(E, m.dim, m.inter // 2, dtype=torch.uint8)
     s2 = _empty(E, m.dim, m.inter // 32, dtype=torch.uint8)
     plans = [("up", mx.PLAN_UP), ("down", mx.PLAN_DOWN)]
-    plans += _bench_module("moe_gluon_mx").parse_plans(_bench_module("moe_gluon_mx").DEFAULT_PLANS)
+    bench = _bench_module("moe_gluon_mx")
+    plans += bench.parse_plans(bench.DEFAULT_PLANS)
     for gemm, plan in plans:
         nb = P // plan.BM + E
         rows = nb * plan.BM
