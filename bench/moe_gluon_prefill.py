@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_decode import routing  # noqa: E402
 from moe_prefill_fp8 import bench_setup, prepped, rel_diff, time_us  # noqa: E402
 
+from dsv4.ops import gluon_moe_mxfp4 as mx  # noqa: E402
 from dsv4.ops import gluon_moe_prefill as gp  # noqa: E402
 from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 from dsv4.ops.triton_moe import tile_grid  # noqa: E402
@@ -144,13 +145,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           ("call, re-encoded", ex)):
             outs = {}
             for on in (False, True):
-                saved, gp.GLUON_PREFILL = gp.GLUON_PREFILL, "1" if on else "0"
+                # The re-encoded call, not the GEMMs on the MXFP4 stacks (DSV4_FP8MMA_MX).
+                saved = gp.GLUON_PREFILL, mx.MX_PREFILL
+                gp.GLUON_PREFILL, mx.MX_PREFILL = "1" if on else "0", False
                 try:
                     outs[on] = f8.moe_experts_fp8mma(x, ids, w, exm, LIMIT, predecode=True)
                     us = time_us(lambda: f8.moe_experts_fp8mma(x, ids, w, exm, LIMIT,
                                                                predecode=True), device)
                 finally:
-                    gp.GLUON_PREFILL = saved
+                    gp.GLUON_PREFILL, mx.MX_PREFILL = saved
                 out = "reference" if not on else compare(outs[True], outs[False],
                                                          torch.arange(T, device=device))
                 row(mode, "gluon" if on else "triton", us, flops_up + flops_down, out)
