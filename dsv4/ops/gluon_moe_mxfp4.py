@@ -12,11 +12,13 @@ ring filled by TMA.  Per 128-wide K step: four chained ``m64nBMk32`` products (o
 for each weight, waited for, then ``fma(d · sa, f, acc)`` in fp32, the Triton kernels'
 operation, with f the step factor 2^(smax − 6 − 127) of each weight row (the re-encoding's).
 
-Three forms (:class:`MxPlan`): the plain kernel (:func:`_gemm_mx_kernel`, the default down
-GEMM); warp-specialized (:func:`_gemm_mx_ws_kernel`: a TMA warp and two consumer warpgroups,
-w1 and w3 of the same rows for the up GEMM); and with a decode warpgroup
+Two forms (:class:`MxPlan`): the plain kernel (:func:`_gemm_mx_kernel`, the default down GEMM:
+each warpgroup decodes its own A fragments in registers) and one with a decode warpgroup
 (:func:`_gemm_mx_dec_kernel`, the default up GEMM: one warpgroup decodes each K step's w1 and
 w3 tiles into shared memory, the A operand of two consumer warpgroups of 64 plan rows each).
+(A third form, two consumer warpgroups each decoding w1 or w3 of the same rows, measured 4%
+slower than the decode warpgroup for up and the same as the plain kernel for down: removed,
+the code is at commit c05b8e5.)
 
 The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
 column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
@@ -75,18 +77,15 @@ class MxPlan:
     """Tile plan of one GEMM: BM plan rows (the wgmma N side; the plan's row blocks), warps
     (4: one warpgroup, 8: two, stacked on the weight rows), ``mt`` 64-row weight tiles a
     warpgroup (BN = 16 · warps · mt weight rows a program), ``stages`` activation slots;
-    ``ws``: warp-specialized (:func:`_gemm_mx_ws_kernel`: a TMA warp and two
-    consumer warpgroups of ``regs`` registers; 4 warps a consumer, mt 1); ``dec``: a decode
-    warpgroup of ``dregs`` registers feeding two consumer warpgroups of ``regs``, BM / 2 rows
-    each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256)."""
+    ``dec``: a decode warpgroup of ``dregs`` registers feeding two consumer warpgroups of
+    ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows)."""
 
     BM: int = 64
     warps: int = 4
     mt: int = 1
     stages: int = 3
-    ws: bool = False
-    regs: int = 232
     dec: bool = False
+    regs: int = 192
     dregs: int = 112
 
     def __post_init__(self) -> None:
@@ -96,35 +95,25 @@ class MxPlan:
                              f"{self}")
         if not 2 <= self.stages <= 6:
             raise ValueError(f"MxPlan: stages must be 2..6; found {self.stages}")
-        if self.ws and (self.warps != 4 or self.mt != 1
-                        or self.regs % 8 or not 24 <= self.regs <= 256):
-            raise ValueError(f"MxPlan: ws takes 4 warps a consumer, mt 1, regs a multiple "
-                             f"of 8 in 24..256; found {self}")
-        if self.dec and (self.ws or self.warps != 4 or self.mt != 1
-                         or self.BM not in (128, 256) or self.regs % 8 or self.dregs % 8
+        if self.dec and (self.warps != 4 or self.mt != 1 or self.BM not in (128, 256)
+                         or self.regs % 8 or self.dregs % 8
                          or not 24 <= min(self.regs, self.dregs) <= max(self.regs, self.dregs)
                          <= 256):
-            raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, not "
-                             f"ws, regs and dregs multiples of 8 in 24..256; found "
-                             f"{self}")
+            raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
+                             f"and dregs multiples of 8 in 24..256; found {self}")
 
     def tile_n(self, two: bool) -> int:
-        """Weight rows a program: 16 · warps · mt; warp-specialized, 64 for the up GEMM (w1
-        and w3 of the same rows) and 128 for the down GEMM; with a decode warpgroup, 64."""
-        if self.dec:
-            return 64
-        if self.ws:
-            return 64 if two else 128
-        return 16 * self.warps * self.mt
+        """Weight rows a program: 16 · warps · mt; 64 with a decode warpgroup (``two``: the up
+        GEMM, whose tile holds those rows of w1 and of w3)."""
+        return 64 if self.dec else 16 * self.warps * self.mt
 
 
 # The fastest plans of bench/moe_gluon_mx.py (H100, 8K / 16K / 32K tokens, 256 experts;
 # docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks (each decoded weight feeds 128
 # rows); the up GEMM with a decode warpgroup (w1 and w3 decoded once into shared memory for
-# two consumer warpgroups of 64 rows; 4% faster than two consumers decoding w1 / w3 each:
-# ``ws``), the down GEMM plain (its decode-warpgroup and warp-specialized forms: slower / the
-# same).
-PLAN_UP = MxPlan(BM=128, stages=4, dec=True, regs=192)
+# two consumer warpgroups of 64 rows), the down GEMM plain (its decode-warpgroup form with
+# 128- or 256-row blocks: slower).
+PLAN_UP = MxPlan(BM=128, stages=4, dec=True)
 PLAN_DOWN = MxPlan(BM=128, stages=3)
 
 
@@ -270,12 +259,7 @@ if HAVE_GLUON:
         × BM plan rows, accumulated transposed ([BN, BM]) and stored through the Triton
         kernels' epilogue (:func:`dsv4.ops.gluon_moe_prefill._store_tile`)."""
         grid_dependency_sync(PDL)
-        if N_FIRST:
-            blk = gl.program_id(1)
-            pid_n = gl.program_id(0)
-        else:
-            blk = gl.program_id(0)
-            pid_n = gl.program_id(1)
+        blk, pid_n = _gp._block_and_tile(N_FIRST)
         e = gl.load(bexp_ptr + blk)
         if (e >= 0) & (e < E):
             BN: gl.constexpr = 16 * WARPS * MT
@@ -351,113 +335,6 @@ if HAVE_GLUON:
             mbarrier.expect(full.index(slot), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full.index(slot),
                                             x_s.index(slot))
-
-    @gluon.jit
-    def _ws_consumer(x_s, full, empty, sa_s, acc_s, w_ptr, s_ptr, pair_ptr, wt_ptr, out_ptr,
-                     e, P, N, row0, n0, stride_we, stride_se, stride_om, limit,
-                     PART: gl.constexpr, TWO: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                     K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
-        """One consumer warpgroup: 64 weight rows from n0 of its stack (w1 or w3 of the same
-        rows for the up GEMM, PART 0 / 1; rows n0 + 64 · PART of w2 for the down GEMM) against
-        the block's BM rows, each step's slot released once its product is done.  Down: the
-        rows' epilogue here; up: PART 1 leaves its sums in ``acc_s``, PART 0 returns its own
-        (the epilogue follows the partitions)."""
-        NK: gl.constexpr = K // 128
-        BYTE_L: gl.constexpr = _byte_layout(4, 1)
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
-        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-        if TWO:
-            r0 = n0
-        else:
-            r0 = n0 + 64 * PART
-        e64 = e.to(gl.int64)
-        rb = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, BYTE_L))
-        cb = gl.arange(0, 16, layout=gl.SliceLayout(0, BYTE_L))
-        w_base = w_ptr + (e64 * stride_we + rb[:, None] * 64 + (cb - cb % 4)[None, :])
-        s_base = s_ptr + (e64 * stride_se + rb * 4)
-        zero = gl.zeros([64, BM], gl.float32, acc_l)
-        acc = zero
-        b0, b1, b2, b3, bsw = _load_step(w_base, s_base, 0, N)
-        for i in range(NK):
-            slot = i % STAGES
-            mbarrier.wait(full.index(slot), (i // STAGES) & 1)
-            smax = _smax(bsw)
-            d = _step_product(b0, b1, b2, b3, bsw, smax, x_s.index(slot), zero, 64, a_l)
-            b0, b1, b2, b3, bsw_next = _load_step(w_base, s_base, gl.minimum(i + 1, NK - 1), N)
-            sa = sa_s.index(i).load(gl.SliceLayout(0, acc_l))[None, :]
-            f = _factor(smax, row_l)
-            done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
-            mbarrier.arrive(empty.index(slot), count=1)
-            acc = gl.fma(done * sa, f[:, None], acc)
-            bsw = bsw_next
-        if TWO:
-            if PART == 1:
-                acc_s.store(acc)
-        else:
-            _epilogue(acc, acc, row0, r0, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
-                      False, False, BM, 64, 4)
-        return (acc,)   # a partition's results are a tuple
-
-    @gluon.jit
-    def _ws_worker(x_s, full, empty, sa_s, acc_s, w_ptr, s_ptr, pair_ptr, wt_ptr, out_ptr, e,
-                   P, N, row0, n0, stride_we, stride_se, stride_om, limit, TWO: gl.constexpr,
-                   HAS_LIMIT: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
-                   STAGES: gl.constexpr):
-        """The second consumer (a worker partition returns nothing)."""
-        _ws_consumer(x_s, full, empty, sa_s, acc_s, w_ptr, s_ptr, pair_ptr, wt_ptr, out_ptr, e,
-                     P, N, row0, n0, stride_we, stride_se, stride_om, limit, 1, TWO, HAS_LIMIT,
-                     K, BM, STAGES)
-
-    @gluon.jit
-    def _gemm_mx_ws_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
-                           wt_ptr, out_ptr, P, E, stride_xsm, stride_we, stride_se, stride_om,
-                           limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
-                           HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
-                           STAGES: gl.constexpr, REGS: gl.constexpr, N_FIRST: gl.constexpr,
-                           PDL: gl.constexpr = False):
-        """:func:`_gemm_mx_kernel` warp-specialized: a TMA warp fills the activation ring and
-        two consumer warpgroups decode and multiply 64 weight rows each — w1 and w3 of the
-        same rows (up: the N tile is 64 rows; its epilogue after the partitions, from both
-        sums), or two halves of a 128-row N tile of w2 (down) — so one warpgroup's decode and
-        rescale run beside the other's products.  REGS: each consumer's registers."""
-        grid_dependency_sync(PDL)
-        if N_FIRST:
-            blk = gl.program_id(1)
-            pid_n = gl.program_id(0)
-        else:
-            blk = gl.program_id(0)
-            pid_n = gl.program_id(1)
-        e = gl.load(bexp_ptr + blk)
-        if (e >= 0) & (e < E):
-            NK: gl.constexpr = K // 128
-            BN: gl.constexpr = 64 if TWO else 128
-            row0 = blk * BM
-            n0 = pid_n * BN
-            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
-            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(full.index(s), count=1)
-                mbarrier.init(empty.index(s), count=2)
-            sa_s = _scales_to_shared(xs_ptr, row0, stride_xsm, AB, BM, NK, 4)
-            acc_s = gl.allocate_shared_memory(gl.float32, [64, BM if TWO else 1],
-                                              gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-            sums = gl.warp_specialize([
-                (_ws_consumer, (x_s, full, empty, sa_s, acc_s, w1_ptr, s1_ptr, pair_ptr, wt_ptr,
-                                out_ptr, e, P, N, row0, n0, stride_we, stride_se, stride_om,
-                                limit, 0, TWO, HAS_LIMIT, K, BM, STAGES)),
-                (_ws_worker, (x_s, full, empty, sa_s, acc_s, w3_ptr, s3_ptr, pair_ptr, wt_ptr,
-                              out_ptr, e, P, N, row0, n0, stride_we, stride_se, stride_om,
-                              limit, TWO, HAS_LIMIT, K, BM, STAGES)),
-                (_ws_producer, (x_desc, x_s, full, empty, row0, NK, STAGES)),
-            ], [4, 1], [REGS, 40])
-            if TWO:
-                acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-                    version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
-                _epilogue(sums[0], acc_s.load(acc_l), row0, n0, pair_ptr, wt_ptr, out_ptr, P, N,
-                          stride_om, limit, True, HAS_LIMIT, BM, 64, 4)
 
     # -------------------------------------------------------------- decode partition form
     @gluon.jit
@@ -572,12 +449,7 @@ if HAVE_GLUON:
         the BM plan rows each (A and B from shared memory), a TMA warp fills the activation
         ring.  REGS / DREGS: the consumers' / the decoder's registers."""
         grid_dependency_sync(PDL)
-        if N_FIRST:
-            blk = gl.program_id(1)
-            pid_n = gl.program_id(0)
-        else:
-            blk = gl.program_id(0)
-            pid_n = gl.program_id(1)
+        blk, pid_n = _gp._block_and_tile(N_FIRST)
         e = gl.load(bexp_ptr + blk)
         if (e >= 0) & (e < E):
             NK: gl.constexpr = K // 128
@@ -651,12 +523,10 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tens
             xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0), float(limit))
     common = dict(N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0, AB=ab, BM=plan.BM,
                   STAGES=plan.stages, N_FIRST=first,
-                  num_warps=4 if plan.ws or plan.dec else plan.warps)
+                  num_warps=4 if plan.dec else plan.warps)
     if plan.dec:
         _gemm_mx_dec_kernel[grid](*args, REGS=plan.regs, DREGS=plan.dregs, **common,
                                   **pdl_args(xq))
-    elif plan.ws:
-        _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(xq))
     else:
         _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt,
                               **common, **pdl_args(xq))
@@ -674,12 +544,10 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
             as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0)
     common = dict(N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,
                   STAGES=plan.stages, N_FIRST=first,
-                  num_warps=4 if plan.ws or plan.dec else plan.warps)
+                  num_warps=4 if plan.dec else plan.warps)
     if plan.dec:
         _gemm_mx_dec_kernel[grid](*args, REGS=plan.regs, DREGS=plan.dregs, **common,
                                   **pdl_args(aq))
-    elif plan.ws:
-        _gemm_mx_ws_kernel[grid](*args, REGS=plan.regs, **common, **pdl_args(aq))
     else:
         _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, **common,
                               **pdl_args(aq))

@@ -125,6 +125,18 @@ PLAN_DOWN = GluonGemmPlan(BM=64, BN=256, stages=4, warps=4, ws=True)
 if HAVE_GLUON:
 
     @gluon.jit
+    def _block_and_tile(N_FIRST: gl.constexpr):
+        """This program's (row block, N tile), in :func:`~dsv4.ops.triton_moe.tile_grid`'s
+        order of the grid's axes."""
+        if N_FIRST:
+            blk = gl.program_id(1)
+            pid_n = gl.program_id(0)
+        else:
+            blk = gl.program_id(0)
+            pid_n = gl.program_id(1)
+        return blk, pid_n
+
+    @gluon.jit
     def _issue_step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, step, row0, wrow0, pred,
                     TWO: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
         """TMA loads of K step ``step`` (the activation rows and the weight rows) into slot
@@ -202,12 +214,7 @@ if HAVE_GLUON:
         row) or down (y stored per pair) GEMM; experts e0 <= e < e1 only, weights indexed
         e − e0 (the descriptors view them as [chunk · N, K])."""
         grid_dependency_sync(PDL)
-        if N_FIRST:
-            blk = gl.program_id(1)
-            pid_n = gl.program_id(0)
-        else:
-            blk = gl.program_id(0)
-            pid_n = gl.program_id(1)
+        blk, pid_n = _block_and_tile(N_FIRST)
         e = gl.load(bexp_ptr + blk)
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 32])
@@ -402,12 +409,7 @@ if HAVE_GLUON:
         SKIP: row blocks of experts outside [e0, e1) return before setting up the ring
         (:data:`WS_SKIP`)."""
         grid_dependency_sync(PDL)
-        if N_FIRST:
-            blk = gl.program_id(1)
-            pid_n = gl.program_id(0)
-        else:
-            blk = gl.program_id(0)
-            pid_n = gl.program_id(1)
+        blk, pid_n = _block_and_tile(N_FIRST)
         e = gl.load(bexp_ptr + blk)
         active = (e >= e0) & (e < e1)
         nk = gl.where(active, K // BK, 0)
