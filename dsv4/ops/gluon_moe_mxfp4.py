@@ -1,4 +1,4 @@
-"""Prefill expert GEMMs straight on the MXFP4 stacks, the codes decoded in registers (Gluon,
+"""Prefill expert GEMMs straight on the MXFP4 stacks, the codes decoded on the fly (Gluon,
 sm_90; dsv4 issue #5).
 
 Without kept FP8 codes, the FP8-MMA prefill path (:mod:`dsv4.ops.triton_moe_fp8`) first
@@ -180,7 +180,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _step_product(b0, b1, b2, b3, sw, smax, x, zero, BN: gl.constexpr, a_l: gl.constexpr):
-        """One K step's product of the weight rows (packed bytes b0..b3 per group, scale words
+        """One K step's product of the weight rows (packed words b0..b3 per group, scale words
         sw, their largest exponents smax) with the activation tile x [BM, 128] in shared
         memory: four chained asynchronous k32 products, each group's exponent add folded into
         its codes."""
