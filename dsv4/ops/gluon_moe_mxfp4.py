@@ -102,9 +102,10 @@ class MxPlan:
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
 
-    def tile_n(self, two: bool) -> int:
-        """Weight rows a program: 16 · warps · mt; 64 with a decode warpgroup (``two``: the up
-        GEMM, whose tile holds those rows of w1 and of w3)."""
+    @property
+    def BN(self) -> int:
+        """Weight rows a program: 16 · warps · mt; 64 with a decode warpgroup (for the up GEMM,
+        those rows of w1 and of w3)."""
         return 64 if self.dec else 16 * self.warps * self.mt
 
 
@@ -326,7 +327,7 @@ if HAVE_GLUON:
                       limit, TWO, HAS_LIMIT, BM, BN, WARPS)
 
     @gluon.jit
-    def _ws_producer(x_desc, x_s, full, empty, row0, NK: gl.constexpr, STAGES: gl.constexpr):
+    def _x_producer(x_desc, x_s, full, empty, row0, NK: gl.constexpr, STAGES: gl.constexpr):
         """The TMA warp: step i's activation tile into slot i % STAGES once both consumers
         released the slot's previous step."""
         for i in range(NK):
@@ -485,7 +486,7 @@ if HAVE_GLUON:
                                  TWO, HAS_LIMIT, K, BMC, STAGES)),
                 (_dec_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr,
                                 s3_ptr, e, n0, stride_we, stride_se, N, TWO, K, STAGES)),
-                (_ws_producer, (x_desc, x_s, full_x, empty, row0, NK, STAGES)),
+                (_x_producer, (x_desc, x_s, full_x, empty, row0, NK, STAGES)),
             ], [4, 4, 1], [REGS, DREGS, 40])
 
 
@@ -499,8 +500,8 @@ def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
-    return (D % STEP == 0 and inter % STEP == 0 and inter % up.tile_n(True) == 0
-            and D % down.tile_n(False) == 0)
+    return (D % STEP == 0 and inter % STEP == 0 and inter % up.BN == 0
+            and D % down.BN == 0)
 
 
 def _x_desc(xq: torch.Tensor, BM: int) -> "_gp.TensorDescriptor":
@@ -518,7 +519,7 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tens
     :data:`PLAN_UP`)."""
     plan = PLAN_UP if plan is None else plan
     E, inter, half = w1.shape
-    grid, first = tile_grid(block_expert.shape[0], inter // plan.tile_n(True), n_first=n_first)
+    grid, first = tile_grid(block_expert.shape[0], inter // plan.BN, n_first=n_first)
     args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, E,
             xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0), float(limit))
     common = dict(N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0, AB=ab, BM=plan.BM,
@@ -539,7 +540,7 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
     K-chunk-major (``plan``: None for :data:`PLAN_DOWN`)."""
     plan = PLAN_DOWN if plan is None else plan
     E, D, half = w2.shape
-    grid, first = tile_grid(block_expert.shape[0], D // plan.tile_n(False), n_first=n_first)
+    grid, first = tile_grid(block_expert.shape[0], D // plan.BN, n_first=n_first)
     args = (_x_desc(aq, plan.BM), as_, w2, s2, w2, s2, pairs, block_expert, pairs, y, P, E,
             as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0)
     common = dict(N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,

@@ -171,6 +171,20 @@ if HAVE_GLUON:
         gl.store(ptrs, round_to_bf16(v).to(gl.bfloat16), mask=mask)
 
     @gluon.jit
+    def _rescale(prod, prod3, sa, sb, sb3, acc, acc3, TWO: gl.constexpr,
+                 PENDING: gl.constexpr):
+        """Wait for a step's products (the last PENDING issued may stay in flight) and add them
+        rescaled, the Triton kernels' fp32 operation: acc += (prod · sa) · sb, and under TWO
+        acc3 += (prod3 · sa) · sb3."""
+        if TWO:
+            done, done3 = warpgroup_mma_wait(num_outstanding=PENDING, deps=(prod, prod3))
+            acc3 = gl.fma(done3 * sa[:, None], sb3[None, :], acc3)
+        else:
+            done = warpgroup_mma_wait(num_outstanding=PENDING, deps=(prod,))
+        acc = gl.fma(done * sa[:, None], sb[None, :], acc)
+        return acc, acc3
+
+    @gluon.jit
     def _step(a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, i, row0, wrow0, zero, prev, prev3,
               sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base, f3_base, stride_fk,
               TWO: gl.constexpr, NK: gl.constexpr, AB: gl.constexpr, BK: gl.constexpr,
@@ -186,13 +200,8 @@ if HAVE_GLUON:
         sa = gl.load(sa_base + (i * BK) // AB)
         sb = gl.load(f_base + i * stride_fk)
         sb3 = gl.load(f3_base + i * stride_fk)
-        if TWO:
-            # All but d are done: step i - 1's two products.
-            done, done3 = warpgroup_mma_wait(num_outstanding=1, deps=(prev, prev3))
-            acc3 = gl.fma(done3 * sa_prev[:, None], sb3_prev[None, :], acc3)
-        else:
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-        acc = gl.fma(done * sa_prev[:, None], sb_prev[None, :], acc)
+        # All but d are done: step i - 1's products.
+        acc, acc3 = _rescale(prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, TWO, 1)
         if TWO:
             d3 = warpgroup_mma(a_s.index(slot), b3_s.index(slot).permute((1, 0)), zero,
                                use_acc=False, is_async=True)
@@ -276,12 +285,7 @@ if HAVE_GLUON:
                         a_desc, b_desc, b3_desc, a_s, b_s, b3_s, bars, NK - 1, row0, wrow0,
                         zero, prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, sa_base, f_base,
                         f3_base, stride_fk, TWO, NK, AB, BK, STAGES)
-                if TWO:
-                    done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(prev, prev3))
-                    acc3 = gl.fma(done3 * sa_prev[:, None], sb3_prev[None, :], acc3)
-                else:
-                    done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-                acc = gl.fma(done * sa_prev[:, None], sb_prev[None, :], acc)
+                acc, acc3 = _rescale(prev, prev3, sa_prev, sb_prev, sb3_prev, acc, acc3, TWO, 0)
             else:
                 for i in range(NK):
                     slot = i % STAGES
@@ -298,11 +302,10 @@ if HAVE_GLUON:
                         d3 = warpgroup_mma(a_s.index(slot), b3_s.index(slot).permute((1, 0)),
                                            zero, use_acc=False, is_async=True)
                         sb3 = gl.load(f3_base + i * stride_fk)
-                        done, done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d, d3))
-                        acc3 = gl.fma(done3 * sa[:, None], sb3[None, :], acc3)
                     else:
-                        done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
-                    acc = gl.fma(done * sa[:, None], sb[None, :], acc)
+                        d3 = d
+                        sb3 = sb
+                    acc, acc3 = _rescale(d, d3, sa, sb, sb3, acc, acc3, TWO, 0)
             _store_tile(acc, acc3, rm, rn, pair_ptr, wt_ptr, out_ptr, P, N, stride_om, limit,
                         TWO, HAS_LIMIT)
         for s in gl.static_range(STAGES):

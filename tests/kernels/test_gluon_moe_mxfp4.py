@@ -37,10 +37,10 @@ def test_plan_checks(kwargs: dict) -> None:
 
 
 def test_plan_tiles_and_defaults() -> None:
-    assert mx.MxPlan(warps=8, mt=1).tile_n(True) == 128
-    assert mx.MxPlan(warps=4, mt=2).tile_n(False) == 128
+    assert mx.MxPlan(warps=8, mt=1).BN == 128
+    assert mx.MxPlan(warps=4, mt=2).BN == 128
     dec = mx.MxPlan(BM=256, dec=True)
-    assert (dec.tile_n(True), dec.tile_n(False)) == (64, 64)   # w1 and w3 rows; w2 rows
+    assert dec.BN == 64   # the rows of w1 and of w3 (up), of w2 (down)
     # The measured defaults (docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks for
     # both GEMMs (one plan for the call), the up GEMM with a decode warpgroup.
     assert mx.PLAN_UP.BM == mx.PLAN_DOWN.BM == 128 and mx.PLAN_UP.dec
