@@ -39,6 +39,7 @@ import torch
 
 from dsv4.ops import gluon_moe_prefill as _gp
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
+from dsv4.ops.triton_dense import sm_count
 from dsv4.ops.triton_moe import tile_grid
 from dsv4.ops.triton_moe_fp8 import _FOLD, _FOLD_UP_C, _pow2_exact
 
@@ -78,7 +79,9 @@ class MxPlan:
     (4: one warpgroup, 8: two, stacked on the weight rows), ``mt`` 64-row weight tiles a
     warpgroup (BN = 16 · warps · mt weight rows a program), ``stages`` activation slots;
     ``dec``: a decode warpgroup of ``dregs`` registers feeding two consumer warpgroups of
-    ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows)."""
+    ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows);
+    ``persist``: that form with about one program an SM walking the tiles
+    (:func:`_gemm_mx_pdec_kernel`)."""
 
     BM: int = 64
     warps: int = 4
@@ -87,6 +90,7 @@ class MxPlan:
     dec: bool = False
     regs: int = 192
     dregs: int = 112
+    persist: bool = False
 
     def __post_init__(self) -> None:
         if (self.BM not in (32, 64, 128, 256) or (self.BM == 256 and not self.dec)
@@ -101,6 +105,8 @@ class MxPlan:
                          <= 256):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
+        if self.persist and not self.dec:
+            raise ValueError(f"MxPlan: persist needs dec; found {self}")
 
     @property
     def BN(self) -> int:
@@ -490,6 +496,194 @@ if HAVE_GLUON:
             ], [4, 4, 1], [REGS, DREGS, 40])
 
 
+    # ------------------------------------------------------- persistent decode form
+    @gluon.jit
+    def _tile_coords(t, NB, NT: gl.constexpr, N_FIRST: gl.constexpr):
+        """Tile t of the persistent walk as (row block, N tile): N tiles first (all of a
+        block's N tiles in a row) or row blocks first, as the non-persistent grids order
+        them."""
+        if N_FIRST:
+            return t // NT, t % NT
+        else:
+            return t % NB, t // NB
+
+    @gluon.jit
+    def _p_producer(x_desc, x_s, sa_s, full, empty, xs_ptr, bexp_ptr, E, NB, stride_xsm,
+                    N: gl.constexpr, K: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
+                    STAGES: gl.constexpr, N_FIRST: gl.constexpr):
+        """The load warp of the persistent form: for every step of the program's tiles, the
+        block's activation scales of the step (plain loads, one step ahead) and its
+        activation tile (TMA) into the step's slot, once both consumers released it."""
+        NK: gl.constexpr = K // 128
+        NT: gl.constexpr = N // 64
+        SA_L: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+        r = gl.arange(0, BM, layout=SA_L)
+        g = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
+            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
+            e = gl.load(bexp_ptr + blk)
+            if (e >= 0) & (e < E):
+                row0 = blk * BM
+                sa_row = xs_ptr + (row0 + r).to(gl.int64) * stride_xsm
+                sa = gl.load(sa_row)
+                for i in range(NK):
+                    s = g + i
+                    slot = s % STAGES
+                    sa_next = gl.load(sa_row + (gl.minimum(i + 1, NK - 1) * 128) // AB)
+                    mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
+                    sa_s.index(slot).store(sa)
+                    # Every lane's scales are in shared memory before the slot's arrive.
+                    gl.thread_barrier()
+                    mbarrier.expect(full.index(slot), x_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full.index(slot),
+                                                    x_s.index(slot))
+                    sa = sa_next
+                g += NK
+
+    @gluon.jit
+    def _p_decoder(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                   bexp_ptr, E, NB, stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
+                   K: gl.constexpr, STAGES: gl.constexpr, N_FIRST: gl.constexpr):
+        """:func:`_dec_decoder` over the program's tiles, the ring's steps counted across
+        them (so a tile's first steps decode while the consumers finish the previous one)."""
+        NK: gl.constexpr = K // 128
+        NT: gl.constexpr = N // 64
+        DEC_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, DEC_L))
+        cb = gl.arange(0, 64, layout=gl.SliceLayout(0, DEC_L))
+        col = (cb - cb % 4)[None, :]
+        shift = (cb // 16) * 8
+        g = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
+            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
+            e = gl.load(bexp_ptr + blk)
+            if (e >= 0) & (e < E):
+                e64 = e.to(gl.int64)
+                rows = pid_n * 64 + r
+                w_off = e64 * stride_we + rows[:, None] * 64 + col
+                s_off = e64 * stride_se + rows * 4
+                wa, swa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, 0, N)
+                wb, swb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, 0, N)
+                for i in range(NK):
+                    s = g + i
+                    slot = s % STAGES
+                    j = gl.minimum(i + 1, NK - 1)
+                    na, nsa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, j, N)
+                    if TWO:
+                        nb, nsb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, j, N)
+                    mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
+                    codes, f = _dec_tile(wa, swa, shift)
+                    a_s.index(slot).store(codes)
+                    f_s.index(slot).store(f)
+                    if TWO:
+                        codes3, f3 = _dec_tile(wb, swb, shift)
+                        a3_s.index(slot).store(codes3)
+                        f3_s.index(slot).store(f3)
+                        wb, swb = nb, nsb
+                    fence_async_shared()
+                    mbarrier.arrive(full_a.index(slot), count=1)
+                    wa, swa = na, nsa
+                g += NK
+
+    @gluon.jit
+    def _p_consumer(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E, NB,
+                    pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART: gl.constexpr,
+                    TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
+                    K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                    N_FIRST: gl.constexpr):
+        """:func:`_dec_consumer` over the program's tiles: plan rows [PART · BM / 2,
+        (PART + 1) · BM / 2) of each tile's block, its epilogue while the decoder and the
+        load warp fill the next tile's first steps."""
+        NK: gl.constexpr = K // 128
+        NT: gl.constexpr = N // 64
+        BMC: gl.constexpr = BM // 2
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        zero = gl.zeros([64, BMC], gl.float32, acc_l)
+        g = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
+            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
+            e = gl.load(bexp_ptr + blk)
+            if (e >= 0) & (e < E):
+                acc = zero
+                acc3 = zero
+                for i in range(NK):
+                    s = g + i
+                    slot = s % STAGES
+                    phase = (s // STAGES) & 1
+                    mbarrier.wait(full_x.index(slot), phase)
+                    mbarrier.wait(full_a.index(slot), phase)
+                    xb = x_s.index(slot).slice(PART * BMC, BMC, dim=0).permute((1, 0))
+                    d = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False, is_async=True)
+                    if TWO:
+                        d3 = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False,
+                                           is_async=True)
+                        f3 = f3_s.index(slot).load(row_l)
+                    f1 = f_s.index(slot).load(row_l)
+                    sa = sa_s.index(slot).slice(PART * BMC, BMC).load(col_l)[None, :]
+                    if TWO:
+                        done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
+                        acc = gl.fma(done * sa, f1[:, None], acc)
+                        done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        acc3 = gl.fma(done3 * sa, f3[:, None], acc3)
+                    else:
+                        done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        acc = gl.fma(done * sa, f1[:, None], acc)
+                _epilogue(acc, acc3, blk * BM + PART * BMC, pid_n * 64, pair_ptr, wt_ptr,
+                          out_ptr, P, N, stride_om, limit, TWO, HAS_LIMIT, BMC, 64, 4)
+                g += NK
+
+    @gluon.jit
+    def _gemm_mx_pdec_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr,
+                             bexp_ptr, wt_ptr, out_ptr, P, E, NB, stride_xsm, stride_we,
+                             stride_se, stride_om, limit, N: gl.constexpr, K: gl.constexpr,
+                             TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, AB: gl.constexpr,
+                             BM: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
+                             DREGS: gl.constexpr, N_FIRST: gl.constexpr,
+                             PDL: gl.constexpr = False):
+        """:func:`_gemm_mx_dec_kernel`, persistent: a grid of about one program an SM walks
+        the NB · N / 64 tiles (row block, 64 weight rows) round robin; every partition walks
+        the same tiles and counts the ring's steps across them, so the decoder and the load
+        warp run into the next tile while the consumers store the last one.  The load warp
+        also stages each step's activation scales into the ring."""
+        grid_dependency_sync(PDL)
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+        v_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
+        a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
+        f_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], v_layout)
+        sa_s = gl.allocate_shared_memory(gl.float32, [STAGES, BM], v_layout)
+        if TWO:
+            a3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
+            f3_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], v_layout)
+        else:
+            a3_s = a_s
+            f3_s = f_s
+        full_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        full_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full_x.index(s), count=1)
+            mbarrier.init(full_a.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        gl.warp_specialize([
+            (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+                           NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST)),
+            (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+                           NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST)),
+            (_p_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                          bexp_ptr, E, NB, stride_we, stride_se, N, TWO, K, STAGES, N_FIRST)),
+            (_p_producer, (x_desc, x_s, sa_s, full_x, empty, xs_ptr, bexp_ptr, E, NB,
+                           stride_xsm, N, K, AB, BM, STAGES, N_FIRST)),
+        ], [4, 4, 1], [REGS, DREGS, 40])
+
+
 def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
               up: MxPlan | None = None, down: MxPlan | None = None) -> bool:
     """Whether these GEMMs can run this call: Gluon with its Hopper parts, an sm_90 CUDA
@@ -519,18 +713,9 @@ def gemm_up(xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor, s1: torch.Tens
     :data:`PLAN_UP`)."""
     plan = PLAN_UP if plan is None else plan
     E, inter, half = w1.shape
-    grid, first = tile_grid(block_expert.shape[0], inter // plan.BN, n_first=n_first)
-    args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, E,
-            xs.stride(0), w1.stride(0), s1.stride(0), act.stride(0), float(limit))
-    common = dict(N=inter, K=2 * half, TWO=True, HAS_LIMIT=limit > 0, AB=ab, BM=plan.BM,
-                  STAGES=plan.stages, N_FIRST=first,
-                  num_warps=4 if plan.dec else plan.warps)
-    if plan.dec:
-        _gemm_mx_dec_kernel[grid](*args, REGS=plan.regs, DREGS=plan.dregs, **common,
-                                  **pdl_args(xq))
-    else:
-        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt,
-                              **common, **pdl_args(xq))
+    _launch(plan, xq, xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, E, inter,
+            2 * half, True, float(limit), ab, n_first)
+
 
 def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
               pairs: torch.Tensor, block_expert: torch.Tensor, y: torch.Tensor, P: int, ab: int,
@@ -540,15 +725,34 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
     K-chunk-major (``plan``: None for :data:`PLAN_DOWN`)."""
     plan = PLAN_DOWN if plan is None else plan
     E, D, half = w2.shape
-    grid, first = tile_grid(block_expert.shape[0], D // plan.BN, n_first=n_first)
-    args = (_x_desc(aq, plan.BM), as_, w2, s2, w2, s2, pairs, block_expert, pairs, y, P, E,
-            as_.stride(0), w2.stride(0), s2.stride(0), y.stride(0), 0.0)
-    common = dict(N=D, K=2 * half, TWO=False, HAS_LIMIT=False, AB=ab, BM=plan.BM,
-                  STAGES=plan.stages, N_FIRST=first,
-                  num_warps=4 if plan.dec else plan.warps)
+    _launch(plan, aq, as_, w2, s2, w2, s2, pairs, block_expert, pairs, y, P, E, D, 2 * half,
+            False, 0.0, ab, n_first)
+
+
+def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
+            s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, pairs: torch.Tensor,
+            block_expert: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, P: int, E: int,
+            N: int, K: int, two: bool, limit: float, ab: int, n_first: bool) -> None:
+    """One GEMM's launch in the plan's form (up: ``two``, w1 / w3, wts the pairs' weights;
+    down: w2 twice, wts unused)."""
+    nb = block_expert.shape[0]
+    args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, out, P, E)
+    strides = (xs.stride(0), w1.stride(0), s1.stride(0), out.stride(0), limit)
+    common = dict(N=N, K=K, TWO=two, HAS_LIMIT=two and limit > 0, AB=ab, BM=plan.BM,
+                  STAGES=plan.stages, num_warps=4 if plan.dec else plan.warps,
+                  **pdl_args(xq))
+    if plan.persist:
+        # One program an SM (the three partitions' registers fill it), N tiles first unless
+        # asked otherwise; no grid-axis limit on a 1-D grid.
+        tiles = nb * (N // plan.BN)
+        grid = (max(1, min(tiles, sm_count(xq.device))),)
+        _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=plan.regs, DREGS=plan.dregs,
+                                   N_FIRST=bool(n_first), **common)
+        return
+    grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)
     if plan.dec:
-        _gemm_mx_dec_kernel[grid](*args, REGS=plan.regs, DREGS=plan.dregs, **common,
-                                  **pdl_args(aq))
+        _gemm_mx_dec_kernel[grid](*args, *strides, REGS=plan.regs, DREGS=plan.dregs,
+                                  N_FIRST=first, **common)
     else:
-        _gemm_mx_kernel[grid](*args, WARPS=plan.warps, MT=plan.mt, **common,
-                              **pdl_args(aq))
+        _gemm_mx_kernel[grid](*args, *strides, WARPS=plan.warps, MT=plan.mt, N_FIRST=first,
+                              **common)
