@@ -739,20 +739,19 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
     args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, out, P, E)
     strides = (xs.stride(0), w1.stride(0), s1.stride(0), out.stride(0), limit)
     common = dict(N=N, K=K, TWO=two, HAS_LIMIT=two and limit > 0, AB=ab, BM=plan.BM,
-                  STAGES=plan.stages, num_warps=4 if plan.dec else plan.warps,
-                  **pdl_args(xq))
+                  STAGES=plan.stages, num_warps=4 if plan.dec else plan.warps)
     if plan.persist:
         # One program an SM (the three partitions' registers fill it), N tiles first unless
         # asked otherwise; no grid-axis limit on a 1-D grid.
         tiles = nb * (N // plan.BN)
         grid = (max(1, min(tiles, sm_count(xq.device))),)
         _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=plan.regs, DREGS=plan.dregs,
-                                   N_FIRST=bool(n_first), **common)
+                                   N_FIRST=bool(n_first), **common, **pdl_args(xq))
         return
     grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)
     if plan.dec:
         _gemm_mx_dec_kernel[grid](*args, *strides, REGS=plan.regs, DREGS=plan.dregs,
-                                  N_FIRST=first, **common)
+                                  N_FIRST=first, **common, **pdl_args(xq))
     else:
         _gemm_mx_kernel[grid](*args, *strides, WARPS=plan.warps, MT=plan.mt, N_FIRST=first,
-                              **common)
+                              **common, **pdl_args(xq))
