@@ -81,7 +81,8 @@ class MxPlan:
     ``dec``: a decode warpgroup of ``dregs`` registers feeding two consumer warpgroups of
     ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows);
     ``persist``: that form with about one program an SM walking the tiles
-    (:func:`_gemm_mx_pdec_kernel`)."""
+    (:func:`_gemm_mx_pdec_kernel`), its consumers keeping one product in flight when
+    ``lag`` (:func:`_p_consumer_lag`)."""
 
     BM: int = 64
     warps: int = 4
@@ -91,6 +92,7 @@ class MxPlan:
     regs: int = 192
     dregs: int = 112
     persist: bool = False
+    lag: bool = False
 
     def __post_init__(self) -> None:
         if (self.BM not in (32, 64, 128, 256) or (self.BM == 256 and not self.dec)
@@ -105,8 +107,8 @@ class MxPlan:
                          <= 256):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
-        if self.persist and not self.dec:
-            raise ValueError(f"MxPlan: persist needs dec; found {self}")
+        if (self.persist and not self.dec) or (self.lag and not self.persist):
+            raise ValueError(f"MxPlan: persist needs dec, lag needs persist; found {self}")
 
     @property
     def BN(self) -> int:
@@ -590,7 +592,23 @@ if HAVE_GLUON:
                     pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART: gl.constexpr,
                     TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
                     K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                    N_FIRST: gl.constexpr):
+                    N_FIRST: gl.constexpr, LAG: gl.constexpr):
+        """A consumer warpgroup of the persistent form (``LAG``: :func:`_p_consumer_lag`)."""
+        if LAG:
+            _p_consumer_lag(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                            E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART, TWO,
+                            HAS_LIMIT, N, K, BM, STAGES, N_FIRST)
+        else:
+            _p_consumer_step(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                             E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART, TWO,
+                             HAS_LIMIT, N, K, BM, STAGES, N_FIRST)
+
+    @gluon.jit
+    def _p_consumer_step(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+                         NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART: gl.constexpr,
+                         TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
+                         K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                         N_FIRST: gl.constexpr):
         """:func:`_dec_consumer` over the program's tiles: plan rows [PART · BM / 2,
         (PART + 1) · BM / 2) of each tile's block, its epilogue while the decoder and the
         load warp fill the next tile's first steps."""
@@ -638,12 +656,99 @@ if HAVE_GLUON:
                 g += NK
 
     @gluon.jit
+    def _ready(x_s, full_x, full_a, s, PART: gl.constexpr, BMC: gl.constexpr,
+               STAGES: gl.constexpr):
+        """Ring step s's slot once its activation and weight tiles are in, and this consumer's
+        rows of the activation tile as the wgmma's B operand."""
+        slot = s % STAGES
+        phase = (s // STAGES) & 1
+        mbarrier.wait(full_x.index(slot), phase)
+        mbarrier.wait(full_a.index(slot), phase)
+        return slot, x_s.index(slot).slice(PART * BMC, BMC, dim=0).permute((1, 0))
+
+    @gluon.jit
+    def _scales(f_s, sa_s, slot, PART: gl.constexpr, BMC: gl.constexpr, acc_l: gl.constexpr):
+        """A slot's weight-row factors [64, 1] and this consumer's activation scales [1, BMC]."""
+        return (f_s.index(slot).load(gl.SliceLayout(1, acc_l))[:, None],
+                sa_s.index(slot).slice(PART * BMC, BMC).load(gl.SliceLayout(0, acc_l))[None, :])
+
+    @gluon.jit
+    def _p_consumer_lag(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+                        NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART: gl.constexpr,
+                        TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
+                        K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                        N_FIRST: gl.constexpr):
+        """:func:`_p_consumer` with one product always in flight: each product is rescaled
+        while the next one runs (up: step i's w1 product issued before step i − 1's w3 product
+        is rescaled, step i's w3 product before step i's w1 product is), so a consumer's
+        fp32 work no longer leaves the tensor cores idle.  Same operations, same order per
+        accumulator: the same bits.  A slot is released once its last product is waited for
+        and its scales are read."""
+        NK: gl.constexpr = K // 128
+        NT: gl.constexpr = N // 64
+        BMC: gl.constexpr = BM // 2
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
+        zero = gl.zeros([64, BMC], gl.float32, acc_l)
+        g = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
+            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
+            e = gl.load(bexp_ptr + blk)
+            if (e >= 0) & (e < E):
+                acc = zero
+                acc3 = zero
+                prev, xb = _ready(x_s, full_x, full_a, g, PART, BMC, STAGES)
+                d = warpgroup_mma(a_s.index(prev), xb, zero, use_acc=False, is_async=True)
+                if TWO:
+                    d3 = warpgroup_mma(a3_s.index(prev), xb, zero, use_acc=False,
+                                       is_async=True)
+                    done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
+                    f1, sa = _scales(f_s, sa_s, prev, PART, BMC, acc_l)
+                    acc = gl.fma(done * sa, f1, acc)
+                for i in range(1, NK):
+                    slot, xb = _ready(x_s, full_x, full_a, g + i, PART, BMC, STAGES)
+                    if TWO:
+                        d = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False,
+                                          is_async=True)
+                        done3 = warpgroup_mma_wait(num_outstanding=1, deps=(d3,))
+                        f3, sa3 = _scales(f3_s, sa_s, prev, PART, BMC, acc_l)
+                        mbarrier.arrive(empty.index(prev), count=1)
+                        acc3 = gl.fma(done3 * sa3, f3, acc3)
+                        d3 = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False,
+                                           is_async=True)
+                        done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
+                        f1, sa = _scales(f_s, sa_s, slot, PART, BMC, acc_l)
+                        acc = gl.fma(done * sa, f1, acc)
+                    else:
+                        dn = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False,
+                                           is_async=True)
+                        done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
+                        f1, sa = _scales(f_s, sa_s, prev, PART, BMC, acc_l)
+                        mbarrier.arrive(empty.index(prev), count=1)
+                        acc = gl.fma(done * sa, f1, acc)
+                        d = dn
+                    prev = slot
+                if TWO:
+                    done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
+                    f3, sa3 = _scales(f3_s, sa_s, prev, PART, BMC, acc_l)
+                    mbarrier.arrive(empty.index(prev), count=1)
+                    acc3 = gl.fma(done3 * sa3, f3, acc3)
+                else:
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
+                    f1, sa = _scales(f_s, sa_s, prev, PART, BMC, acc_l)
+                    mbarrier.arrive(empty.index(prev), count=1)
+                    acc = gl.fma(done * sa, f1, acc)
+                _epilogue(acc, acc3, blk * BM + PART * BMC, pid_n * 64, pair_ptr, wt_ptr,
+                          out_ptr, P, N, stride_om, limit, TWO, HAS_LIMIT, BMC, 64, 4)
+                g += NK
+
+    @gluon.jit
     def _gemm_mx_pdec_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr,
                              bexp_ptr, wt_ptr, out_ptr, P, E, NB, stride_xsm, stride_we,
                              stride_se, stride_om, limit, N: gl.constexpr, K: gl.constexpr,
                              TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, AB: gl.constexpr,
                              BM: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
-                             DREGS: gl.constexpr, N_FIRST: gl.constexpr,
+                             DREGS: gl.constexpr, N_FIRST: gl.constexpr, LAG: gl.constexpr,
                              PDL: gl.constexpr = False):
         """:func:`_gemm_mx_dec_kernel`, persistent: a grid of about one program an SM walks
         the NB · N / 64 tiles (row block, 64 weight rows) round robin; every partition walks
@@ -673,10 +778,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
                            NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
-                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST)),
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, LAG)),
             (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
                            NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
-                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST)),
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, LAG)),
             (_p_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                           bexp_ptr, E, NB, stride_we, stride_se, N, TWO, K, STAGES, N_FIRST)),
             (_p_producer, (x_desc, x_s, sa_s, full_x, empty, xs_ptr, bexp_ptr, E, NB,
@@ -746,7 +851,8 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
         tiles = nb * (N // plan.BN)
         grid = (max(1, min(tiles, sm_count(xq.device))),)
         _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=plan.regs, DREGS=plan.dregs,
-                                   N_FIRST=bool(n_first), **common, **pdl_args(xq))
+                                   N_FIRST=bool(n_first), LAG=plan.lag, **common,
+                                   **pdl_args(xq))
         return
     grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)
     if plan.dec:
