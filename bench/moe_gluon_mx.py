@@ -38,7 +38,8 @@ LIMIT = 10.0
 DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:3:pdec,"
                  "up:128:4:1:4:pdec,up:128:4:1:4:pdecl,down:64:4:1:3,down:128:4:1:3,down:128:4:1:3:dec,"
                  "down:256:4:1:2:dec,down:256:4:1:3:dec,down:128:4:1:4:pdec,"
-                 "down:256:4:1:2:pdec,down:256:4:1:3:pdec,down:128:4:1:4:pdecl")
+                 "down:256:4:1:2:pdec,down:256:4:1:3:pdec,down:128:4:1:4:pdecl,down:128:4:1:3:pdecl,"
+                 "up:128:4:1:3:pdecl")
 
 
 def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:

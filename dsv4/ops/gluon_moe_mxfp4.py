@@ -678,15 +678,19 @@ if HAVE_GLUON:
                         TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
                         K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                         N_FIRST: gl.constexpr):
-        """:func:`_p_consumer` with one product always in flight: each product is rescaled
-        while the next one runs (up: step i's w1 product issued before step i − 1's w3 product
-        is rescaled, step i's w3 product before step i's w1 product is), so a consumer's
-        fp32 work no longer leaves the tensor cores idle.  Same operations, same order per
-        accumulator: the same bits.  A slot is released once its last product is waited for
-        and its scales are read."""
+        """:func:`_p_consumer_step` with the next product in flight while one is rescaled:
+        a loop turn takes U steps (2 with w1 and w3, else 4) as one chain of products, each
+        issued before the previous one is waited for and rescaled, so the tensor cores idle
+        only during a turn's last rescale.  (A product in flight across the loop's back edge
+        makes ptxas serialize every wgmma, C7514: hence whole chains in a turn.)  Same
+        operations in the same order per accumulator: the same bits.  A slot is released
+        once its last product is waited for and its scales are read."""
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64
         BMC: gl.constexpr = BM // 2
+        W: gl.constexpr = 2 if TWO else 1
+        U: gl.constexpr = 2 if TWO else 4
+        gl.static_assert(NK % U == 0, "K steps must fill whole loop turns")
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
         zero = gl.zeros([64, BMC], gl.float32, acc_l)
@@ -697,47 +701,41 @@ if HAVE_GLUON:
             if (e >= 0) & (e < E):
                 acc = zero
                 acc3 = zero
-                prev, xb = _ready(x_s, full_x, full_a, g, PART, BMC, STAGES)
-                d = warpgroup_mma(a_s.index(prev), xb, zero, use_acc=False, is_async=True)
-                if TWO:
-                    d3 = warpgroup_mma(a3_s.index(prev), xb, zero, use_acc=False,
-                                       is_async=True)
-                    done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
-                    f1, sa = _scales(f_s, sa_s, prev, PART, BMC, acc_l)
-                    acc = gl.fma(done * sa, f1, acc)
-                for i in range(1, NK):
-                    slot, xb = _ready(x_s, full_x, full_a, g + i, PART, BMC, STAGES)
+                for i0 in range(0, NK, U):
+                    slot, xb = _ready(x_s, full_x, full_a, g + i0, PART, BMC, STAGES)
+                    dp = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False, is_async=True)
+                    sp = slot
+                    # Product j: step i0 + j // W, w1 (j % W == 0) or w3.
+                    for j in gl.static_range(1, U * W):
+                        if j % W == 0:
+                            slot, xb = _ready(x_s, full_x, full_a, g + i0 + j // W, PART, BMC,
+                                              STAGES)
+                            dq = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False,
+                                               is_async=True)
+                        else:
+                            dq = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False,
+                                               is_async=True)
+                        done = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+                        if (j - 1) % W == 1:
+                            f, sa = _scales(f3_s, sa_s, sp, PART, BMC, acc_l)
+                            mbarrier.arrive(empty.index(sp), count=1)
+                            acc3 = gl.fma(done * sa, f, acc3)
+                        else:
+                            f, sa = _scales(f_s, sa_s, sp, PART, BMC, acc_l)
+                            if W == 1:
+                                mbarrier.arrive(empty.index(sp), count=1)
+                            acc = gl.fma(done * sa, f, acc)
+                        dp = dq
+                        sp = slot
+                    done = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
                     if TWO:
-                        d = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False,
-                                          is_async=True)
-                        done3 = warpgroup_mma_wait(num_outstanding=1, deps=(d3,))
-                        f3, sa3 = _scales(f3_s, sa_s, prev, PART, BMC, acc_l)
-                        mbarrier.arrive(empty.index(prev), count=1)
-                        acc3 = gl.fma(done3 * sa3, f3, acc3)
-                        d3 = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False,
-                                           is_async=True)
-                        done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
-                        f1, sa = _scales(f_s, sa_s, slot, PART, BMC, acc_l)
-                        acc = gl.fma(done * sa, f1, acc)
+                        f, sa = _scales(f3_s, sa_s, sp, PART, BMC, acc_l)
+                        mbarrier.arrive(empty.index(sp), count=1)
+                        acc3 = gl.fma(done * sa, f, acc3)
                     else:
-                        dn = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False,
-                                           is_async=True)
-                        done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
-                        f1, sa = _scales(f_s, sa_s, prev, PART, BMC, acc_l)
-                        mbarrier.arrive(empty.index(prev), count=1)
-                        acc = gl.fma(done * sa, f1, acc)
-                        d = dn
-                    prev = slot
-                if TWO:
-                    done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
-                    f3, sa3 = _scales(f3_s, sa_s, prev, PART, BMC, acc_l)
-                    mbarrier.arrive(empty.index(prev), count=1)
-                    acc3 = gl.fma(done3 * sa3, f3, acc3)
-                else:
-                    done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
-                    f1, sa = _scales(f_s, sa_s, prev, PART, BMC, acc_l)
-                    mbarrier.arrive(empty.index(prev), count=1)
-                    acc = gl.fma(done * sa, f1, acc)
+                        f, sa = _scales(f_s, sa_s, sp, PART, BMC, acc_l)
+                        mbarrier.arrive(empty.index(sp), count=1)
+                        acc = gl.fma(done * sa, f, acc)
                 _epilogue(acc, acc3, blk * BM + PART * BMC, pid_n * 64, pair_ptr, wt_ptr,
                           out_ptr, P, N, stride_om, limit, TWO, HAS_LIMIT, BMC, 64, 4)
                 g += NK

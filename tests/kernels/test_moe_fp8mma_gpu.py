@@ -415,14 +415,16 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
 
 @needs_gpu
 @pytest.mark.parametrize("T, form", [(2048, "default"), (8192, "default"), (8192, "dec"),
-                                     (8192, "plain64"), (2048, "pdec"), (8192, "pdec")])
+                                     (8192, "plain64"), (2048, "pdec"), (8192, "pdec"),
+                                     (8192, "pdecl")])
 def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4, DSV4_FP8MMA_MX) at
     V4-Flash widths give the per-call re-encoding's bits (outputs over NaN-poisoned memory,
     finite): the same products, each k32 MMA summing the same 32 in another order, which the
     tensor cores' sum does not depend on.  Forms: the default plans (the up GEMM's decode
     warpgroup, the plain down GEMM, 128-row blocks), both GEMMs with a decode warpgroup, both
-    plain with 64-row blocks, both persistent (one program an SM walking the tiles)."""
+    plain with 64-row blocks, both persistent (one program an SM walking the tiles), both
+    persistent with chained products."""
     from dataclasses import replace
 
     from dsv4.ops import gluon_moe_mxfp4 as mx
@@ -430,10 +432,10 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
         pytest.skip("needs Gluon and an sm_90 GPU")
     if form == "dec":
         monkeypatch.setattr(mx, "PLAN_DOWN", mx.MxPlan(BM=128, dec=True))
-    elif form == "pdec":
-        monkeypatch.setattr(mx, "PLAN_UP", mx.MxPlan(BM=128, stages=4, dec=True, persist=True))
-        monkeypatch.setattr(mx, "PLAN_DOWN", mx.MxPlan(BM=128, stages=4, dec=True,
-                                                       persist=True))
+    elif form in ("pdec", "pdecl"):
+        plan = mx.MxPlan(BM=128, stages=4, dec=True, persist=True, lag=form == "pdecl")
+        monkeypatch.setattr(mx, "PLAN_UP", plan)
+        monkeypatch.setattr(mx, "PLAN_DOWN", plan)
     elif form == "plain64":
         monkeypatch.setattr(mx, "PLAN_UP", mx.MxPlan(BM=64))
         monkeypatch.setattr(mx, "PLAN_DOWN", mx.MxPlan(BM=64))
