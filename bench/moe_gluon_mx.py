@@ -4,7 +4,7 @@ expert call with and without the per-call re-encoding: V4-Flash widths (D 4096, 
 top-6), random K-chunk-major MXFP4 stacks, random routing.
 
     PYTHONPATH=. python bench/moe_gluon_mx.py [--tokens 8192,32768] [--experts 256]
-        [--plans up|down:BM:warps:mt:stages[:dec|:pdec|:pdecl],...] [--out f.json]
+        [--plans up|down:BM:warps:mt:stages[:dec|:pdec|:pdecN],...] [--out f.json]
 
 Printed per token count: each GEMM's µs and TFLOP/s (Triton on kept codes, then every plan of
 the MXFP4 kernels, their output against Triton's: 'bits' or the relative difference), then the
@@ -35,27 +35,29 @@ from dsv4.ops import triton_moe_fp8 as f8  # noqa: E402
 from dsv4.ops.triton_moe import _weight_args  # noqa: E402
 
 LIMIT = 10.0
-DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:3:pdec,"
-                 "up:128:4:1:4:pdec,up:128:4:1:4:pdecl,down:64:4:1:3,down:128:4:1:3,down:128:4:1:3:dec,"
-                 "down:256:4:1:2:dec,down:256:4:1:3:dec,down:128:4:1:4:pdec,"
-                 "down:256:4:1:2:pdec,down:256:4:1:3:pdec,down:128:4:1:4:pdecl,down:128:4:1:3:pdecl,"
-                 "up:128:4:1:3:pdecl")
+DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:4:pdec,"
+                 "up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:64:4:1:3,"
+                 "down:128:4:1:3,down:128:4:1:3:dec,down:256:4:1:3:dec,down:128:4:1:4:pdec,"
+                 "down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec2")
 
 
 def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:
-    """``gemm:BM:warps:mt:stages[:dec|:pdec|:pdecl]`` items -> (gemm, plan) (``dec``: the decode-warpgroup
-    form, the default registers)."""
+    """``gemm:BM:warps:mt:stages[:dec|:pdec|:pdecN]`` items -> (gemm, plan) (``dec``: the
+    decode-warpgroup form, the default registers; ``pdec``: its persistent form; ``pdecN``:
+    that with N steps' products chained a loop turn)."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        if parts[0] not in ("up", "down") or len(parts) not in (5, 6) or \
-                parts[5:] not in ([], ["dec"], ["pdec"], ["pdecl"]):
+        form = parts[5] if len(parts) == 6 else ""
+        chain = form[4:]
+        if parts[0] not in ("up", "down") or len(parts) not in (5, 6) or not (
+                form in ("", "dec", "pdec") or (form.startswith("pdec") and chain.isdigit())):
             raise SystemExit(f"moe_gluon_mx: bad plan {item!r} "
-                             f"(up|down:BM:warps:mt:stages[:dec|:pdec|:pdecl])")
+                             f"(up|down:BM:warps:mt:stages[:dec|:pdec|:pdecN])")
         BM, warps, mt, stages = (int(v) for v in parts[1:5])
         out.append((parts[0], mx.MxPlan(BM=BM, warps=warps, mt=mt, stages=stages,
-                                        dec=parts[5:] != [], persist=parts[5:] in (["pdec"], ["pdecl"]),
-                                        lag=parts[5:] == ["pdecl"])))
+                                        dec=form != "", persist=form.startswith("pdec"),
+                                        chain=int(chain or 0))))
     return out
 
 
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for gemm, plan in plans:
             name = (f"mx BM{plan.BM} w{plan.warps} mt{plan.mt} s{plan.stages}"
                     f"{' pdec' if plan.persist else ' dec' if plan.dec else ''}"
-                    f"{' lag' if plan.lag else ''}")
+                    f"{f' chain {plan.chain}' if plan.chain else ''}")
             try:
                 r = reference(plan.BM)
                 pl = r["pl"]
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
     ap.add_argument("--plans", default=DEFAULT_PLANS,
-                    help="MXFP4 plans, comma-separated gemm:BM:warps:mt:stages[:dec|:pdec|:pdecl]")
+                    help="MXFP4 plans, comma-separated gemm:BM:warps:mt:stages[:dec|:pdec|:pdecN]")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return run(ap.parse_args(argv))

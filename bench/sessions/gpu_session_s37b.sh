@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Thirty-seventh session: the persistent decode-warpgroup form of the MXFP4 GEMMs
-# (_gemm_mx_pdec_kernel, written without a GPU; with chained products: pdecl): its bits (GPU test), its plans against the
+# (_gemm_mx_pdec_kernel, written without a GPU; pdecN: the products of N steps chained a loop
+# turn): its bits (GPU test), its plans against the
 # default ones at 8K / 32K tokens (bench/moe_gluon_mx.py); where the 4-layer 8K prefill goes
 # now (torch.profiler, 256 experts).
 set -u
@@ -11,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage mxtest 150 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "mx_gemms"
 grep -h "passed\|failed\|Error" "$LOGS/mxtest.log" | tail -n 5
 stage mxbench 200 python bench/moe_gluon_mx.py --tokens 8192,32768 \
-    --plans up:128:4:1:4:dec,up:128:4:1:4:pdec,up:128:4:1:4:pdecl,up:128:4:1:3:pdecl,down:128:4:1:3,down:128:4:1:4:pdec,down:128:4:1:4:pdecl,down:128:4:1:3:pdecl
+    --plans up:128:4:1:4:dec,up:128:4:1:4:pdec,up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:128:4:1:3,down:128:4:1:4:pdec,down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec2
 grep -h "^|" "$LOGS/mxbench.log"
 stage prof 150 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches "" \
     --reps 1 --ctx 8192 --profile "$OUT/prefill_prof.txt"

@@ -81,8 +81,8 @@ class MxPlan:
     ``dec``: a decode warpgroup of ``dregs`` registers feeding two consumer warpgroups of
     ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows);
     ``persist``: that form with about one program an SM walking the tiles
-    (:func:`_gemm_mx_pdec_kernel`), its consumers keeping one product in flight when
-    ``lag`` (:func:`_p_consumer_lag`)."""
+    (:func:`_gemm_mx_pdec_kernel`), its consumers chaining ``chain`` steps' products a loop
+    turn when > 0 (:func:`_p_consumer_chain`)."""
 
     BM: int = 64
     warps: int = 4
@@ -92,7 +92,7 @@ class MxPlan:
     regs: int = 192
     dregs: int = 112
     persist: bool = False
-    lag: bool = False
+    chain: int = 0
 
     def __post_init__(self) -> None:
         if (self.BM not in (32, 64, 128, 256) or (self.BM == 256 and not self.dec)
@@ -107,8 +107,10 @@ class MxPlan:
                          <= 256):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
-        if (self.persist and not self.dec) or (self.lag and not self.persist):
-            raise ValueError(f"MxPlan: persist needs dec, lag needs persist; found {self}")
+        if ((self.persist and not self.dec) or (self.chain and not self.persist)
+                or self.chain not in (0, 1, 2, 4, 8)):
+            raise ValueError(f"MxPlan: persist needs dec, chain (1, 2, 4, 8 steps) needs "
+                             f"persist; found {self}")
 
     @property
     def BN(self) -> int:
@@ -592,12 +594,13 @@ if HAVE_GLUON:
                     pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART: gl.constexpr,
                     TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
                     K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                    N_FIRST: gl.constexpr, LAG: gl.constexpr):
-        """A consumer warpgroup of the persistent form (``LAG``: :func:`_p_consumer_lag`)."""
-        if LAG:
-            _p_consumer_lag(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
-                            E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART, TWO,
-                            HAS_LIMIT, N, K, BM, STAGES, N_FIRST)
+                    N_FIRST: gl.constexpr, CHAIN: gl.constexpr):
+        """A consumer warpgroup of the persistent form (``CHAIN`` > 0:
+        :func:`_p_consumer_chain`)."""
+        if CHAIN > 0:
+            _p_consumer_chain(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                              E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART, TWO,
+                              HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)
         else:
             _p_consumer_step(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
                              E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART, TWO,
@@ -673,15 +676,15 @@ if HAVE_GLUON:
                 sa_s.index(slot).slice(PART * BMC, BMC).load(gl.SliceLayout(0, acc_l))[None, :])
 
     @gluon.jit
-    def _p_consumer_lag(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+    def _p_consumer_chain(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
                         NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, PART: gl.constexpr,
                         TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, N: gl.constexpr,
                         K: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                        N_FIRST: gl.constexpr):
+                        N_FIRST: gl.constexpr, U: gl.constexpr):
         """:func:`_p_consumer_step` with the next product in flight while one is rescaled:
-        a loop turn takes U steps (2 with w1 and w3, else 4) as one chain of products, each
-        issued before the previous one is waited for and rescaled, so the tensor cores idle
-        only during a turn's last rescale.  (A product in flight across the loop's back edge
+        a loop turn takes U steps as one chain of products (w1 and w3 of each step for the up
+        GEMM), each issued before the previous one is waited for and rescaled, so the tensor
+        cores idle only during a turn's last rescale.  (A product in flight across the loop's back edge
         makes ptxas serialize every wgmma, C7514: hence whole chains in a turn.)  Same
         operations in the same order per accumulator: the same bits.  A slot is released
         once its last product is waited for and its scales are read."""
@@ -689,7 +692,6 @@ if HAVE_GLUON:
         NT: gl.constexpr = N // 64
         BMC: gl.constexpr = BM // 2
         W: gl.constexpr = 2 if TWO else 1
-        U: gl.constexpr = 2 if TWO else 4
         gl.static_assert(NK % U == 0, "K steps must fill whole loop turns")
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
@@ -746,7 +748,7 @@ if HAVE_GLUON:
                              stride_se, stride_om, limit, N: gl.constexpr, K: gl.constexpr,
                              TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, AB: gl.constexpr,
                              BM: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
-                             DREGS: gl.constexpr, N_FIRST: gl.constexpr, LAG: gl.constexpr,
+                             DREGS: gl.constexpr, N_FIRST: gl.constexpr, CHAIN: gl.constexpr,
                              PDL: gl.constexpr = False):
         """:func:`_gemm_mx_dec_kernel`, persistent: a grid of about one program an SM walks
         the NB · N / 64 tiles (row block, 64 weight rows) round robin; every partition walks
@@ -776,10 +778,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
                            NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
-                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, LAG)),
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
             (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
                            NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
-                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, LAG)),
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
             (_p_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                           bexp_ptr, E, NB, stride_we, stride_se, N, TWO, K, STAGES, N_FIRST)),
             (_p_producer, (x_desc, x_s, sa_s, full_x, empty, xs_ptr, bexp_ptr, E, NB,
@@ -791,14 +793,15 @@ def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
               up: MxPlan | None = None, down: MxPlan | None = None) -> bool:
     """Whether these GEMMs can run this call: Gluon with its Hopper parts, an sm_90 CUDA
     device, K-chunk-major stacks of 128-wide chunks (the K step), D and I multiples of 128 and
-    of the plans' N tiles."""
+    of the plans' N tiles (and their K steps of the plans' chains)."""
     up, down = up or PLAN_UP, down or PLAN_DOWN
     if not (HAVE_GLUON and x.is_cuda and kchunk == STEP and ks == STEP):
         return False
     if torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
     return (D % STEP == 0 and inter % STEP == 0 and inter % up.BN == 0
-            and D % down.BN == 0)
+            and D % down.BN == 0 and (D // STEP) % max(up.chain, 1) == 0
+            and (inter // STEP) % max(down.chain, 1) == 0)
 
 
 def _x_desc(xq: torch.Tensor, BM: int) -> "_gp.TensorDescriptor":
@@ -843,13 +846,16 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
     strides = (xs.stride(0), w1.stride(0), s1.stride(0), out.stride(0), limit)
     common = dict(N=N, K=K, TWO=two, HAS_LIMIT=two and limit > 0, AB=ab, BM=plan.BM,
                   STAGES=plan.stages, num_warps=4 if plan.dec else plan.warps)
+    if plan.chain and (K // STEP) % plan.chain:
+        raise ValueError(f"gluon_moe_mxfp4: {K // STEP} K steps do not fill chains of "
+                         f"{plan.chain}")
     if plan.persist:
         # One program an SM (the three partitions' registers fill it), N tiles first unless
         # asked otherwise; no grid-axis limit on a 1-D grid.
         tiles = nb * (N // plan.BN)
         grid = (max(1, min(tiles, sm_count(xq.device))),)
         _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=plan.regs, DREGS=plan.dregs,
-                                   N_FIRST=bool(n_first), LAG=plan.lag, **common,
+                                   N_FIRST=bool(n_first), CHAIN=plan.chain, **common,
                                    **pdl_args(xq))
         return
     grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)

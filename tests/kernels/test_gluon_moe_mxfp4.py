@@ -30,7 +30,8 @@ def test_mx_k_position_is_a_permutation_within_each_group() -> None:
 @pytest.mark.parametrize("kwargs", [
     {"BM": 48}, {"warps": 2}, {"mt": 3}, {"stages": 1}, {"stages": 7}, {"BM": 256},
     {"BM": 64, "dec": True}, {"dec": True, "warps": 8}, {"dec": True, "mt": 2},
-    {"dec": True, "regs": 20}, {"dec": True, "dregs": 100}, {"persist": True}])
+    {"dec": True, "regs": 20}, {"dec": True, "dregs": 100}, {"persist": True},
+    {"dec": True, "chain": 2}, {"dec": True, "persist": True, "chain": 3}])
 def test_plan_checks(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         mx.MxPlan(**kwargs)
