@@ -42,22 +42,17 @@ DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:4:pde
 
 
 def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:
-    """``gemm:BM:warps:mt:stages[:dec|:pdec|:pdecN]`` items -> (gemm, plan) (``dec``: the
-    decode-warpgroup form, the default registers; ``pdec``: its persistent form; ``pdecN``:
-    that with N steps' products chained a loop turn)."""
+    """``gemm:BM:warps:mt:stages[:dec|:pdec|:pdecN]`` items -> (gemm, plan) (the plan as
+    :func:`dsv4.ops.gluon_moe_mxfp4.parse_plan` reads it)."""
     out = []
     for item in text.split(","):
-        parts = item.split(":")
-        form = parts[5] if len(parts) == 6 else ""
-        chain = form[4:]
-        if parts[0] not in ("up", "down") or len(parts) not in (5, 6) or not (
-                form in ("", "dec", "pdec") or (form.startswith("pdec") and chain.isdigit())):
-            raise SystemExit(f"moe_gluon_mx: bad plan {item!r} "
-                             f"(up|down:BM:warps:mt:stages[:dec|:pdec|:pdecN])")
-        BM, warps, mt, stages = (int(v) for v in parts[1:5])
-        out.append((parts[0], mx.MxPlan(BM=BM, warps=warps, mt=mt, stages=stages,
-                                        dec=form != "", persist=form.startswith("pdec"),
-                                        chain=int(chain or 0))))
+        gemm, _, plan = item.partition(":")
+        if gemm not in ("up", "down"):
+            raise SystemExit(f"moe_gluon_mx: bad plan {item!r} (up|down:plan)")
+        try:
+            out.append((gemm, mx.parse_plan(plan)))
+        except ValueError as e:
+            raise SystemExit(f"moe_gluon_mx: {e}") from None
     return out
 
 

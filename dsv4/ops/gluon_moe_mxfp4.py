@@ -53,7 +53,7 @@ if HAVE_GLUON:
     from dsv4.ops.gluon_moe_decode import _byte_layout
 
 __all__ = ["MX_PREFILL", "MxPlan", "PLAN_UP", "PLAN_DOWN", "gemm_up", "gemm_down",
-           "mx_k_position", "qualifies"]
+           "mx_k_position", "parse_plan", "qualifies"]
 
 # Expert calls without kept codes run these GEMMs on the MXFP4 stacks, with no re-encoding
 # pass (DSV4_FP8MMA_MX, default on; 0: the re-encoding).  H100, V4-Flash, 256 experts
@@ -126,6 +126,26 @@ class MxPlan:
 # 128- or 256-row blocks: slower).
 PLAN_UP = MxPlan(BM=128, stages=4, dec=True)
 PLAN_DOWN = MxPlan(BM=128, stages=3)
+
+
+def parse_plan(text: str) -> MxPlan:
+    """``BM:warps:mt:stages[:dec|:pdec|:pdecN]`` -> the plan (``dec``: the decode-warpgroup
+    form with the default registers; ``pdec``: its persistent form; ``pdecN``: that with N
+    steps' products chained a loop turn)."""
+    parts = text.split(":")
+    form = parts[4] if len(parts) == 5 else ""
+    chain = form[4:]
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts[:4]) or not (
+            form in ("", "dec", "pdec") or (form.startswith("pdec") and chain.isdigit())):
+        raise ValueError(f"MxPlan: bad plan {text!r} (BM:warps:mt:stages[:dec|:pdec|:pdecN])")
+    BM, warps, mt, stages = (int(v) for v in parts[:4])
+    return MxPlan(BM=BM, warps=warps, mt=mt, stages=stages, dec=form != "",
+                  persist=form.startswith("pdec"), chain=int(chain or 0))
+
+
+# DSV4_FP8MMA_MX_PLANS="UP,DOWN" (parse_plan's form) replaces the default plans, for A/B runs.
+if os.environ.get("DSV4_FP8MMA_MX_PLANS"):
+    PLAN_UP, PLAN_DOWN = (parse_plan(t) for t in os.environ["DSV4_FP8MMA_MX_PLANS"].split(","))
 
 
 if HAVE_GLUON:

@@ -85,3 +85,15 @@ def test_qualifies_needs_kchunk_stacks_and_whole_tiles(monkeypatch: pytest.Monke
     assert not mx.qualifies(x, 128, 128, 4096, 2048 + 64)    # I not a multiple of 128
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert not mx.qualifies(x, 128, 128, 4096, 2048)
+
+
+def test_parse_plan() -> None:
+    """The plans' text form (bench/moe_gluon_mx.py, DSV4_FP8MMA_MX_PLANS)."""
+    assert mx.parse_plan("128:4:1:3") == mx.MxPlan(BM=128, stages=3)
+    assert mx.parse_plan("128:4:1:4:dec") == mx.MxPlan(BM=128, stages=4, dec=True)
+    assert mx.parse_plan("128:4:1:4:pdec2") == mx.MxPlan(BM=128, stages=4, dec=True,
+                                                         persist=True, chain=2)
+    for bad in ("128:4:1", "128:4:1:3:wide", "128:4:1:3:pdecx", "x:4:1:3", "48:4:1:3",
+                "128:4:1:3:pdec3"):
+        with pytest.raises(ValueError):
+            mx.parse_plan(bad)
