@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Thirty-seventh session, cut down for little device time: s37b's plans at 8K tokens only
+# (bits against the Triton kernels), the GPU test of the persistent forms, the 4-layer 8K
+# prefill with the chained plans against the defaults.
+set -u
+cd "$(dirname "$0")/../.."
+export TCACHE_MAX_MB=0
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stage mxbench 110 python bench/moe_gluon_mx.py --tokens 8192 \
+    --plans up:128:4:1:4:dec,up:128:4:1:4:pdec,up:128:4:1:4:pdec2,down:128:4:1:3,down:128:4:1:4:pdec4,down:128:4:1:4:pdec2
+grep -h "^|" "$LOGS/mxbench.log"
+stage mxtest 90 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "mx_gemms and (pdec or chain)"
+grep -h "passed\|failed\|Error" "$LOGS/mxtest.log" | tail -n 5
+for p in "128:4:1:4:pdec2,128:4:1:4:pdec4" "" ; do
+    DSV4_FP8MMA_MX_PLANS=$p stage "ab_${p:0:12}" 55 python bench/flash_bench.py --layers 4 \
+        --prefill 8192 --decode-batches "" --reps 3
+    echo "plans '${p}':"; grep -h "prefill S=" "$LOGS/ab_${p:0:12}.log" | tail -n 1
+done
