@@ -89,8 +89,8 @@ class MxPlan:
     mt: int = 1
     stages: int = 3
     dec: bool = False
-    regs: int = 192
-    dregs: int = 112
+    regs: int | None = None
+    dregs: int | None = None
     persist: bool = False
     chain: int = 0
 
@@ -101,16 +101,28 @@ class MxPlan:
                              f"{self}")
         if not 2 <= self.stages <= 6:
             raise ValueError(f"MxPlan: stages must be 2..6; found {self.stages}")
+        given = [r for r in (self.regs, self.dregs) if r is not None]
         if self.dec and (self.warps != 4 or self.mt != 1 or self.BM not in (128, 256)
-                         or self.regs % 8 or self.dregs % 8
-                         or not 24 <= min(self.regs, self.dregs) <= max(self.regs, self.dregs)
-                         <= 256):
+                         or any(r % 8 or not 24 <= r <= 256 for r in given)):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
         if ((self.persist and not self.dec) or (self.chain and not self.persist)
                 or self.chain not in (0, 1, 2, 4, 8)):
             raise ValueError(f"MxPlan: persist needs dec, chain (1, 2, 4, 8 steps) needs "
                              f"persist; found {self}")
+
+    def registers(self, two: bool) -> tuple[int, int]:
+        """(consumer, decoder) registers a thread of the decode-warpgroup forms.  The default
+        consumer partition gets what the workers leave of the 64K (the load warp counts as a
+        warpgroup of 40): 168 beside 192 / 112.  The persistent forms balance the two
+        consumers (up: 184 / 104; down: 176 / 112), where their chained products compile
+        without spills (offline sm_90 compile)."""
+        if self.persist:
+            regs, dregs = (184, 104) if two else (176, 112)
+        else:
+            regs, dregs = 192, 112
+        return (self.regs if self.regs is not None else regs,
+                self.dregs if self.dregs is not None else dregs)
 
     @property
     def BN(self) -> int:
@@ -862,6 +874,7 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
     """One GEMM's launch in the plan's form (up: ``two``, w1 / w3, wts the pairs' weights;
     down: w2 twice, wts unused)."""
     nb = block_expert.shape[0]
+    regs, dregs = plan.registers(two)
     args = (_x_desc(xq, plan.BM), xs, w1, s1, w3, s3, pairs, block_expert, wts, out, P, E)
     strides = (xs.stride(0), w1.stride(0), s1.stride(0), out.stride(0), limit)
     common = dict(N=N, K=K, TWO=two, HAS_LIMIT=two and limit > 0, AB=ab, BM=plan.BM,
@@ -874,13 +887,13 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
         # asked otherwise; no grid-axis limit on a 1-D grid.
         tiles = nb * (N // plan.BN)
         grid = (max(1, min(tiles, sm_count(xq.device))),)
-        _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=plan.regs, DREGS=plan.dregs,
+        _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=regs, DREGS=dregs,
                                    N_FIRST=bool(n_first), CHAIN=plan.chain, **common,
                                    **pdl_args(xq))
         return
     grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)
     if plan.dec:
-        _gemm_mx_dec_kernel[grid](*args, *strides, REGS=plan.regs, DREGS=plan.dregs,
+        _gemm_mx_dec_kernel[grid](*args, *strides, REGS=regs, DREGS=dregs,
                                   N_FIRST=first, **common, **pdl_args(xq))
     else:
         _gemm_mx_kernel[grid](*args, *strides, WARPS=plan.warps, MT=plan.mt, N_FIRST=first,

@@ -97,3 +97,18 @@ def test_parse_plan() -> None:
                 "128:4:1:3:pdec3"):
         with pytest.raises(ValueError):
             mx.parse_plan(bad)
+
+
+def test_registers_per_form() -> None:
+    """The decode-warpgroup forms' registers: 192 / 112 (the default consumer partition gets
+    the remaining 168); the persistent forms balanced per GEMM, where their chained products
+    compile without spills; explicit values kept."""
+    dec = mx.MxPlan(BM=128, dec=True)
+    assert dec.registers(True) == dec.registers(False) == (192, 112)
+    pdec = mx.MxPlan(BM=128, dec=True, persist=True, chain=2)
+    assert pdec.registers(True) == (184, 104) and pdec.registers(False) == (176, 112)
+    assert mx.MxPlan(BM=128, dec=True, regs=160).registers(True) == (160, 112)
+    # consumer, consumer, decoder, the load warp as a warpgroup of 40: the 64K registers
+    for two in (True, False):
+        regs, dregs = pdec.registers(two)
+        assert 128 * (2 * regs + dregs + 40) <= 65536
