@@ -10,7 +10,7 @@ export TCACHE_MAX_MB=0
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 stage mxbench 170 python bench/moe_gluon_mx.py --tokens 8192,32768 \
-    --plans up:128:4:1:4:dec,up:128:4:1:4:pdec,up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:128:4:1:3,down:128:4:1:4:pdec,down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec2
+    --plans up:128:4:1:4:dec,up:128:4:1:4:pdec,up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:128:4:1:3,down:128:4:1:4:pdec,down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec2,up:128:4:1:4:pdec2t,down:128:4:1:4:pdec4t
 grep -h "^|" "$LOGS/mxbench.log"
 stage mxtest 110 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "mx_gemms"
 grep -h "passed\|failed\|Error" "$LOGS/mxtest.log" | tail -n 5

@@ -33,6 +33,7 @@ offline for sm_90 by the CPU tests.  On by default (:data:`MX_PREFILL`).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,8 @@ class MxPlan:
     ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows);
     ``persist``: that form with about one program an SM walking the tiles
     (:func:`_gemm_mx_pdec_kernel`), its consumers chaining ``chain`` steps' products a loop
-    turn when > 0 (:func:`_p_consumer_chain`)."""
+    turn when > 0 (:func:`_p_consumer_chain`), its weight tiles brought by TMA when ``wtma``
+    (:func:`_p_decoder_tma`)."""
 
     BM: int = 64
     warps: int = 4
@@ -93,6 +95,7 @@ class MxPlan:
     dregs: int | None = None
     persist: bool = False
     chain: int = 0
+    wtma: bool = False
 
     def __post_init__(self) -> None:
         if (self.BM not in (32, 64, 128, 256) or (self.BM == 256 and not self.dec)
@@ -106,10 +109,10 @@ class MxPlan:
                          or any(r % 8 or not 24 <= r <= 256 for r in given)):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
-        if ((self.persist and not self.dec) or (self.chain and not self.persist)
+        if ((self.persist and not self.dec) or ((self.chain or self.wtma) and not self.persist)
                 or self.chain not in (0, 1, 2, 4, 8)):
-            raise ValueError(f"MxPlan: persist needs dec, chain (1, 2, 4, 8 steps) needs "
-                             f"persist; found {self}")
+            raise ValueError(f"MxPlan: persist needs dec; chain (1, 2, 4, 8 steps) and wtma "
+                             f"need persist; found {self}")
 
     def registers(self, two: bool) -> tuple[int, int]:
         """(consumer, decoder) registers a thread of the decode-warpgroup forms.  The default
@@ -141,18 +144,19 @@ PLAN_DOWN = MxPlan(BM=128, stages=3)
 
 
 def parse_plan(text: str) -> MxPlan:
-    """``BM:warps:mt:stages[:dec|:pdec|:pdecN]`` -> the plan (``dec``: the decode-warpgroup
-    form with the default registers; ``pdec``: its persistent form; ``pdecN``: that with N
-    steps' products chained a loop turn)."""
+    """``BM:warps:mt:stages[:FORM]`` -> the plan; FORM ``dec``: the decode-warpgroup form;
+    ``pdec[N][t]``: its persistent form, with N steps' products chained a loop turn, its
+    weight tiles brought by TMA (``t``)."""
     parts = text.split(":")
     form = parts[4] if len(parts) == 5 else ""
-    chain = form[4:]
+    m = re.fullmatch(r"pdec(\d*)(t?)", form)
     if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts[:4]) or not (
-            form in ("", "dec", "pdec") or (form.startswith("pdec") and chain.isdigit())):
-        raise ValueError(f"MxPlan: bad plan {text!r} (BM:warps:mt:stages[:dec|:pdec|:pdecN])")
+            form in ("", "dec") or m):
+        raise ValueError(f"MxPlan: bad plan {text!r} (BM:warps:mt:stages[:dec|:pdec[N][t]])")
     BM, warps, mt, stages = (int(v) for v in parts[:4])
     return MxPlan(BM=BM, warps=warps, mt=mt, stages=stages, dec=form != "",
-                  persist=form.startswith("pdec"), chain=int(chain or 0))
+                  persist=m is not None, chain=int(m.group(1) or 0) if m else 0,
+                  wtma=bool(m and m.group(2)))
 
 
 # DSV4_FP8MMA_MX_PLANS="UP,DOWN" (parse_plan's form) replaces the default plans, for A/B runs.
@@ -190,6 +194,31 @@ if HAVE_GLUON:
     prmt.b32 t, sg, 0, s;
     or.b32 $1, $1, t;
     }""")
+
+    _WORD_ASM = """
+    and.b32 sel, {w}, 0x77777777;
+    shr.b32 s, {w}, 3;
+    and.b32 s, s, 0x11111111;
+    prmt.b32 {lo}, tl, th, sel;
+    prmt.b32 t, sg, 0, s;
+    or.b32 {lo}, {lo}, t;
+    shr.b32 sel, sel, 16;
+    shr.b32 s, s, 16;
+    prmt.b32 {hi}, tl, th, sel;
+    prmt.b32 t, sg, 0, s;
+    or.b32 {hi}, {hi}, t;"""
+    # _ASM_WORDS on a row's whole group (four distinct words, $8..$11; its exponent add in
+    # $12, $13..$15 equal copies): outputs $2w / $2w + 1 hold word w's codes 0..3 / 4..7.
+    # For words read from shared memory as they lie (the TMA-fed decoder).
+    _ASM_GROUP = gl.constexpr("{\n    .reg .b32 tl, th, sel, s, t, sg;\n"
+                              "    mov.b32 sg, 0x00008000;\n"
+                              "    and.b32 tl, $12, 0xFFFFFF00;\n"
+                              "    add.u32 tl, tl, 0x14100800;\n"
+                              "    add.u32 th, $12, 0x24201C18;"
+                              + "".join(_WORD_ASM.format(w=f"${8 + w}", lo=f"${2 * w}",
+                                                         hi=f"${2 * w + 1}")
+                                        for w in range(4))
+                              + "\n    }")
 
     @gluon.jit
     def _load_step(w_base, s_base, c, N: gl.constexpr):
@@ -404,6 +433,23 @@ if HAVE_GLUON:
         return codes.to(gl.float8e4nv, bitcast=True), _pow2_exact(smax - _FOLD_UP_C)
 
     @gluon.jit
+    def _dec_tile_group(words, sw, shift):
+        """:func:`_dec_tile` on words as they lie ([64, 16] int32, a thread a row's group of
+        four), one asm instance a (row, group)."""
+        smax = _smax(sw)
+        v = gl.maximum(_FOLD - (smax[:, None] - ((sw[:, None] >> shift[None, :]) & 255)), 0) * 8
+        o = gl.inline_asm_elementwise(_ASM_GROUP, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                      [words, v * 0x01010101], dtype=(gl.uint8,) * 8,
+                                      is_pure=True, pack=4)
+        # o[2w + h][row, 4g + b] is natural code 8w + 4h + b of group g: MMA column
+        # 32g + 16h + 4w + b (mx_k_position).  q[row, 4g + b, h, w & 1, w >> 1]:
+        q = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
+                    gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+        codes = gl.reshape(gl.permute(gl.reshape(q, [64, 4, 4, 2, 2, 2]), [0, 1, 3, 5, 4, 2]),
+                           [64, 128])
+        return codes.to(gl.float8e4nv, bitcast=True), _pow2_exact(smax - _FOLD_UP_C)
+
+    @gluon.jit
     def _dec_decoder(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n0,
                      stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
                      K: gl.constexpr, STAGES: gl.constexpr):
@@ -577,6 +623,54 @@ if HAVE_GLUON:
                 g += NK
 
     @gluon.jit
+    def _p_producer_tma(x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s, sw_s, sw3_s,
+                        sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr, E, NB, stride_xsm,
+                        N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
+                        AB: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                        N_FIRST: gl.constexpr):
+        """:func:`_p_producer` that also brings each step's weight tiles into the ring by TMA
+        for :func:`_p_decoder_tma`: the packed words of the tile's 64 rows ([64, 64] bytes of
+        the K-chunk-major stack viewed as [E · K/128 · N, 64]) and their scale words ([1, 256]
+        bytes of the scales viewed as [E · K/128, N · 4]), w3's too for the up GEMM."""
+        NK: gl.constexpr = K // 128
+        NT: gl.constexpr = N // 64
+        W_BYTES: gl.constexpr = (w_desc.block_type.nbytes + s_desc.block_type.nbytes) * (1 + TWO)
+        SA_L: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+        r = gl.arange(0, BM, layout=SA_L)
+        g = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
+            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
+            e = gl.load(bexp_ptr + blk)
+            if (e >= 0) & (e < E):
+                row0 = blk * BM
+                sa_row = xs_ptr + (row0 + r).to(gl.int64) * stride_xsm
+                sa = gl.load(sa_row)
+                for i in range(NK):
+                    s = g + i
+                    slot = s % STAGES
+                    sa_next = gl.load(sa_row + (gl.minimum(i + 1, NK - 1) * 128) // AB)
+                    mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
+                    chunk = e * NK + i
+                    mbarrier.expect(full_w.index(slot), W_BYTES)
+                    tma.async_copy_global_to_shared(w_desc, [chunk * N + pid_n * 64, 0],
+                                                    full_w.index(slot), w_s.index(slot))
+                    tma.async_copy_global_to_shared(s_desc, [chunk, pid_n * 256],
+                                                    full_w.index(slot), sw_s.index(slot))
+                    if TWO:
+                        tma.async_copy_global_to_shared(w3_desc, [chunk * N + pid_n * 64, 0],
+                                                        full_w.index(slot), w3_s.index(slot))
+                        tma.async_copy_global_to_shared(s3_desc, [chunk, pid_n * 256],
+                                                        full_w.index(slot), sw3_s.index(slot))
+                    sa_s.index(slot).store(sa)
+                    # Every lane's scales are in shared memory before the slot's arrive.
+                    gl.thread_barrier()
+                    mbarrier.expect(full_x.index(slot), x_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full_x.index(slot),
+                                                    x_s.index(slot))
+                    sa = sa_next
+                g += NK
+
+    @gluon.jit
     def _p_decoder(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                    bexp_ptr, E, NB, stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
                    K: gl.constexpr, STAGES: gl.constexpr, N_FIRST: gl.constexpr):
@@ -619,6 +713,47 @@ if HAVE_GLUON:
                     fence_async_shared()
                     mbarrier.arrive(full_a.index(slot), count=1)
                     wa, swa = na, nsa
+                g += NK
+
+    @gluon.jit
+    def _p_decoder_tma(a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a, bexp_ptr,
+                       E, NB, N: gl.constexpr, TWO: gl.constexpr, K: gl.constexpr,
+                       STAGES: gl.constexpr, N_FIRST: gl.constexpr):
+        """:func:`_p_decoder` on weight tiles the load warp brought into the ring by TMA
+        (packed words [64, 64] bytes and the rows' scale words a step): no global load is in
+        flight at the proxy fence each step ends with (ptxas makes it a MEMBAR.ALL.CTA,
+        which would wait for the next step's prefetched loads)."""
+        NK: gl.constexpr = K // 128
+        NT: gl.constexpr = N // 64
+        WORD_L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        ROW_L: gl.constexpr = gl.SliceLayout(1, WORD_L)
+        words_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        scale_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        shift = (gl.arange(0, 16, layout=gl.SliceLayout(0, WORD_L)) // 4) * 8
+        g = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
+            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
+            e = gl.load(bexp_ptr + blk)
+            if (e >= 0) & (e < E):
+                for i in range(NK):
+                    s = g + i
+                    slot = s % STAGES
+                    mbarrier.wait(full_w.index(slot), (s // STAGES) & 1)
+                    wa = w_s.index(slot)._reinterpret(gl.int32, [64, 16], words_l).load(WORD_L)
+                    swa = sw_s.index(slot)._reinterpret(gl.int32, [64], scale_l).load(ROW_L)
+                    codes, f = _dec_tile_group(wa, swa, shift)
+                    a_s.index(slot).store(codes)
+                    f_s.index(slot).store(f)
+                    if TWO:
+                        wb = w3_s.index(slot)._reinterpret(gl.int32, [64, 16],
+                                                           words_l).load(WORD_L)
+                        swb = sw3_s.index(slot)._reinterpret(gl.int32, [64],
+                                                             scale_l).load(ROW_L)
+                        codes3, f3 = _dec_tile_group(wb, swb, shift)
+                        a3_s.index(slot).store(codes3)
+                        f3_s.index(slot).store(f3)
+                    fence_async_shared()
+                    mbarrier.arrive(full_a.index(slot), count=1)
                 g += NK
 
     @gluon.jit
@@ -775,13 +910,14 @@ if HAVE_GLUON:
                 g += NK
 
     @gluon.jit
-    def _gemm_mx_pdec_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr,
-                             bexp_ptr, wt_ptr, out_ptr, P, E, NB, stride_xsm, stride_we,
+    def _gemm_mx_pdec_kernel(x_desc, w_desc, w3_desc, s_desc, s3_desc, xs_ptr, w1_ptr, s1_ptr,
+                             w3_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, out_ptr, P, E, NB,
+                             stride_xsm, stride_we,
                              stride_se, stride_om, limit, N: gl.constexpr, K: gl.constexpr,
                              TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, AB: gl.constexpr,
                              BM: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
                              DREGS: gl.constexpr, N_FIRST: gl.constexpr, CHAIN: gl.constexpr,
-                             PDL: gl.constexpr = False):
+                             WTMA: gl.constexpr, PDL: gl.constexpr = False):
         """:func:`_gemm_mx_dec_kernel`, persistent: a grid of about one program an SM walks
         the NB · N / 64 tiles (row block, 64 weight rows) round robin; every partition walks
         the same tiles and counts the ring's steps across them, so the decoder and the load
@@ -807,18 +943,46 @@ if HAVE_GLUON:
             mbarrier.init(full_x.index(s), count=1)
             mbarrier.init(full_a.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
-        gl.warp_specialize([
-            (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
-                           NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
-                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
-            (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
-                           NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
-                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
-            (_p_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                          bexp_ptr, E, NB, stride_we, stride_se, N, TWO, K, STAGES, N_FIRST)),
-            (_p_producer, (x_desc, x_s, sa_s, full_x, empty, xs_ptr, bexp_ptr, E, NB,
-                           stride_xsm, N, K, AB, BM, STAGES, N_FIRST)),
-        ], [4, 4, 1], [REGS, DREGS, 40])
+        if WTMA:
+            w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
+            sw_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256], s_desc.layout)
+            if TWO:
+                w3_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
+                sw3_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256],
+                                                  s_desc.layout)
+            else:
+                w3_s = w_s
+                sw3_s = sw_s
+            full_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
+                                               mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full_w.index(s), count=1)
+            gl.warp_specialize([
+                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                               E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
+                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
+                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                               E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
+                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
+                (_p_decoder_tma, (a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a,
+                                  bexp_ptr, E, NB, N, TWO, K, STAGES, N_FIRST)),
+                (_p_producer_tma, (x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s,
+                                   sw_s, sw3_s, sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr,
+                                   E, NB, stride_xsm, N, K, TWO, AB, BM, STAGES, N_FIRST)),
+            ], [4, 4, 1], [REGS, DREGS, 40])
+        else:
+            gl.warp_specialize([
+                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+                               NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
+                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
+                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
+                               NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
+                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
+                (_p_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                              bexp_ptr, E, NB, stride_we, stride_se, N, TWO, K, STAGES, N_FIRST)),
+                (_p_producer, (x_desc, x_s, sa_s, full_x, empty, xs_ptr, bexp_ptr, E, NB,
+                               stride_xsm, N, K, AB, BM, STAGES, N_FIRST)),
+            ], [4, 4, 1], [REGS, DREGS, 40])
 
 
 def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
@@ -867,6 +1031,24 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
             False, 0.0, ab, n_first)
 
 
+def _weight_descs(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                  N: int, K: int) -> tuple:
+    """TMA descriptors of the K-chunk-major stacks for :func:`_p_producer_tma`: the packed
+    words as [E · K/128 · N, 64] bytes (box: 64 rows of a chunk), the scales as
+    [E · K/128, N · 4] bytes (box: 64 rows' scale words, 256 bytes)."""
+    words_l = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    out = []
+    for w, sc in ((w1, s1), (w3, s3)):
+        E, KC = w.shape[0], K // STEP
+        if w.stride(0) != N * K // 2 or sc.stride(0) != N * K // 32:
+            raise ValueError("gluon_moe_mxfp4: wtma needs whole K-chunk-major stacks")
+        wv = torch.as_strided(w.view(torch.uint8), (E * KC * N, 64), (64, 1))
+        sv = torch.as_strided(sc.view(torch.uint8), (E * KC, N * 4), (N * 4, 1))
+        out.append((_gp.TensorDescriptor(wv, list(wv.shape), [64, 1], [64, 64], words_l),
+                    _gp.TensorDescriptor(sv, list(sv.shape), [N * 4, 1], [1, 256], words_l)))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
 def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
             s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, pairs: torch.Tensor,
             block_expert: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, P: int, E: int,
@@ -887,9 +1069,10 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
         # asked otherwise; no grid-axis limit on a 1-D grid.
         tiles = nb * (N // plan.BN)
         grid = (max(1, min(tiles, sm_count(xq.device))),)
-        _gemm_mx_pdec_kernel[grid](*args, nb, *strides, REGS=regs, DREGS=dregs,
-                                   N_FIRST=bool(n_first), CHAIN=plan.chain, **common,
-                                   **pdl_args(xq))
+        wd = _weight_descs(w1, s1, w3, s3, N, K) if plan.wtma else (args[0],) * 4
+        _gemm_mx_pdec_kernel[grid](args[0], *wd, *args[1:], nb, *strides, REGS=regs,
+                                   DREGS=dregs, N_FIRST=bool(n_first), CHAIN=plan.chain,
+                                   WTMA=plan.wtma, **common, **pdl_args(xq))
         return
     grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)
     if plan.dec:
