@@ -18,7 +18,10 @@ each warpgroup decodes its own A fragments in registers) and one with a decode w
 w3 tiles into shared memory, the A operand of two consumer warpgroups of 64 plan rows each).
 (A third form, two consumer warpgroups each decoding w1 or w3 of the same rows, measured 4%
 slower than the decode warpgroup for up and the same as the plain kernel for down: removed,
-the code is at commit c05b8e5.)
+the code is at commit c05b8e5.)  A persistent form of the decode-warpgroup kernel
+(:func:`_gemm_mx_pdec_kernel`: chained products, the weight tiles optionally by TMA) was
+written without a GPU and runs only when a plan asks for it (``MxPlan.persist``;
+docs/PERFORMANCE.md, thirty-seventh session).
 
 The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
 column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
