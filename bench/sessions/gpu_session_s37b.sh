@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-stage mxbench 170 python bench/moe_gluon_mx.py --tokens 8192,32768 \
+stage mxbench 200 python bench/moe_gluon_mx.py --tokens 8192,32768 \
     --plans up:128:4:1:4:dec,up:128:4:1:4:pdec,up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:128:4:1:3,down:128:4:1:4:pdec,down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec2,up:128:4:1:4:pdec2t,down:128:4:1:4:pdec4t
 grep -h "^|" "$LOGS/mxbench.log"
 stage mxtest 110 python -m pytest -q -x tests/kernels/test_moe_fp8mma_gpu.py -k "mx_gemms"
@@ -19,6 +19,6 @@ for p in "128:4:1:4:pdec2,128:4:1:4:pdec4" "" ; do
         --prefill 8192 --decode-batches "" --reps 3
     echo "plans '${p}':"; grep -h "prefill S=" "$LOGS/ab_${p:0:12}.log" | tail -n 1
 done
-stage prof 120 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches "" \
+stage prof 100 python bench/flash_bench.py --layers 4 --prefill 8192 --decode-batches "" \
     --reps 1 --ctx 8192 --profile "$OUT/prefill_prof.txt"
 grep -A 34 "prefill 8192" "$OUT/prefill_prof.txt" | head -n 36
