@@ -36,10 +36,10 @@ from dsv4.ops.triton_moe import _weight_args  # noqa: E402
 
 LIMIT = 10.0
 DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:4:pdec,"
-                 "up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:64:4:1:3,"
-                 "down:128:4:1:3,down:128:4:1:3:dec,down:256:4:1:3:dec,down:128:4:1:4:pdec,"
-                 "down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec2,up:128:4:1:4:pdec2t,"
-                 "up:128:4:1:4:pdect,down:128:4:1:4:pdec4t")
+                 "up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,up:128:4:1:4:pdect,"
+                 "up:128:4:1:4:pdec2t,down:64:4:1:3,down:128:4:1:3,down:128:4:1:3:dec,"
+                 "down:256:4:1:3:dec,down:128:4:1:4:pdec,down:128:4:1:4:pdec2,"
+                 "down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec4t")
 
 
 def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:
@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for gemm, plan in plans:
             name = (f"mx BM{plan.BM} w{plan.warps} mt{plan.mt} s{plan.stages}"
                     f"{' pdec' if plan.persist else ' dec' if plan.dec else ''}"
-                    f"{f' chain {plan.chain}' if plan.chain else ''}")
+                    f"{f' chain {plan.chain}' if plan.chain else ''}"
+                    f"{' tma' if plan.wtma else ''}")
             try:
                 r = reference(plan.BM)
                 pl = r["pl"]
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts")
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
     ap.add_argument("--plans", default=DEFAULT_PLANS,
-                    help="MXFP4 plans, comma-separated gemm:BM:warps:mt:stages[:dec|:pdec[N][t]]")
+                    help="MXFP4 plans, comma-separated "
+                         "gemm:BM:warps:mt:stages[:dec|:pdec[N][t]]")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return run(ap.parse_args(argv))

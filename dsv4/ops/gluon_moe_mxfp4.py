@@ -854,9 +854,9 @@ if HAVE_GLUON:
         """:func:`_p_consumer_step` with the next product in flight while one is rescaled:
         a loop turn takes U steps as one chain of products (w1 and w3 of each step for the up
         GEMM), each issued before the previous one is waited for and rescaled, so the tensor
-        cores idle only during a turn's last rescale.  (A product in flight across the loop's back edge
-        makes ptxas serialize every wgmma, C7514: hence whole chains in a turn.)  Same
-        operations in the same order per accumulator: the same bits.  A slot is released
+        cores idle only during a turn's last rescale.  (A product in flight across the loop's
+        back edge makes ptxas serialize every wgmma, C7514: hence whole chains in a turn.)
+        Same operations in the same order per accumulator: the same bits.  A slot is released
         once its last product is waited for and its scales are read."""
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64

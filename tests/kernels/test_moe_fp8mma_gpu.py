@@ -416,8 +416,7 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
 @needs_gpu
 @pytest.mark.parametrize("T, form", [(2048, "default"), (8192, "default"), (8192, "dec"),
                                      (8192, "plain64"), (2048, "pdec"), (8192, "pdec"),
-                                     (8192, "chain"),
-                                     (8192, "chain_tma")])
+                                     (8192, "chain"), (8192, "chain_tma")])
 def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4, DSV4_FP8MMA_MX) at
     V4-Flash widths give the per-call re-encoding's bits (outputs over NaN-poisoned memory,
