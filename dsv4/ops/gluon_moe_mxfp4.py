@@ -459,6 +459,16 @@ if HAVE_GLUON:
         """The decode warpgroup: each K step's 64 weight rows (w1 and w3 for the up GEMM)
         decoded into the slot's shared-memory A tiles and factors, once both consumers
         released the slot's previous step; the next step's words load meanwhile."""
+        _decode_steps(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n0,
+                      0, stride_we, stride_se, N, TWO, K, STAGES)
+
+    @gluon.jit
+    def _decode_steps(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n0,
+                      g, stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
+                      K: gl.constexpr, STAGES: gl.constexpr):
+        """The decoder's K steps of one tile (expert e, weight rows n0 .. n0 + 63), the ring's
+        steps g .. g + K / 128 - 1: each step's words loaded a step ahead, decoded into its
+        slot once both consumers released the slot."""
         NK: gl.constexpr = K // 128
         DEC_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         e64 = e.to(gl.int64)
@@ -470,12 +480,13 @@ if HAVE_GLUON:
         wa, swa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, 0, N)
         wb, swb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, 0, N)
         for i in range(NK):
-            slot = i % STAGES
+            s = g + i
+            slot = s % STAGES
             j = gl.minimum(i + 1, NK - 1)
             na, nsa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, j, N)
             if TWO:
                 nb, nsb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, j, N)
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+            mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
             codes, f = _dec_tile(wa, swa, shift)
             a_s.index(slot).store(codes)
             f_s.index(slot).store(f)
@@ -495,6 +506,19 @@ if HAVE_GLUON:
                       BMC: gl.constexpr, STAGES: gl.constexpr):
         """A consumer warpgroup: plan rows [PART · BMC, (PART + 1) · BMC) of the block against
         the decoded A tiles (w1 and w3: both sums here, so the epilogue too)."""
+        acc, acc3 = _consume_steps(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, 0,
+                                   PART, TWO, K, BMC, STAGES, False)
+        _epilogue(acc, acc3, row0 + PART * BMC, n0, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
+                  limit, TWO, HAS_LIMIT, BMC, 64, 4)
+
+    @gluon.jit
+    def _consume_steps(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, g,
+                       PART: gl.constexpr, TWO: gl.constexpr, K: gl.constexpr,
+                       BMC: gl.constexpr, STAGES: gl.constexpr, SA_RING: gl.constexpr):
+        """A consumer's K steps of one tile, the ring's steps g .. g + K / 128 - 1: each
+        step's products waited for and rescaled in turn (w1's while w3's runs), the slot
+        released after the last; the activation scales by ring slot (``SA_RING``) or by K
+        step.  Returns the (w1, w3) sums [64, BMC]."""
         NK: gl.constexpr = K // 128
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
@@ -504,8 +528,9 @@ if HAVE_GLUON:
         acc = zero
         acc3 = zero
         for i in range(NK):
-            slot = i % STAGES
-            phase = (i // STAGES) & 1
+            s = g + i
+            slot = s % STAGES
+            phase = (s // STAGES) & 1
             mbarrier.wait(full_x.index(slot), phase)
             mbarrier.wait(full_a.index(slot), phase)
             xb = x_s.index(slot).slice(PART * BMC, BMC, dim=0).permute((1, 0))
@@ -514,7 +539,10 @@ if HAVE_GLUON:
                 d3 = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False, is_async=True)
                 f3 = f3_s.index(slot).load(row_l)
             f1 = f_s.index(slot).load(row_l)
-            sa = sa_s.index(i).slice(PART * BMC, BMC).load(col_l)[None, :]
+            if SA_RING:
+                sa = sa_s.index(slot).slice(PART * BMC, BMC).load(col_l)[None, :]
+            else:
+                sa = sa_s.index(i).slice(PART * BMC, BMC).load(col_l)[None, :]
             if TWO:
                 done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
                 acc = gl.fma(done * sa, f1[:, None], acc)
@@ -525,8 +553,7 @@ if HAVE_GLUON:
                 done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc = gl.fma(done * sa, f1[:, None], acc)
-        _epilogue(acc, acc3, row0 + PART * BMC, n0, pair_ptr, wt_ptr, out_ptr, P, N, stride_om,
-                  limit, TWO, HAS_LIMIT, BMC, 64, 4)
+        return acc, acc3
 
     @gluon.jit
     def _gemm_mx_dec_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
@@ -593,6 +620,17 @@ if HAVE_GLUON:
             return t % NB, t // NB
 
     @gluon.jit
+    def _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa):
+        """K step i of the block's activations into a released slot: its scales (plain
+        stores) and its codes (TMA), both complete on the slot's barrier."""
+        sa_s.index(slot).store(sa)
+        # Every lane's scales are in shared memory before the slot's arrive.
+        gl.thread_barrier()
+        mbarrier.expect(full.index(slot), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full.index(slot),
+                                        x_s.index(slot))
+
+    @gluon.jit
     def _p_producer(x_desc, x_s, sa_s, full, empty, xs_ptr, bexp_ptr, E, NB, stride_xsm,
                     N: gl.constexpr, K: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
                     STAGES: gl.constexpr, N_FIRST: gl.constexpr):
@@ -616,12 +654,7 @@ if HAVE_GLUON:
                     slot = s % STAGES
                     sa_next = gl.load(sa_row + (gl.minimum(i + 1, NK - 1) * 128) // AB)
                     mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
-                    sa_s.index(slot).store(sa)
-                    # Every lane's scales are in shared memory before the slot's arrive.
-                    gl.thread_barrier()
-                    mbarrier.expect(full.index(slot), x_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full.index(slot),
-                                                    x_s.index(slot))
+                    _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa)
                     sa = sa_next
                 g += NK
 
@@ -664,12 +697,7 @@ if HAVE_GLUON:
                                                         full_w.index(slot), w3_s.index(slot))
                         tma.async_copy_global_to_shared(s3_desc, [chunk, pid_n * 256],
                                                         full_w.index(slot), sw3_s.index(slot))
-                    sa_s.index(slot).store(sa)
-                    # Every lane's scales are in shared memory before the slot's arrive.
-                    gl.thread_barrier()
-                    mbarrier.expect(full_x.index(slot), x_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full_x.index(slot),
-                                                    x_s.index(slot))
+                    _stage_x(x_desc, x_s, sa_s, full_x, slot, row0, i, sa)
                     sa = sa_next
                 g += NK
 
@@ -681,41 +709,13 @@ if HAVE_GLUON:
         them (so a tile's first steps decode while the consumers finish the previous one)."""
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64
-        DEC_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, DEC_L))
-        cb = gl.arange(0, 64, layout=gl.SliceLayout(0, DEC_L))
-        col = (cb - cb % 4)[None, :]
-        shift = (cb // 16) * 8
         g = gl.program_id(0) * 0
         for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
             blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
             e = gl.load(bexp_ptr + blk)
             if (e >= 0) & (e < E):
-                e64 = e.to(gl.int64)
-                rows = pid_n * 64 + r
-                w_off = e64 * stride_we + rows[:, None] * 64 + col
-                s_off = e64 * stride_se + rows * 4
-                wa, swa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, 0, N)
-                wb, swb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, 0, N)
-                for i in range(NK):
-                    s = g + i
-                    slot = s % STAGES
-                    j = gl.minimum(i + 1, NK - 1)
-                    na, nsa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, j, N)
-                    if TWO:
-                        nb, nsb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, j, N)
-                    mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
-                    codes, f = _dec_tile(wa, swa, shift)
-                    a_s.index(slot).store(codes)
-                    f_s.index(slot).store(f)
-                    if TWO:
-                        codes3, f3 = _dec_tile(wb, swb, shift)
-                        a3_s.index(slot).store(codes3)
-                        f3_s.index(slot).store(f3)
-                        wb, swb = nb, nsb
-                    fence_async_shared()
-                    mbarrier.arrive(full_a.index(slot), count=1)
-                    wa, swa = na, nsa
+                _decode_steps(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr,
+                              s3_ptr, e, pid_n * 64, g, stride_we, stride_se, N, TWO, K, STAGES)
                 g += NK
 
     @gluon.jit
@@ -788,42 +788,13 @@ if HAVE_GLUON:
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64
         BMC: gl.constexpr = BM // 2
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BMC, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-        zero = gl.zeros([64, BMC], gl.float32, acc_l)
         g = gl.program_id(0) * 0
         for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
             blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
             e = gl.load(bexp_ptr + blk)
             if (e >= 0) & (e < E):
-                acc = zero
-                acc3 = zero
-                for i in range(NK):
-                    s = g + i
-                    slot = s % STAGES
-                    phase = (s // STAGES) & 1
-                    mbarrier.wait(full_x.index(slot), phase)
-                    mbarrier.wait(full_a.index(slot), phase)
-                    xb = x_s.index(slot).slice(PART * BMC, BMC, dim=0).permute((1, 0))
-                    d = warpgroup_mma(a_s.index(slot), xb, zero, use_acc=False, is_async=True)
-                    if TWO:
-                        d3 = warpgroup_mma(a3_s.index(slot), xb, zero, use_acc=False,
-                                           is_async=True)
-                        f3 = f3_s.index(slot).load(row_l)
-                    f1 = f_s.index(slot).load(row_l)
-                    sa = sa_s.index(slot).slice(PART * BMC, BMC).load(col_l)[None, :]
-                    if TWO:
-                        done = warpgroup_mma_wait(num_outstanding=1, deps=(d,))
-                        acc = gl.fma(done * sa, f1[:, None], acc)
-                        done3 = warpgroup_mma_wait(num_outstanding=0, deps=(d3,))
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        acc3 = gl.fma(done3 * sa, f3[:, None], acc3)
-                    else:
-                        done = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        acc = gl.fma(done * sa, f1[:, None], acc)
+                acc, acc3 = _consume_steps(x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a,
+                                           empty, g, PART, TWO, K, BMC, STAGES, True)
                 _epilogue(acc, acc3, blk * BM + PART * BMC, pid_n * 64, pair_ptr, wt_ptr,
                           out_ptr, P, N, stride_om, limit, TWO, HAS_LIMIT, BMC, 64, 4)
                 g += NK
