@@ -51,7 +51,6 @@ HAVE_GLUON = _gp.HAVE_GLUON
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
@@ -621,17 +620,12 @@ if HAVE_GLUON:
             return t % NB, t // NB
 
     @gluon.jit
-    def _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa_ptrs):
-        """K step i of the block's activations into a released slot: its scales (cp.async
-        from ``sa_ptrs``, the block's rows at the step's column) and its codes (TMA), both
-        complete on the slot's barrier.  The scales never pass through registers, so the
-        load warp does not wait for their global latency each step (it did, one step ahead
-        by plain loads: the persistent forms measured 5% (up) to 40% (down) slower than the
-        non-persistent kernels, whose scales come once a tile)."""
-        async_copy.async_copy_global_to_shared(sa_s.index(slot), sa_ptrs)
-        # The barrier's pending count goes up now and down when the copies land (no .noinc):
-        # the phase cannot complete before them, its expected count unchanged.
-        async_copy.mbarrier_arrive(full.index(slot))
+    def _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa):
+        """K step i of the block's activations into a released slot: its scales (plain
+        stores) and its codes (TMA), both complete on the slot's barrier."""
+        sa_s.index(slot).store(sa)
+        # Every lane's scales are in shared memory before the slot's arrive.
+        gl.thread_barrier()
         mbarrier.expect(full.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [row0, i * 128], full.index(slot),
                                         x_s.index(slot))
@@ -641,8 +635,8 @@ if HAVE_GLUON:
                     N: gl.constexpr, K: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
                     STAGES: gl.constexpr, N_FIRST: gl.constexpr):
         """The load warp of the persistent form: for every step of the program's tiles, the
-        block's activation scales of the step (cp.async) and its activation tile (TMA) into
-        the step's slot, once both consumers released it."""
+        block's activation scales of the step (plain loads, one step ahead) and its
+        activation tile (TMA) into the step's slot, once both consumers released it."""
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64
         SA_L: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
@@ -654,11 +648,14 @@ if HAVE_GLUON:
             if (e >= 0) & (e < E):
                 row0 = blk * BM
                 sa_row = xs_ptr + (row0 + r).to(gl.int64) * stride_xsm
+                sa = gl.load(sa_row)
                 for i in range(NK):
                     s = g + i
                     slot = s % STAGES
+                    sa_next = gl.load(sa_row + (gl.minimum(i + 1, NK - 1) * 128) // AB)
                     mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
-                    _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa_row + (i * 128) // AB)
+                    _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa)
+                    sa = sa_next
                 g += NK
 
     @gluon.jit
@@ -683,9 +680,11 @@ if HAVE_GLUON:
             if (e >= 0) & (e < E):
                 row0 = blk * BM
                 sa_row = xs_ptr + (row0 + r).to(gl.int64) * stride_xsm
+                sa = gl.load(sa_row)
                 for i in range(NK):
                     s = g + i
                     slot = s % STAGES
+                    sa_next = gl.load(sa_row + (gl.minimum(i + 1, NK - 1) * 128) // AB)
                     mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
                     chunk = e * NK + i
                     mbarrier.expect(full_w.index(slot), W_BYTES)
@@ -698,8 +697,8 @@ if HAVE_GLUON:
                                                         full_w.index(slot), w3_s.index(slot))
                         tma.async_copy_global_to_shared(s3_desc, [chunk, pid_n * 256],
                                                         full_w.index(slot), sw3_s.index(slot))
-                    _stage_x(x_desc, x_s, sa_s, full_x, slot, row0, i,
-                             sa_row + (i * 128) // AB)
+                    _stage_x(x_desc, x_s, sa_s, full_x, slot, row0, i, sa)
+                    sa = sa_next
                 g += NK
 
     @gluon.jit
