@@ -138,12 +138,13 @@ class MxPlan:
 
 
 # The fastest plans of bench/moe_gluon_mx.py (H100, 8K / 16K / 32K tokens, 256 experts;
-# docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks (each decoded weight feeds 128
-# rows); the up GEMM with a decode warpgroup (w1 and w3 decoded once into shared memory for
-# two consumer warpgroups of 64 rows), the down GEMM plain (its decode-warpgroup form with
-# 128- or 256-row blocks: slower).
+# docs/PERFORMANCE.md, thirty-sixth and thirty-eighth sessions): 128-row blocks (each decoded
+# weight feeds 128 rows); the up GEMM with a decode warpgroup (w1 and w3 decoded once into
+# shared memory for two consumer warpgroups of 64 rows), the down GEMM plain with 4 stages
+# (3: 4.5% / 3.3% slower at 8K / 32K; its decode-warpgroup forms, persistent ones included,
+# slower).
 PLAN_UP = MxPlan(BM=128, stages=4, dec=True)
-PLAN_DOWN = MxPlan(BM=128, stages=3)
+PLAN_DOWN = MxPlan(BM=128, stages=4)
 
 
 def parse_plan(text: str) -> MxPlan:
