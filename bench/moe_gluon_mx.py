@@ -4,7 +4,7 @@ expert call with and without the per-call re-encoding: V4-Flash widths (D 4096, 
 top-6), random K-chunk-major MXFP4 stacks, random routing.
 
     PYTHONPATH=. python bench/moe_gluon_mx.py [--tokens 8192,32768] [--experts 256]
-        [--plans up|down:BM:warps:mt:stages[:dec|:pdec[N][t]],...] [--out f.json]
+        [--plans up|down:BM:warps:mt:stages[:dec|:pdec[N]],...] [--out f.json]
 
 Printed per token count: each GEMM's µs and TFLOP/s (Triton on kept codes, then every plan of
 the MXFP4 kernels, their output against Triton's: 'bits' or the relative difference), then the
@@ -36,14 +36,14 @@ from dsv4.ops.triton_moe import _weight_args  # noqa: E402
 
 LIMIT = 10.0
 DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:4:pdec,"
-                 "up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,up:128:4:1:4:pdect,"
-                 "up:128:4:1:4:pdec2t,down:64:4:1:3,down:128:4:1:3,down:128:4:1:3:dec,"
-                 "down:256:4:1:3:dec,down:128:4:1:4:pdec,down:128:4:1:4:pdec2,"
-                 "down:128:4:1:4:pdec4,down:128:4:1:3:pdec4,down:128:4:1:4:pdec4t")
+                 "up:128:4:1:4:pdec1,up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:64:4:1:3,"
+                 "down:128:4:1:3,down:128:4:1:4,down:128:4:1:3:dec,down:256:4:1:3:dec,"
+                 "down:128:4:1:4:pdec1,down:128:4:1:4:pdec2,down:128:4:1:6:pdec2,"
+                 "down:128:4:1:5:pdec4")
 
 
 def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:
-    """``gemm:BM:warps:mt:stages[:dec|:pdec[N][t]]`` items -> (gemm, plan) (the plan as
+    """``gemm:BM:warps:mt:stages[:dec|:pdec[N]]`` items -> (gemm, plan) (the plan as
     :func:`dsv4.ops.gluon_moe_mxfp4.parse_plan` reads it)."""
     out = []
     for item in text.split(","):
@@ -134,8 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for gemm, plan in plans:
             name = (f"mx BM{plan.BM} w{plan.warps} mt{plan.mt} s{plan.stages}"
                     f"{' pdec' if plan.persist else ' dec' if plan.dec else ''}"
-                    f"{f' chain {plan.chain}' if plan.chain else ''}"
-                    f"{' tma' if plan.wtma else ''}")
+                    f"{f' chain {plan.chain}' if plan.chain else ''}")
             try:
                 r = reference(plan.BM)
                 pl = r["pl"]
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--experts", type=int, default=0, help="routed experts (default 256)")
     ap.add_argument("--plans", default=DEFAULT_PLANS,
                     help="MXFP4 plans, comma-separated "
-                         "gemm:BM:warps:mt:stages[:dec|:pdec[N][t]]")
+                         "gemm:BM:warps:mt:stages[:dec|:pdec[N]]")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return run(ap.parse_args(argv))

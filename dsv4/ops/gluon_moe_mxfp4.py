@@ -19,9 +19,11 @@ w3 tiles into shared memory, the A operand of two consumer warpgroups of 64 plan
 (A third form, two consumer warpgroups each decoding w1 or w3 of the same rows, measured 4%
 slower than the decode warpgroup for up and the same as the plain kernel for down: removed,
 the code is at commit c05b8e5.)  A persistent form of the decode-warpgroup kernel
-(:func:`_gemm_mx_pdec_kernel`: chained products, the weight tiles optionally by TMA) was
-written without a GPU and runs only when a plan asks for it (``MxPlan.persist``;
-docs/PERFORMANCE.md, thirty-seventh session).
+(:func:`_gemm_mx_pdec_kernel`: chained products, the weight tiles optionally by TMA) gives
+the same bits and runs only when a plan asks for it (``MxPlan.persist``): the up GEMM alone
+6% faster with two steps chained (``pdec2``), not yet faster in the engine's prefill; every
+persistent down form slower than the plain kernel (docs/PERFORMANCE.md, thirty-seventh and
+thirty-eighth sessions).
 
 The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
 column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
@@ -86,8 +88,8 @@ class MxPlan:
     ``regs``, BM / 2 rows each (:func:`_gemm_mx_dec_kernel`; BM 128 or 256, 64 weight rows);
     ``persist``: that form with about one program an SM walking the tiles
     (:func:`_gemm_mx_pdec_kernel`), its consumers chaining ``chain`` steps' products a loop
-    turn when > 0 (:func:`_p_consumer_chain`), its weight tiles brought by TMA when ``wtma``
-    (:func:`_p_decoder_tma`)."""
+    turn when > 0 (:func:`_p_consumer_chain`), its weight tiles brought by TMA
+    (:func:`_p_producer`, :func:`_p_decoder`)."""
 
     BM: int = 64
     warps: int = 4
@@ -98,7 +100,6 @@ class MxPlan:
     dregs: int | None = None
     persist: bool = False
     chain: int = 0
-    wtma: bool = False
 
     def __post_init__(self) -> None:
         if (self.BM not in (32, 64, 128, 256) or (self.BM == 256 and not self.dec)
@@ -112,10 +113,10 @@ class MxPlan:
                          or any(r % 8 or not 24 <= r <= 256 for r in given)):
             raise ValueError(f"MxPlan: dec takes BM 128 / 256, 4 warps a consumer, mt 1, regs "
                              f"and dregs multiples of 8 in 24..256; found {self}")
-        if ((self.persist and not self.dec) or ((self.chain or self.wtma) and not self.persist)
+        if ((self.persist and not self.dec) or (self.chain and not self.persist)
                 or self.chain not in (0, 1, 2, 4, 8)):
-            raise ValueError(f"MxPlan: persist needs dec; chain (1, 2, 4, 8 steps) and wtma "
-                             f"need persist; found {self}")
+            raise ValueError(f"MxPlan: persist needs dec; chain (1, 2, 4, 8 steps) needs "
+                             f"persist; found {self}")
 
     def registers(self, two: bool) -> tuple[int, int]:
         """(consumer, decoder) registers a thread of the decode-warpgroup forms.  The default
@@ -149,18 +150,17 @@ PLAN_DOWN = MxPlan(BM=128, stages=4)
 
 def parse_plan(text: str) -> MxPlan:
     """``BM:warps:mt:stages[:FORM]`` -> the plan; FORM ``dec``: the decode-warpgroup form;
-    ``pdec[N][t]``: its persistent form, with N steps' products chained a loop turn, its
-    weight tiles brought by TMA (``t``)."""
+    ``pdec[N]``: its persistent form (weight tiles brought by TMA), with N steps' products
+    chained a loop turn."""
     parts = text.split(":")
     form = parts[4] if len(parts) == 5 else ""
-    m = re.fullmatch(r"pdec(\d*)(t?)", form)
+    m = re.fullmatch(r"pdec(\d*)", form)
     if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts[:4]) or not (
             form in ("", "dec") or m):
-        raise ValueError(f"MxPlan: bad plan {text!r} (BM:warps:mt:stages[:dec|:pdec[N][t]])")
+        raise ValueError(f"MxPlan: bad plan {text!r} (BM:warps:mt:stages[:dec|:pdec[N]])")
     BM, warps, mt, stages = (int(v) for v in parts[:4])
     return MxPlan(BM=BM, warps=warps, mt=mt, stages=stages, dec=form != "",
-                  persist=m is not None, chain=int(m.group(1) or 0) if m else 0,
-                  wtma=bool(m and m.group(2)))
+                  persist=m is not None, chain=int(m.group(1) or 0) if m else 0)
 
 
 # DSV4_FP8MMA_MX_PLANS="UP,DOWN" (parse_plan's form) replaces the default plans, for A/B runs.
@@ -632,43 +632,17 @@ if HAVE_GLUON:
                                         x_s.index(slot))
 
     @gluon.jit
-    def _p_producer(x_desc, x_s, sa_s, full, empty, xs_ptr, bexp_ptr, E, NB, stride_xsm,
-                    N: gl.constexpr, K: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
-                    STAGES: gl.constexpr, N_FIRST: gl.constexpr):
-        """The load warp of the persistent form: for every step of the program's tiles, the
-        block's activation scales of the step (plain loads, one step ahead) and its
-        activation tile (TMA) into the step's slot, once both consumers released it."""
-        NK: gl.constexpr = K // 128
-        NT: gl.constexpr = N // 64
-        SA_L: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
-        r = gl.arange(0, BM, layout=SA_L)
-        g = gl.program_id(0) * 0
-        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
-            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
-            e = gl.load(bexp_ptr + blk)
-            if (e >= 0) & (e < E):
-                row0 = blk * BM
-                sa_row = xs_ptr + (row0 + r).to(gl.int64) * stride_xsm
-                sa = gl.load(sa_row)
-                for i in range(NK):
-                    s = g + i
-                    slot = s % STAGES
-                    sa_next = gl.load(sa_row + (gl.minimum(i + 1, NK - 1) * 128) // AB)
-                    mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
-                    _stage_x(x_desc, x_s, sa_s, full, slot, row0, i, sa)
-                    sa = sa_next
-                g += NK
-
-    @gluon.jit
-    def _p_producer_tma(x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s, sw_s, sw3_s,
-                        sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr, E, NB, stride_xsm,
-                        N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
-                        AB: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                        N_FIRST: gl.constexpr):
-        """:func:`_p_producer` that also brings each step's weight tiles into the ring by TMA
-        for :func:`_p_decoder_tma`: the packed words of the tile's 64 rows ([64, 64] bytes of
-        the K-chunk-major stack viewed as [E · K/128 · N, 64]) and their scale words ([1, 256]
-        bytes of the scales viewed as [E · K/128, N · 4]), w3's too for the up GEMM."""
+    def _p_producer(x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s, sw_s, sw3_s,
+                    sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr, E, NB, stride_xsm,
+                    N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr, AB: gl.constexpr,
+                    BM: gl.constexpr, STAGES: gl.constexpr, N_FIRST: gl.constexpr):
+        """The load warp of the persistent form: for every step of the program's tiles, once
+        both consumers released the step's slot, the weight tiles for :func:`_p_decoder`
+        (TMA: the packed words of the tile's 64 rows, [64, 64] bytes of the K-chunk-major
+        stack viewed as [E · K/128 · N, 64], and their scale words, [1, 256] bytes of the
+        scales viewed as [E · K/128, N · 4]; w3's too for the up GEMM), the block's
+        activation scales of the step (plain loads, one step ahead) and its activation tile
+        (TMA)."""
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64
         W_BYTES: gl.constexpr = (w_desc.block_type.nbytes + s_desc.block_type.nbytes) * (1 + TWO)
@@ -703,30 +677,14 @@ if HAVE_GLUON:
                 g += NK
 
     @gluon.jit
-    def _p_decoder(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                   bexp_ptr, E, NB, stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
-                   K: gl.constexpr, STAGES: gl.constexpr, N_FIRST: gl.constexpr):
-        """:func:`_dec_decoder` over the program's tiles, the ring's steps counted across
-        them (so a tile's first steps decode while the consumers finish the previous one)."""
-        NK: gl.constexpr = K // 128
-        NT: gl.constexpr = N // 64
-        g = gl.program_id(0) * 0
-        for t in range(gl.program_id(0), NB * NT, gl.num_programs(0)):
-            blk, pid_n = _tile_coords(t, NB, NT, N_FIRST)
-            e = gl.load(bexp_ptr + blk)
-            if (e >= 0) & (e < E):
-                _decode_steps(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr,
-                              s3_ptr, e, pid_n * 64, g, stride_we, stride_se, N, TWO, K, STAGES)
-                g += NK
-
-    @gluon.jit
-    def _p_decoder_tma(a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a, bexp_ptr,
-                       E, NB, N: gl.constexpr, TWO: gl.constexpr, K: gl.constexpr,
-                       STAGES: gl.constexpr, N_FIRST: gl.constexpr):
-        """:func:`_p_decoder` on weight tiles the load warp brought into the ring by TMA
-        (packed words [64, 64] bytes and the rows' scale words a step): no global load is in
-        flight at the proxy fence each step ends with (ptxas makes it a MEMBAR.ALL.CTA,
-        which would wait for the next step's prefetched loads)."""
+    def _p_decoder(a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a, bexp_ptr,
+                   E, NB, N: gl.constexpr, TWO: gl.constexpr, K: gl.constexpr,
+                   STAGES: gl.constexpr, N_FIRST: gl.constexpr):
+        """The decode warpgroup of the persistent form (:func:`_dec_decoder` over the
+        program's tiles, the ring's steps counted across them) on weight tiles the load warp
+        brought into the ring by TMA (packed words [64, 64] bytes and the rows' scale words a
+        step): no global load is in flight at the proxy fence each step ends with (ptxas
+        makes it a MEMBAR.ALL.CTA, which would wait for prefetched loads)."""
         NK: gl.constexpr = K // 128
         NT: gl.constexpr = N // 64
         WORD_L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
@@ -885,19 +843,22 @@ if HAVE_GLUON:
                 g += NK
 
     @gluon.jit
-    def _gemm_mx_pdec_kernel(x_desc, w_desc, w3_desc, s_desc, s3_desc, xs_ptr, w1_ptr, s1_ptr,
-                             w3_ptr, s3_ptr, pair_ptr, bexp_ptr, wt_ptr, out_ptr, P, E, NB,
-                             stride_xsm, stride_we,
-                             stride_se, stride_om, limit, N: gl.constexpr, K: gl.constexpr,
-                             TWO: gl.constexpr, HAS_LIMIT: gl.constexpr, AB: gl.constexpr,
-                             BM: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
-                             DREGS: gl.constexpr, N_FIRST: gl.constexpr, CHAIN: gl.constexpr,
-                             WTMA: gl.constexpr, PDL: gl.constexpr = False):
+    def _gemm_mx_pdec_kernel(x_desc, w_desc, w3_desc, s_desc, s3_desc, xs_ptr, pair_ptr,
+                             bexp_ptr, wt_ptr, out_ptr, P, E, NB, stride_xsm, stride_om, limit,
+                             N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
+                             HAS_LIMIT: gl.constexpr, AB: gl.constexpr, BM: gl.constexpr,
+                             STAGES: gl.constexpr, REGS: gl.constexpr, DREGS: gl.constexpr,
+                             N_FIRST: gl.constexpr, CHAIN: gl.constexpr,
+                             PDL: gl.constexpr = False):
         """:func:`_gemm_mx_dec_kernel`, persistent: a grid of about one program an SM walks
         the NB · N / 64 tiles (row block, 64 weight rows) round robin; every partition walks
         the same tiles and counts the ring's steps across them, so the decoder and the load
         warp run into the next tile while the consumers store the last one.  The load warp
-        also stages each step's activation scales into the ring."""
+        brings each step's weight tiles (w_desc / s_desc: packed words and scale words, w3's
+        for the up GEMM) and activation tile by TMA and stages the step's activation scales;
+        the decoder reads the weights from shared memory (with words prefetched by plain
+        loads, its per-step proxy fence waited for them: 9% (up) to 22% (down) slower, that
+        form removed, code at 542b095)."""
         grid_dependency_sync(PDL)
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
         v_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -918,46 +879,32 @@ if HAVE_GLUON:
             mbarrier.init(full_x.index(s), count=1)
             mbarrier.init(full_a.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)
-        if WTMA:
-            w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
-            sw_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256], s_desc.layout)
-            if TWO:
-                w3_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
-                sw3_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256],
-                                                  s_desc.layout)
-            else:
-                w3_s = w_s
-                sw3_s = sw_s
-            full_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
-                                               mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(full_w.index(s), count=1)
-            gl.warp_specialize([
-                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
-                               E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
-                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
-                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
-                               E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
-                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
-                (_p_decoder_tma, (a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a,
-                                  bexp_ptr, E, NB, N, TWO, K, STAGES, N_FIRST)),
-                (_p_producer_tma, (x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s,
-                                   sw_s, sw3_s, sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr,
-                                   E, NB, stride_xsm, N, K, TWO, AB, BM, STAGES, N_FIRST)),
-            ], [4, 4, 1], [REGS, DREGS, 40])
+        w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
+        sw_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256], s_desc.layout)
+        if TWO:
+            w3_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
+            sw3_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256],
+                                              s_desc.layout)
         else:
-            gl.warp_specialize([
-                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
-                               NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
-                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
-                (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr, E,
-                               NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
-                               HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
-                (_p_decoder, (a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                              bexp_ptr, E, NB, stride_we, stride_se, N, TWO, K, STAGES, N_FIRST)),
-                (_p_producer, (x_desc, x_s, sa_s, full_x, empty, xs_ptr, bexp_ptr, E, NB,
-                               stride_xsm, N, K, AB, BM, STAGES, N_FIRST)),
-            ], [4, 4, 1], [REGS, DREGS, 40])
+            w3_s = w_s
+            sw3_s = sw_s
+        full_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
+                                           mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full_w.index(s), count=1)
+        gl.warp_specialize([
+            (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                           E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 0, TWO,
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
+            (_p_consumer, (x_s, a_s, a3_s, f_s, f3_s, sa_s, full_x, full_a, empty, bexp_ptr,
+                           E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
+                           HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
+            (_p_decoder, (a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a,
+                              bexp_ptr, E, NB, N, TWO, K, STAGES, N_FIRST)),
+            (_p_producer, (x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s,
+                               sw_s, sw3_s, sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr,
+                               E, NB, stride_xsm, N, K, TWO, AB, BM, STAGES, N_FIRST)),
+        ], [4, 4, 1], [REGS, DREGS, 40])
 
 
 def qualifies(x: torch.Tensor, kchunk: int, ks: int, D: int, inter: int,
@@ -1008,7 +955,7 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
 
 def _weight_descs(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
                   N: int, K: int) -> tuple:
-    """TMA descriptors of the K-chunk-major stacks for :func:`_p_producer_tma`: the packed
+    """TMA descriptors of the K-chunk-major stacks for :func:`_p_producer`: the packed
     words as [E · K/128 · N, 64] bytes (box: 64 rows of a chunk), the scales as
     [E · K/128, N · 4] bytes (box: 64 rows' scale words, 256 bytes)."""
     words_l = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -1016,7 +963,8 @@ def _weight_descs(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torc
     for w, sc in ((w1, s1), (w3, s3)):
         E, KC = w.shape[0], K // STEP
         if w.stride(0) != N * K // 2 or sc.stride(0) != N * K // 32:
-            raise ValueError("gluon_moe_mxfp4: wtma needs whole K-chunk-major stacks")
+            raise ValueError("gluon_moe_mxfp4: the persistent plans need whole K-chunk-major "
+                             "stacks")
         wv = torch.as_strided(w.view(torch.uint8), (E * KC * N, 64), (64, 1))
         sv = torch.as_strided(sc.view(torch.uint8), (E * KC, N * 4), (N * 4, 1))
         out.append((_gp.TensorDescriptor(wv, list(wv.shape), [64, 1], [64, 64], words_l),
@@ -1044,10 +992,11 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
         # asked otherwise; no grid-axis limit on a 1-D grid.
         tiles = nb * (N // plan.BN)
         grid = (max(1, min(tiles, sm_count(xq.device))),)
-        wd = _weight_descs(w1, s1, w3, s3, N, K) if plan.wtma else (args[0],) * 4
-        _gemm_mx_pdec_kernel[grid](args[0], *wd, *args[1:], nb, *strides, REGS=regs,
-                                   DREGS=dregs, N_FIRST=bool(n_first), CHAIN=plan.chain,
-                                   WTMA=plan.wtma, **common, **pdl_args(xq))
+        _gemm_mx_pdec_kernel[grid](args[0], *_weight_descs(w1, s1, w3, s3, N, K), xs, pairs,
+                                   block_expert, wts, out, P, E, nb, xs.stride(0),
+                                   out.stride(0), limit, REGS=regs, DREGS=dregs,
+                                   N_FIRST=bool(n_first), CHAIN=plan.chain, **common,
+                                   **pdl_args(xq))
         return
     grid, first = tile_grid(nb, N // plan.BN, n_first=n_first)
     if plan.dec:

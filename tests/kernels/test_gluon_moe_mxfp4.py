@@ -31,8 +31,7 @@ def test_mx_k_position_is_a_permutation_within_each_group() -> None:
     {"BM": 48}, {"warps": 2}, {"mt": 3}, {"stages": 1}, {"stages": 7}, {"BM": 256},
     {"BM": 64, "dec": True}, {"dec": True, "warps": 8}, {"dec": True, "mt": 2},
     {"dec": True, "regs": 20}, {"dec": True, "dregs": 100}, {"persist": True},
-    {"dec": True, "chain": 2}, {"dec": True, "persist": True, "chain": 3},
-    {"dec": True, "wtma": True}])
+    {"dec": True, "chain": 2}, {"dec": True, "persist": True, "chain": 3}])
 def test_plan_checks(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         mx.MxPlan(**kwargs)
@@ -94,10 +93,10 @@ def test_parse_plan() -> None:
     assert mx.parse_plan("128:4:1:4:dec") == mx.MxPlan(BM=128, stages=4, dec=True)
     assert mx.parse_plan("128:4:1:4:pdec2") == mx.MxPlan(BM=128, stages=4, dec=True,
                                                          persist=True, chain=2)
-    assert mx.parse_plan("128:4:1:4:pdec4t") == mx.MxPlan(BM=128, stages=4, dec=True,
-                                                          persist=True, chain=4, wtma=True)
+    assert mx.parse_plan("128:4:1:4:pdec") == mx.MxPlan(BM=128, stages=4, dec=True,
+                                                        persist=True)
     for bad in ("128:4:1", "128:4:1:3:wide", "128:4:1:3:pdecx", "x:4:1:3", "48:4:1:3",
-                "128:4:1:3:pdec3"):
+                "128:4:1:3:pdec3", "128:4:1:4:pdec2t"):
         with pytest.raises(ValueError):
             mx.parse_plan(bad)
 

@@ -416,15 +416,15 @@ def test_fp8mma_gluon_gemms_gpu(mode: str, monkeypatch: pytest.MonkeyPatch) -> N
 @needs_gpu
 @pytest.mark.parametrize("T, form", [(2048, "default"), (8192, "default"), (8192, "dec"),
                                      (8192, "plain64"), (2048, "pdec"), (8192, "pdec"),
-                                     (8192, "chain"), (8192, "chain_tma")])
+                                     (8192, "chain")])
 def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4, DSV4_FP8MMA_MX) at
     V4-Flash widths give the per-call re-encoding's bits (outputs over NaN-poisoned memory,
     finite): the same products, each k32 MMA summing the same 32 in another order, which the
     tensor cores' sum does not depend on.  Forms: the default plans (the up GEMM's decode
     warpgroup, the plain down GEMM, 128-row blocks), both GEMMs with a decode warpgroup, both
-    plain with 64-row blocks, both persistent (one program an SM walking the tiles), both
-    persistent with chained products, and that with the weight tiles brought by TMA."""
+    plain with 64-row blocks, both persistent (one program an SM walking the tiles, the
+    weight tiles brought by TMA), both persistent with chained products."""
     from dataclasses import replace
 
     from dsv4.ops import gluon_moe_mxfp4 as mx
@@ -432,8 +432,8 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
         pytest.skip("needs Gluon and an sm_90 GPU")
     if form == "dec":
         monkeypatch.setattr(mx, "PLAN_DOWN", mx.MxPlan(BM=128, dec=True))
-    elif form in ("pdec", "chain", "chain_tma"):
-        plan = mx.MxPlan(BM=128, stages=4, dec=True, persist=True, wtma=form == "chain_tma")
+    elif form in ("pdec", "chain"):
+        plan = mx.MxPlan(BM=128, stages=4, dec=True, persist=True)
         monkeypatch.setattr(mx, "PLAN_UP", replace(plan, chain=0 if form == "pdec" else 2))
         monkeypatch.setattr(mx, "PLAN_DOWN", replace(plan, chain=0 if form == "pdec" else 4))
     elif form == "plain64":
