@@ -12,18 +12,16 @@ ring filled by TMA.  Per 128-wide K step: four chained ``m64nBMk32`` products (o
 for each weight, waited for, then ``fma(d · sa, f, acc)`` in fp32, the Triton kernels'
 operation, with f the step factor 2^(smax − 6 − 127) of each weight row (the re-encoding's).
 
-Two forms (:class:`MxPlan`): the plain kernel (:func:`_gemm_mx_kernel`, the default down GEMM:
-each warpgroup decodes its own A fragments in registers) and one with a decode warpgroup
-(:func:`_gemm_mx_dec_kernel`, the default up GEMM: one warpgroup decodes each K step's w1 and
-w3 tiles into shared memory, the A operand of two consumer warpgroups of 64 plan rows each).
-(A third form, two consumer warpgroups each decoding w1 or w3 of the same rows, measured 4%
-slower than the decode warpgroup for up and the same as the plain kernel for down: removed,
-the code is at commit c05b8e5.)  A persistent form of the decode-warpgroup kernel
-(:func:`_gemm_mx_pdec_kernel`: chained products, the weight tiles optionally by TMA) gives
-the same bits and runs only when a plan asks for it (``MxPlan.persist``): the up GEMM alone
-6% faster with two steps chained (``pdec2``), not yet faster in the engine's prefill; every
-persistent down form slower than the plain kernel (docs/PERFORMANCE.md, thirty-seventh and
-thirty-eighth sessions).
+Three forms (:class:`MxPlan`): the plain kernel (:func:`_gemm_mx_kernel`, the default down
+GEMM: each warpgroup decodes its own A fragments in registers), one with a decode warpgroup
+(:func:`_gemm_mx_dec_kernel`: one warpgroup decodes each K step's w1 and w3 tiles into shared
+memory, the A operand of two consumer warpgroups of 64 plan rows each), and its persistent
+form (:func:`_gemm_mx_pdec_kernel`, the default up GEMM: one program an SM walking the tiles,
+the weight tiles brought by TMA, chained products; 3-7% faster than the non-persistent form;
+every persistent down form is slower than the plain kernel: docs/PERFORMANCE.md,
+thirty-seventh and thirty-eighth sessions).  (Two consumer warpgroups each decoding w1 or w3
+of the same rows measured 4% slower than the decode warpgroup for up and the same as the
+plain kernel for down: removed, the code is at commit c05b8e5.)
 
 The MMA column order differs from the Triton kernels' (:func:`mx_k_position`): in each 32-group,
 column 16h + 4q + i holds natural column 8q + 4h + i, so the activation codes are prepped in
@@ -39,7 +37,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -141,10 +139,11 @@ class MxPlan:
 # The fastest plans of bench/moe_gluon_mx.py (H100, 8K / 16K / 32K tokens, 256 experts;
 # docs/PERFORMANCE.md, thirty-sixth and thirty-eighth sessions): 128-row blocks (each decoded
 # weight feeds 128 rows); the up GEMM with a decode warpgroup (w1 and w3 decoded once into
-# shared memory for two consumer warpgroups of 64 rows), the down GEMM plain with 4 stages
-# (3: 4.5% / 3.3% slower at 8K / 32K; its decode-warpgroup forms, persistent ones included,
-# slower).
-PLAN_UP = MxPlan(BM=128, stages=4, dec=True)
+# shared memory for two consumer warpgroups of 64 rows), persistent, TMA-fed, two steps'
+# products chained (the non-persistent form 3-7% slower, the 4-layer 8K prefill 1% slower);
+# the down GEMM plain with 4 stages (3: 2-6% slower; its decode-warpgroup forms, persistent
+# ones included, slower).
+PLAN_UP = MxPlan(BM=128, stages=4, dec=True, persist=True, chain=2)
 PLAN_DOWN = MxPlan(BM=128, stages=4)
 
 
@@ -953,6 +952,14 @@ def gemm_down(aq: torch.Tensor, as_: torch.Tensor, w2: torch.Tensor, s2: torch.T
             False, 0.0, ab, n_first)
 
 
+def _whole_stacks(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                  N: int, K: int) -> bool:
+    """Whether the stacks are whole K-chunk-major tensors (experts N · K / 2 bytes apart), as
+    the persistent form's TMA views of them need."""
+    return all(w.stride(0) == N * K // 2 and w.is_contiguous() and sc.stride(0) == N * K // 32
+               and sc.is_contiguous() for w, sc in ((w1, s1), (w3, s3)))
+
+
 def _weight_descs(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
                   N: int, K: int) -> tuple:
     """TMA descriptors of the K-chunk-major stacks for :func:`_p_producer`: the packed
@@ -962,9 +969,6 @@ def _weight_descs(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torc
     out = []
     for w, sc in ((w1, s1), (w3, s3)):
         E, KC = w.shape[0], K // STEP
-        if w.stride(0) != N * K // 2 or sc.stride(0) != N * K // 32:
-            raise ValueError("gluon_moe_mxfp4: the persistent plans need whole K-chunk-major "
-                             "stacks")
         wv = torch.as_strided(w.view(torch.uint8), (E * KC * N, 64), (64, 1))
         sv = torch.as_strided(sc.view(torch.uint8), (E * KC, N * 4), (N * 4, 1))
         out.append((_gp.TensorDescriptor(wv, list(wv.shape), [64, 1], [64, 64], words_l),
@@ -987,6 +991,9 @@ def _launch(plan: MxPlan, xq: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
     if plan.chain and (K // STEP) % plan.chain:
         raise ValueError(f"gluon_moe_mxfp4: {K // STEP} K steps do not fill chains of "
                          f"{plan.chain}")
+    if plan.persist and not _whole_stacks(w1, s1, w3, s3, N, K):
+        # A view into larger stacks has no TMA view of its chunks: the non-persistent form.
+        plan = replace(plan, persist=False, chain=0)
     if plan.persist:
         # One program an SM (the three partitions' registers fill it), N tiles first unless
         # asked otherwise; no grid-axis limit on a 1-D grid.

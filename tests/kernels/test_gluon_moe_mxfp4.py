@@ -42,11 +42,26 @@ def test_plan_tiles_and_defaults() -> None:
     assert mx.MxPlan(warps=4, mt=2).BN == 128
     dec = mx.MxPlan(BM=256, dec=True)
     assert dec.BN == 64   # the rows of w1 and of w3 (up), of w2 (down)
-    # The measured defaults (docs/PERFORMANCE.md, thirty-sixth session): 128-row blocks for
-    # both GEMMs (one plan for the call), the up GEMM with a decode warpgroup.
+    # The measured defaults (docs/PERFORMANCE.md, thirty-sixth and thirty-eighth sessions):
+    # 128-row blocks for both GEMMs (one plan for the call), the up GEMM with a decode
+    # warpgroup in its persistent form, the down GEMM plain.
     assert mx.PLAN_UP.BM == mx.PLAN_DOWN.BM == 128 and mx.PLAN_UP.dec
+    if "DSV4_FP8MMA_MX_PLANS" not in os.environ:
+        assert mx.PLAN_UP.persist and mx.PLAN_UP.chain == 2 and not mx.PLAN_DOWN.dec
     if "DSV4_FP8MMA_MX" not in os.environ:
         assert mx.MX_PREFILL
+
+
+def test_whole_stacks() -> None:
+    """The persistent form's TMA views need whole stacks; a view into larger ones (e.g. a
+    slice of the rows) makes the launch fall back to the non-persistent form."""
+    E, N, K = 3, 128, 256
+    w = torch.zeros(E, N, K // 2, dtype=torch.uint8)
+    sc = torch.zeros(E, N, K // 32, dtype=torch.uint8)
+    assert mx._whole_stacks(w, sc, w, sc, N, K)
+    assert mx._whole_stacks(w[1:], sc[1:], w[1:], sc[1:], N, K)   # an expert range: whole
+    big = torch.zeros(E, 2 * N, K // 2, dtype=torch.uint8)
+    assert not mx._whole_stacks(big[:, :N], sc, w, sc, N, K)
 
 
 def _stacks(kchunk: int) -> ExpertWeights:

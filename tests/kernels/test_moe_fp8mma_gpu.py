@@ -421,8 +421,9 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
     """The Gluon GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4, DSV4_FP8MMA_MX) at
     V4-Flash widths give the per-call re-encoding's bits (outputs over NaN-poisoned memory,
     finite): the same products, each k32 MMA summing the same 32 in another order, which the
-    tensor cores' sum does not depend on.  Forms: the default plans (the up GEMM's decode
-    warpgroup, the plain down GEMM, 128-row blocks), both GEMMs with a decode warpgroup, both
+    tensor cores' sum does not depend on.  Forms: the default plans (the up GEMM's persistent
+    decode warpgroup, the plain down GEMM, 128-row blocks), both GEMMs with a non-persistent
+    decode warpgroup, both
     plain with 64-row blocks, both persistent (one program an SM walking the tiles, the
     weight tiles brought by TMA), both persistent with chained products."""
     from dataclasses import replace
@@ -431,6 +432,7 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
     if not mx.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon and an sm_90 GPU")
     if form == "dec":
+        monkeypatch.setattr(mx, "PLAN_UP", mx.MxPlan(BM=128, stages=4, dec=True))
         monkeypatch.setattr(mx, "PLAN_DOWN", mx.MxPlan(BM=128, dec=True))
     elif form in ("pdec", "chain"):
         plan = mx.MxPlan(BM=128, stages=4, dec=True, persist=True)
