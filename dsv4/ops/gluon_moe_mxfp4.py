@@ -882,13 +882,11 @@ if HAVE_GLUON:
         sw_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256], s_desc.layout)
         if TWO:
             w3_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
-            sw3_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256],
-                                              s_desc.layout)
+            sw3_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256], s_desc.layout)
         else:
             w3_s = w_s
             sw3_s = sw_s
-        full_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
-                                           mbarrier.MBarrierLayout())
+        full_w = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(full_w.index(s), count=1)
         gl.warp_specialize([
@@ -899,10 +897,10 @@ if HAVE_GLUON:
                            E, NB, pair_ptr, wt_ptr, out_ptr, P, stride_om, limit, 1, TWO,
                            HAS_LIMIT, N, K, BM, STAGES, N_FIRST, CHAIN)),
             (_p_decoder, (a_s, a3_s, f_s, f3_s, w_s, w3_s, sw_s, sw3_s, full_w, full_a,
-                              bexp_ptr, E, NB, N, TWO, K, STAGES, N_FIRST)),
-            (_p_producer, (x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s,
-                               sw_s, sw3_s, sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr,
-                               E, NB, stride_xsm, N, K, TWO, AB, BM, STAGES, N_FIRST)),
+                          bexp_ptr, E, NB, N, TWO, K, STAGES, N_FIRST)),
+            (_p_producer, (x_desc, w_desc, w3_desc, s_desc, s3_desc, x_s, w_s, w3_s, sw_s,
+                           sw3_s, sa_s, full_x, full_w, empty, xs_ptr, bexp_ptr, E, NB,
+                           stride_xsm, N, K, TWO, AB, BM, STAGES, N_FIRST)),
         ], [4, 4, 1], [REGS, DREGS, 40])
 
 
