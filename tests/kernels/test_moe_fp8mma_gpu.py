@@ -423,9 +423,9 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
     finite): the same products, each k32 MMA summing the same 32 in another order, which the
     tensor cores' sum does not depend on.  Forms: the default plans (the up GEMM's persistent
     decode warpgroup, the plain down GEMM, 128-row blocks), both GEMMs with a non-persistent
-    decode warpgroup, both
-    plain with 64-row blocks, both persistent (one program an SM walking the tiles, the
-    weight tiles brought by TMA), both persistent with chained products."""
+    decode warpgroup, both plain with 64-row blocks, both persistent (one program an SM
+    walking the tiles, the weight tiles brought by TMA), both persistent with chained
+    products."""
     from dataclasses import replace
 
     from dsv4.ops import gluon_moe_mxfp4 as mx
