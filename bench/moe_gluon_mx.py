@@ -39,7 +39,7 @@ DEFAULT_PLANS = ("up:64:4:1:3,up:128:4:1:3:dec,up:128:4:1:4:dec,up:128:4:1:4:pde
                  "up:128:4:1:4:pdec1,up:128:4:1:4:pdec2,up:128:4:1:3:pdec2,down:64:4:1:3,"
                  "down:128:4:1:3,down:128:4:1:4,down:128:4:1:3:dec,down:256:4:1:3:dec,"
                  "down:128:4:1:4:pdec1,down:128:4:1:4:pdec2,down:128:4:1:6:pdec2,"
-                 "down:128:4:1:5:pdec4")
+                 "down:128:4:1:5:pdec4,down:256:4:1:3:pdec1")
 
 
 def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:
