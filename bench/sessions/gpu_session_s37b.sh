@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical: plan texts pdec[N]t were the TMA-fed persistent form; since 95dc797 every
+# persistent plan is TMA-fed and the text is pdec[N].)
 # Thirty-seventh session: the persistent decode-warpgroup form of the MXFP4 GEMMs
 # (_gemm_mx_pdec_kernel, written without a GPU; pdecN: the products of N steps chained a loop
 # turn): its plans against the default ones at 8K / 32K tokens (bench/moe_gluon_mx.py, bits

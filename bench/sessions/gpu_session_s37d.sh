@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical: plan texts pdec[N]t were the TMA-fed persistent form; since 95dc797 every
+# persistent plan is TMA-fed and the text is pdec[N].)
 # Thirty-seventh session, cut down for little device time: s37b's plans at 8K tokens only
 # (bits against the Triton kernels), the GPU test of the persistent forms, the 4-layer 8K
 # prefill with the chained plans against the defaults.

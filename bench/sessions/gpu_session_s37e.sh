@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical: plan texts pdec[N]t were the TMA-fed persistent form; since 95dc797 every
+# persistent plan is TMA-fed and the text is pdec[N].)
 # Thirty-seventh session, the last few minutes of device time: the chained persistent plans
 # against the defaults at 8K tokens (bits against the Triton kernels), their GPU test, the
 # 4-layer 8K prefill with them against the defaults.

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical: plan texts pdec[N]t were the TMA-fed persistent form; since 95dc797 every
+# persistent plan is TMA-fed and the text is pdec[N].)
 # Thirty-eighth session: the TMA-fed persistent MXFP4 plans (fastest in s37b: up pdec2t 6%
 # faster than the default, down pdec4t 10% slower than the plain default) swept over chain
 # and stages, after the load warp's activation scales became cp.async (they waited a global

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical: plan texts pdec[N]t were the TMA-fed persistent form; since 95dc797 every
+# persistent plan is TMA-fed and the text is pdec[N].)
 # Thirty-eighth session, second call: the activation scales back on plain loads (cp.async
 # measured slower for the TMA-fed up GEMM, s38a); the candidate plans (up pdec2t, down plain
 # with 4 stages) against the defaults, GEMM by GEMM and in the 4-layer 8K prefill, alternating.
