@@ -459,16 +459,6 @@ if HAVE_GLUON:
         """The decode warpgroup: each K step's 64 weight rows (w1 and w3 for the up GEMM)
         decoded into the slot's shared-memory A tiles and factors, once both consumers
         released the slot's previous step; the next step's words load meanwhile."""
-        _decode_steps(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n0,
-                      0, stride_we, stride_se, N, TWO, K, STAGES)
-
-    @gluon.jit
-    def _decode_steps(a_s, a3_s, f_s, f3_s, full_a, empty, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, n0,
-                      g, stride_we, stride_se, N: gl.constexpr, TWO: gl.constexpr,
-                      K: gl.constexpr, STAGES: gl.constexpr):
-        """The decoder's K steps of one tile (expert e, weight rows n0 .. n0 + 63), the ring's
-        steps g .. g + K / 128 - 1: each step's words loaded a step ahead, decoded into its
-        slot once both consumers released the slot."""
         NK: gl.constexpr = K // 128
         DEC_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         e64 = e.to(gl.int64)
@@ -480,13 +470,12 @@ if HAVE_GLUON:
         wa, swa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, 0, N)
         wb, swb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, 0, N)
         for i in range(NK):
-            s = g + i
-            slot = s % STAGES
+            slot = i % STAGES
             j = gl.minimum(i + 1, NK - 1)
             na, nsa = _dec_load(w1_ptr + w_off, s1_ptr + s_off, j, N)
             if TWO:
                 nb, nsb = _dec_load(w3_ptr + w_off, s3_ptr + s_off, j, N)
-            mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1, pred=s >= STAGES)
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
             codes, f = _dec_tile(wa, swa, shift)
             a_s.index(slot).store(codes)
             f_s.index(slot).store(f)
@@ -556,6 +545,32 @@ if HAVE_GLUON:
         return acc, acc3
 
     @gluon.jit
+    def _dec_ring(x_desc, BM: gl.constexpr, STAGES: gl.constexpr, TWO: gl.constexpr):
+        """The decode-warpgroup forms' ring in shared memory: per slot the activation tile,
+        the decoded A tiles and row factors of w1 (and w3 for the up GEMM; w1's again for
+        down), and the barriers: activations in (``full_x``), A tiles in (``full_a``), slot
+        released by both consumers (``empty``)."""
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+        f_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
+        a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
+        f_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], f_layout)
+        if TWO:
+            a3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
+            f3_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], f_layout)
+        else:
+            a3_s = a_s
+            f3_s = f_s
+        full_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        full_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full_x.index(s), count=1)
+            mbarrier.init(full_a.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty
+
+    @gluon.jit
     def _gemm_mx_dec_kernel(x_desc, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, bexp_ptr,
                             wt_ptr, out_ptr, P, E, stride_xsm, stride_we, stride_se, stride_om,
                             limit, N: gl.constexpr, K: gl.constexpr, TWO: gl.constexpr,
@@ -575,25 +590,8 @@ if HAVE_GLUON:
             BMC: gl.constexpr = BM // 2
             row0 = blk * BM
             n0 = pid_n * 64
-            a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128],
-                                                                          gl.float8e4nv)
-            f_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
-            a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
-            f_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], f_layout)
-            if TWO:
-                a3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
-                f3_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], f_layout)
-            else:
-                a3_s = a_s
-                f3_s = f_s
-            full_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            full_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(full_x.index(s), count=1)
-                mbarrier.init(full_a.index(s), count=1)
-                mbarrier.init(empty.index(s), count=2)
+            x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty = _dec_ring(x_desc, BM, STAGES,
+                                                                         TWO)
             sa_s = _scales_to_shared(xs_ptr, row0, stride_xsm, AB, BM, NK, 4)
             gl.warp_specialize([
                 (_dec_consumer, (x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty, sa_s,
@@ -859,25 +857,9 @@ if HAVE_GLUON:
         loads, its per-step proxy fence waited for them: 9% (up) to 22% (down) slower, that
         form removed, code at 542b095)."""
         grid_dependency_sync(PDL)
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
-        v_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, 128], x_desc.layout)
-        a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
-        f_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], v_layout)
-        sa_s = gl.allocate_shared_memory(gl.float32, [STAGES, BM], v_layout)
-        if TWO:
-            a3_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], a_layout)
-            f3_s = gl.allocate_shared_memory(gl.float32, [STAGES, 64], v_layout)
-        else:
-            a3_s = a_s
-            f3_s = f_s
-        full_x = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        full_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(full_x.index(s), count=1)
-            mbarrier.init(full_a.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+        x_s, a_s, a3_s, f_s, f3_s, full_x, full_a, empty = _dec_ring(x_desc, BM, STAGES, TWO)
+        sa_s = gl.allocate_shared_memory(gl.float32, [STAGES, BM],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, 64], w_desc.layout)
         sw_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, 256], s_desc.layout)
         if TWO:
