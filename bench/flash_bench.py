@@ -738,7 +738,7 @@ def profile_steps(model: Transformer, cache: HybridCache, ctx_len: int, path: st
         ka = prof.key_averages()
         for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
             try:
-                tab = ka.table(sort_by=key, row_limit=30, max_name_column_width=60)
+                tab = ka.table(sort_by=key, row_limit=45, max_name_column_width=60)
                 break
             except Exception:
                 tab = None
