@@ -624,6 +624,7 @@ class Attention(nn.Module):
         low-rank output: group g = heads g·H/G .. (g+1)·H/G − 1, head-major."""
         T = o.shape[0]
         if not rotated:
+            # (A new tensor: under the prefill graphs o is a persistent input buffer.)
             o = self.ops.apply_rope(o, cos, sin, inverse=True)
         G = self.n_groups
         u = self._wo_a(o.reshape(T, G, -1))
@@ -652,4 +653,10 @@ class Attention(nn.Module):
                 return self.ops.fp8_grouped_linear(o.to(w.dtype), fp8[0], fp8[1],
                                                    self.wo_a.block, w.dtype)
         wo_a = w.view(self.n_groups, self.o_lora, -1)
-        return torch.einsum("tgd,grd->tgr", o.to(wo_a.dtype), wo_a)
+        # One batched GEMM over the groups, written straight into [T, G, o_lora] (the
+        # batch-major result of einsum("tgd,grd->tgr") would be copied by wo_b's reshape:
+        # 128 MiB at 8K tokens).
+        u = torch.empty(o.shape[0], self.n_groups, self.o_lora, dtype=wo_a.dtype,
+                        device=o.device)
+        torch.bmm(o.to(wo_a.dtype).transpose(0, 1), wo_a.transpose(1, 2), out=u.transpose(0, 1))
+        return u

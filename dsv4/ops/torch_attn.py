@@ -41,13 +41,14 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return y.to(x.dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False,
+               inplace: bool = False) -> Tensor:
     """Rotate the last ``2·cos.shape[-1]`` channels of x by interleaved pairs (GPT-J style).
 
     x [T, ..., d]; cos, sin [T, rd/2] fp32.  Pair i = channels (2i, 2i+1) of the tail is the
     complex number a + ib, multiplied by (cos + i·sin) (the conjugate when ``inverse``).  Math in
     fp32, result in x.dtype; the leading "nope" channels are returned unchanged.  Returns a new
-    tensor.
+    tensor, or (``inplace``) x with its tail rotated (only the tail is written).
     """
     half = cos.shape[-1]
     rd = 2 * half
@@ -62,6 +63,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Te
     tail = x[..., -rd:].float().unflatten(-1, (half, 2))
     a, b = tail[..., 0], tail[..., 1]
     rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
+    if inplace:
+        x[..., -rd:] = rot
+        return x
     return torch.cat((x[..., :-rd], rot), dim=-1)
 
 

@@ -57,7 +57,8 @@ DENSE_WIDE_MIN_T = int(os.environ.get("DSV4_ATTN_DENSE_WIDE_MIN_T", "128"))
 ATTN_ONE_LOOP = os.environ.get("DSV4_ATTN_ONE_LOOP", "1") == "1"
 # sparse_attn(rope_out=...): the output's inverse RoPE in the split-KV merge kernel (decode
 # steps of few tokens: one launch less on the layer's chain), where the rotated tail lies in
-# one of the merge's column blocks; otherwise (unsplit steps) the separate apply_rope launch.
+# one of the merge's column blocks; otherwise (unsplit steps) the separate apply_rope launch,
+# in place on the output.
 # Same bits either way.  H100, 4 layers, interleaved graph replays (docs/PERFORMANCE.md,
 # twenty-seventh session): B=1 1,087.6 against 1,085.4 µs, B=2 1,233.9 against 1,241.2 — within
 # noise; on for the launch it saves.  DSV4_ATTN_ROPE_IN_COMBINE=0 keeps the separate launch.
@@ -607,7 +608,9 @@ def sparse_attn_with_config(q: torch.Tensor, kv_a: torch.Tensor | PackedRows,
             part, ml, sink, o, split, T, H, d, o.stride(0), o.stride(1), **extra,
             SP=triton.next_power_of_2(split), BH=16, BD=bd_c, num_warps=4, **pdl_args(part))
     if rope_out is not None and not rope_here:
-        o = triton_norm.apply_rope(o, rope_out[0], rope_out[1], inverse=True)
+        # o is this call's own tensor: its tail rotated where it lies (an 8K-token V4 prefill
+        # moves 64 of the 512 channels instead of copying 512 MiB).
+        triton_norm.apply_rope(o, rope_out[0], rope_out[1], inverse=True, inplace=True)
     return o
 
 

@@ -208,15 +208,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 @torch_twin_off_gpu("dsv4.ops.torch_attn")
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
+               inverse: bool = False, inplace: bool = False) -> torch.Tensor:
     """Rotate the last ``2·cos.shape[-1]`` channels of x [T, ..., d] by interleaved pairs
-    (conjugate when ``inverse``); fp32 math, x.dtype out, other channels copied.  New tensor."""
+    (conjugate when ``inverse``); fp32 math, x.dtype out, other channels copied into a new
+    tensor — or (``inplace``) x's tail rotated where it lies: only the tail's bytes move (1/8
+    of a V4 head's), where the copy would move the whole tensor twice."""
     check_rope_args("apply_rope", x, cos, sin)
     if not _kernel_fits(x):
-        return _twin("dsv4.ops.torch_attn", "apply_rope", x, cos, sin, inverse)
+        return _twin("dsv4.ops.torch_attn", "apply_rope", x, cos, sin, inverse, inplace)
+    src = _rows3(x)
+    if inplace and src.data_ptr() == x.data_ptr():     # a view of x: rotate it there
+        _launch(src, src, None, cos, sin, 0.0, NORM_NONE, inverse=inverse)
+        return x
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_rows3(x), y.view(x.shape[0], -1, x.shape[-1]), None, cos, sin, 0.0, NORM_NONE,
+    _launch(src, y.view(x.shape[0], -1, x.shape[-1]), None, cos, sin, 0.0, NORM_NONE,
             inverse=inverse)
+    if inplace:
+        x.copy_(y)
+        return x
     return y
 
 

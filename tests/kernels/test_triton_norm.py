@@ -228,6 +228,15 @@ def test_interp_apply_rope_is_exact(dtype: torch.dtype, shape: tuple[int, ...], 
     if x.dim() == 3:
         xs = x.transpose(0, 1).contiguous().transpose(0, 1)
         assert torch.equal(tri.apply_rope(xs, cos, sin, inverse=inverse), got)
+    # In place: the same values in x itself (its tail only written), for the kernel and the
+    # twin; a strided x that no [T, M, d] view covers goes through a copy and back.
+    for impl in (tri.apply_rope, torch_attn.apply_rope):
+        for xi in (x.clone(), x.transpose(0, 1).contiguous().transpose(0, 1)
+                   if x.dim() == 3 else x.clone()):
+            ptr = xi.data_ptr()
+            out = impl(xi, cos, sin, inverse=inverse, inplace=True)
+            assert out is xi and xi.data_ptr() == ptr
+            assert torch.equal(xi, got)
 
 
 @interp_only
