@@ -9,7 +9,8 @@ top-6), random K-chunk-major MXFP4 stacks, random routing.
 Printed per token count: each GEMM's µs and TFLOP/s (Triton on kept codes, then every plan of
 the MXFP4 kernels, their output against Triton's: 'bits' or the relative difference), then the
 whole call (``moe_experts_fp8mma``) on kept codes, re-encoded, and on the stacks with
-``DSV4_FP8MMA_MX`` (its output against the re-encoded call's).  GPU (sm_90) only.
+``DSV4_FP8MMA_MX`` (its output against the re-encoded call's), and on the bf16-MMA kernels (what
+calls below ``fp8mma_applies``' threshold run).  GPU (sm_90) only.
 """
 
 from __future__ import annotations
@@ -173,6 +174,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out = (compare(outs[mode], outs["re-encoded"], torch.arange(T, device=device))
                    if on else "reference")
             row("call", mode, us, flops_up + flops_down, out)
+        # The bf16-MMA kernels: what calls below fp8mma_applies' threshold run.
+        from dsv4.ops import triton_moe
+        y16 = triton_moe.moe_experts_with_config(x, ids, w, ex, LIMIT, None)
+        us = time_us(lambda: triton_moe.moe_experts_with_config(x, ids, w, ex, LIMIT, None),
+                     device)
+        row("call", "bf16-MMA kernels", us, flops_up + flops_down,
+            compare(y16, outs["re-encoded"], torch.arange(T, device=device)))
     result = {"shape": shape, "rows": rows_out}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

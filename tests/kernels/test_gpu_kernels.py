@@ -440,10 +440,10 @@ def test_linear_fp32_gpu(T: int, N: int, K: int, w_dtype: torch.dtype) -> None:
     assert counters is None or not counters.any(), "arrival counters left non-zero"
 
 
-@pytest.mark.parametrize("T", [1, 2, 16, 64])
+@pytest.mark.parametrize("T", [1, 2, 16, 64, 1024])
 def test_sparse_attn_gpu_rope_out(T: int) -> None:
     """The output's inverse RoPE in the attention op (the split-KV merge at decode sizes, the
-    separate launch where unsplit): the bits of ``triton_norm.apply_rope(o, inverse=True)`` of
+    separate launch in place on the output where unsplit): the bits of ``triton_norm.apply_rope(o, inverse=True)`` of
     the unrotated output, V4-Flash records and widths, fresh NaN-poisoned memory."""
     from dsv4.cache import formats as cf
     from dsv4.ops import torch_attn as ref

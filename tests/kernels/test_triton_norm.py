@@ -371,8 +371,9 @@ def test_gpu_v4_flash_shapes(T: int, dtype: torch.dtype) -> None:
         assert_matches(got, want, rd=2 * half, min_exact=0.99,
                        max_ulps=2 if renorm and dtype == torch.bfloat16 else 1)
     o = (torch.randn(T, H, d, generator=gen, device=dev)).to(dtype)
-    assert torch.equal(tri.apply_rope(o, cos, sin, inverse=True),
-                       torch_attn.apply_rope(o, cos, sin, inverse=True))
+    want = torch_attn.apply_rope(o, cos, sin, inverse=True)
+    assert torch.equal(tri.apply_rope(o, cos, sin, inverse=True), want)
+    assert torch.equal(tri.apply_rope(o, cos, sin, inverse=True, inplace=True), want)
     kv = (torch.randn(T, d, generator=gen, device=dev) * 2).to(dtype)
     w = torch.rand(d, generator=gen, device=dev) + 0.5
     for fp8_block in (0, 64):
