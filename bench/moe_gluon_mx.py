@@ -47,7 +47,7 @@ def parse_plans(text: str) -> list[tuple[str, mx.MxPlan]]:
     """``gemm:BM:warps:mt:stages[:dec|:pdec[N]]`` items -> (gemm, plan) (the plan as
     :func:`dsv4.ops.gluon_moe_mxfp4.parse_plan` reads it)."""
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         gemm, _, plan = item.partition(":")
         if gemm not in ("up", "down"):
             raise SystemExit(f"moe_gluon_mx: bad plan {item!r} (up|down:plan)")

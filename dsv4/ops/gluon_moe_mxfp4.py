@@ -56,7 +56,8 @@ if HAVE_GLUON:
 
     from dsv4.ops.gluon_moe_decode import _byte_layout
 
-__all__ = ["MX_PREFILL", "MxPlan", "PLAN_UP", "PLAN_DOWN", "gemm_up", "gemm_down",
+__all__ = ["MX_PREFILL", "MxPlan", "PLAN_UP", "PLAN_DOWN", "PLAN_UP_SMALL", "PLAN_DOWN_SMALL",
+           "SMALL_PAIRS", "plans_for", "gemm_up", "gemm_down",
            "mx_k_position", "parse_plan", "qualifies"]
 
 # Expert calls without kept codes run these GEMMs on the MXFP4 stacks, with no re-encoding
@@ -145,6 +146,14 @@ class MxPlan:
 # ones included, slower).
 PLAN_UP = MxPlan(BM=128, stages=4, dec=True, persist=True, chain=2)
 PLAN_DOWN = MxPlan(BM=128, stages=4)
+# Calls of few pairs an expert (the engine's 2,048-token steps: 48 for V4-Flash) fill one
+# 64-row block an expert where a 128-row block would be mostly padding: the plain kernels on
+# 64-row blocks (H100, 256 experts, 2K tokens: up 1,377 against 2,027 µs, down 704 against
+# 1,101; at 3K tokens, 72 pairs, the 128-row plans win: docs/PERFORMANCE.md, thirty-ninth
+# session), up to SMALL_PAIRS pairs an expert.
+PLAN_UP_SMALL = MxPlan(BM=64, stages=4)
+PLAN_DOWN_SMALL = MxPlan(BM=64, stages=4)
+SMALL_PAIRS = 56
 
 
 def parse_plan(text: str) -> MxPlan:
@@ -162,9 +171,22 @@ def parse_plan(text: str) -> MxPlan:
                   persist=m is not None, chain=int(m.group(1) or 0) if m else 0)
 
 
-# DSV4_FP8MMA_MX_PLANS="UP,DOWN" (parse_plan's form) replaces the default plans, for A/B runs.
+# DSV4_FP8MMA_MX_PLANS="UP,DOWN" (parse_plan's form) replaces the default plans, and
+# DSV4_FP8MMA_MX_SMALL_PLANS the small calls' ones, for A/B runs.
 if os.environ.get("DSV4_FP8MMA_MX_PLANS"):
     PLAN_UP, PLAN_DOWN = (parse_plan(t) for t in os.environ["DSV4_FP8MMA_MX_PLANS"].split(","))
+if os.environ.get("DSV4_FP8MMA_MX_SMALL_PLANS"):
+    PLAN_UP_SMALL, PLAN_DOWN_SMALL = (
+        parse_plan(t) for t in os.environ["DSV4_FP8MMA_MX_SMALL_PLANS"].split(","))
+
+
+def plans_for(pairs: int, experts: int) -> tuple[MxPlan, MxPlan]:
+    """The (up, down) plans of a call of ``pairs`` (token, pick) pairs over ``experts`` local
+    experts: the small calls' 64-row plans up to :data:`SMALL_PAIRS` pairs an expert (the
+    mean: no host sync), the default ones beyond."""
+    if pairs <= SMALL_PAIRS * max(experts, 1):
+        return PLAN_UP_SMALL, PLAN_DOWN_SMALL
+    return PLAN_UP, PLAN_DOWN
 
 
 if HAVE_GLUON:

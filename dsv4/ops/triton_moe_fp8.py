@@ -1,8 +1,8 @@
 """Routed experts (spec §3.9) on FP8 tensor cores: MXFP4 stacks under official numerics, for
 large prefill steps (dsv4 issue #5).  ``triton_moe.moe_experts`` routes a call here when
 :data:`FP8MMA_PREFILL` (``DSV4_FP8MMA``, default on) and :func:`fp8mma_applies` (from
-:data:`MIN_PAIRS_PER_EXPERT` pairs per local expert; :data:`MIN_PAIRS_KEPT` where nothing is
-re-encoded).  On sm_90 with K-chunk-major stacks the GEMMs decode the MXFP4 words in the
+:data:`MIN_PAIRS_PER_EXPERT` pairs per local expert; :data:`MIN_PAIRS_KEPT` /
+:data:`MIN_PAIRS_MX` where nothing is re-encoded).  On sm_90 with K-chunk-major stacks the GEMMs decode the MXFP4 words in the
 wgmma's registers (``gluon_moe_mxfp4``, :func:`mx_applies`, ``DSV4_FP8MMA_MX``: the same bytes
 and bits as below, no re-encoding pass).  Else each chunk of experts is first re-encoded to
 e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so the GEMMs stream
@@ -128,6 +128,12 @@ MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "192"))
 # tokens (48) 27.1 ms with them against 26.0 without, at 4K (96) 35.6 against 44.3
 # (bench/flash_bench.py --moe-fp8-codes): from 96.
 MIN_PAIRS_KEPT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_KEPT", "96"))
+# The same for calls that run the GEMMs on the MXFP4 stacks (mx_applies: nothing re-encoded,
+# 64-row blocks at few pairs an expert).  H100, V4-Flash, 256 experts (docs/PERFORMANCE.md,
+# thirty-ninth session): the call against the bf16-MMA kernels at 72 pairs (3K tokens) 3,420
+# against 4,315 µs with the 128-row plans, at 48 (2K tokens, the engine's default steps)
+# up 1,377 + down 704 µs of GEMMs with 64-row blocks against 2,500 µs for the bf16 call.
+MIN_PAIRS_MX = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_MX", "48"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
 FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
@@ -599,29 +605,38 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     an act block that is a multiple of 128 (one dot per 128-wide K step; smaller act blocks
     work but are slower than the bf16-MMA kernels), bf16 x [T, D] with D and I multiples of the
     act block, at least :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert
-    (:data:`MIN_PAIRS_KEPT` with the stacks' FP8 codes kept on the device), and every
+    (:data:`MIN_PAIRS_KEPT` with the stacks' FP8 codes kept on the device,
+    :data:`MIN_PAIRS_MX` where the GEMMs run on the MXFP4 stacks), and every
     scale spread within :data:`FOLD_SPREAD` (checked once per scale tensor; the first check
     syncs)."""
     ab = experts.act_block
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not ab or x.shape[1] % ab:
         return False
     # Kept codes, or the GEMMs on the MXFP4 stacks: no re-encoding to pay for.
-    no_encoding = experts.fp8_codes is not None or mx_applies(x, experts)
-    least = MIN_PAIRS_KEPT if no_encoding else MIN_PAIRS_PER_EXPERT
-    if topk_ids.numel() < least * experts.num_experts:
+    P = topk_ids.numel()
+    if experts.fp8_codes is not None:
+        least = MIN_PAIRS_KEPT
+    elif mx_applies(x, experts, P):
+        least = MIN_PAIRS_MX
+    else:
+        least = MIN_PAIRS_PER_EXPERT
+    if P < least * experts.num_experts:
         return False
     return fp8_codes_apply(experts)     # the stacks' conditions, the spread check last (syncs)
 
 
-def mx_applies(x: torch.Tensor, experts: ExpertWeights) -> bool:
+def mx_applies(x: torch.Tensor, experts: ExpertWeights, pairs: int | None = None) -> bool:
     """Whether a call without kept codes runs the Gluon GEMMs on the MXFP4 stacks
     (``gluon_moe_mxfp4``, :data:`~dsv4.ops.gluon_moe_mxfp4.MX_PREFILL`) instead of re-encoding
-    them: the predecoded form (:data:`FP8MMA_PREDECODE`), K-chunk-major stacks, an sm_90 GPU."""
+    them: the predecoded form (:data:`FP8MMA_PREDECODE`), K-chunk-major stacks, an sm_90 GPU,
+    widths the plans of a call of ``pairs`` pairs tile (None: the default plans)."""
     from dsv4.ops import gluon_moe_mxfp4 as mx
     ab = experts.act_block
     if not (mx.MX_PREFILL and FP8MMA_PREDECODE and ab and x.dim() == 2):
         return False
-    return mx.qualifies(x, experts.kchunk, k_step(ab), x.shape[1], experts.inter_dim)
+    up, down = (None, None) if pairs is None else mx.plans_for(pairs, experts.num_experts)
+    return mx.qualifies(x, experts.kchunk, k_step(ab), x.shape[1], experts.inter_dim,
+                        up, down)
 
 
 def predecode_chunk(num_experts: int, inter: int, dim: int, slots: int = 1) -> int:
@@ -911,13 +926,13 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     # replace the re-encoding and the GEMMs on its codes, with their plans' row blocks; their
     # activation codes are in the MMA order of gluon_moe_mxfp4.mx_k_position (prep ORDER 1).
     from dsv4.ops import gluon_moe_mxfp4 as _mx
-    use_mx = (predecode and resident is None and mx_applies(x, experts)
-              and (cfg is None or cfg.BM == _mx.PLAN_UP.BM)
-              and _mx.PLAN_UP.BM == _mx.PLAN_DOWN.BM)
+    mx_up, mx_down = _mx.plans_for(P, E)
+    use_mx = (predecode and resident is None and mx_applies(x, experts, P)
+              and (cfg is None or cfg.BM == mx_up.BM) and mx_up.BM == mx_down.BM)
     if cfg is None:
         cfg = pick_fp8mma_config(P, E, predecode)
         if use_mx:
-            cfg = replace(cfg, BM=_mx.PLAN_UP.BM)
+            cfg = replace(cfg, BM=mx_up.BM)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -957,7 +972,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                  and _gluon.qualifies(x, inter, D, ks, _gluon.PLAN_DOWN))
     if use_mx:
         _mx.gemm_up(xq, xs, w1, s1, w3, s3, pairs, block_expert, wts, act, P, swiglu_limit, ab,
-                    n_first=first_up)
+                    mx_up, n_first=first_up)
     elif not predecode:
         _fp8mma_up_kernel[grid_up](
             xq, xs, w1, w3, s1, s3, pairs, block_expert, wts, act, P, inter, D, 0, E,
@@ -1006,7 +1021,8 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     del act
     y = torch.empty(P, D, dtype=torch.bfloat16, device=x.device)
     if use_mx:
-        _mx.gemm_down(aq, as_, w2, s2, pairs, block_expert, y, P, ab, n_first=first_down)
+        _mx.gemm_down(aq, as_, w2, s2, pairs, block_expert, y, P, ab, mx_down,
+                      n_first=first_down)
     elif not predecode:
         _fp8mma_down_kernel[grid_down](
             aq, as_, w2, s2, pairs, block_expert, y, P, D, inter, 0, E, aq.stride(0),

@@ -52,6 +52,21 @@ def test_plan_tiles_and_defaults() -> None:
         assert mx.MX_PREFILL
 
 
+def test_small_calls_take_64_row_plans() -> None:
+    """Up to SMALL_PAIRS pairs an expert (the mean: 2K-token steps of V4-Flash, 48) the call
+    takes the plain 64-row plans, beyond them the defaults; both GEMMs of a call share the
+    row blocks."""
+    if "DSV4_FP8MMA_MX_SMALL_PLANS" not in os.environ:
+        assert mx.PLAN_UP_SMALL == mx.PLAN_DOWN_SMALL == mx.MxPlan(BM=64, stages=4)
+    E = 256
+    assert mx.plans_for(2048 * 6, E) == (mx.PLAN_UP_SMALL, mx.PLAN_DOWN_SMALL)
+    assert mx.plans_for(mx.SMALL_PAIRS * E, E) == (mx.PLAN_UP_SMALL, mx.PLAN_DOWN_SMALL)
+    assert mx.plans_for(mx.SMALL_PAIRS * E + 1, E) == (mx.PLAN_UP, mx.PLAN_DOWN)
+    assert mx.plans_for(8192 * 6, E) == (mx.PLAN_UP, mx.PLAN_DOWN)
+    for up, down in (mx.plans_for(1, E), mx.plans_for(10 ** 6, E)):
+        assert up.BM == down.BM
+
+
 def test_whole_stacks() -> None:
     """The persistent form's TMA views need whole stacks; a view into larger ones (e.g. a
     slice of the rows) makes the launch fall back to the non-persistent form."""

@@ -421,8 +421,10 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
     """The Gluon GEMMs on the MXFP4 stacks (dsv4.ops.gluon_moe_mxfp4, DSV4_FP8MMA_MX) at
     V4-Flash widths give the per-call re-encoding's bits (outputs over NaN-poisoned memory,
     finite): the same products, each k32 MMA summing the same 32 in another order, which the
-    tensor cores' sum does not depend on.  Forms: the default plans (the up GEMM's persistent
-    decode warpgroup, the plain down GEMM, 128-row blocks), both GEMMs with a non-persistent
+    tensor cores' sum does not depend on.  Forms: the default plans (at 2K tokens, 48 pairs an
+    expert, the plain 64-row plans of small calls; at 8K the up GEMM's persistent decode
+    warpgroup, the plain down GEMM, 128-row blocks) and, at every size, both GEMMs with a
+    non-persistent
     decode warpgroup, both plain with 64-row blocks, both persistent (one program an SM
     walking the tiles, the weight tiles brought by TMA), both persistent with chained
     products."""
@@ -431,6 +433,8 @@ def test_fp8mma_mx_gemms_gpu(T: int, form: str, monkeypatch: pytest.MonkeyPatch)
     from dsv4.ops import gluon_moe_mxfp4 as mx
     if not mx.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon and an sm_90 GPU")
+    if form != "default":
+        monkeypatch.setattr(mx, "SMALL_PAIRS", 0)     # the form's plans at every size
     if form == "dec":
         monkeypatch.setattr(mx, "PLAN_UP", mx.MxPlan(BM=128, stages=4, dec=True))
         monkeypatch.setattr(mx, "PLAN_DOWN", mx.MxPlan(BM=128, dec=True))

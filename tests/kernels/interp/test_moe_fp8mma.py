@@ -359,9 +359,13 @@ def test_kept_fp8_codes_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.zeros(32, D, dtype=torch.bfloat16)
     assert not f8.fp8mma_applies(x, ids, ex)
     assert f8.fp8mma_applies(x, ids, replace(ex, fp8_codes=f8.encode_fp8_codes(ex)))
-    # Calls that would run the GEMMs on the MXFP4 stacks (sm_90) re-encode nothing either.
-    monkeypatch.setattr(f8, "mx_applies", lambda x, experts: True)
+    # Calls that would run the GEMMs on the MXFP4 stacks (sm_90) re-encode nothing either:
+    # their threshold is MIN_PAIRS_MX.
+    monkeypatch.setattr(f8, "mx_applies", lambda x, experts, pairs=None: True)
+    monkeypatch.setattr(f8, "MIN_PAIRS_MX", 8)
     assert f8.fp8mma_applies(x, ids, ex)
+    monkeypatch.setattr(f8, "MIN_PAIRS_MX", 9)
+    assert not f8.fp8mma_applies(x, ids, ex)
 
 
 def test_encode_ahead_codes_and_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
