@@ -148,9 +148,10 @@ PLAN_UP = MxPlan(BM=128, stages=4, dec=True, persist=True, chain=2)
 PLAN_DOWN = MxPlan(BM=128, stages=4)
 # Calls of few pairs an expert (the engine's 2,048-token steps: 48 for V4-Flash) fill one
 # 64-row block an expert where a 128-row block would be mostly padding: the plain kernels on
-# 64-row blocks (H100, 256 experts, 2K tokens: up 1,377 against 2,027 µs, down 704 against
-# 1,101; at 3K tokens, 72 pairs, the 128-row plans win: docs/PERFORMANCE.md, thirty-ninth
-# session), up to SMALL_PAIRS pairs an expert.
+# 64-row blocks, up to SMALL_PAIRS pairs an expert (H100, 256 experts, 2K tokens: up 1,377
+# against 2,027 µs, down 704 against 1,101, the call 2,243 against 3,345; at 3K tokens, 72
+# pairs, the 128-row plans win: docs/PERFORMANCE.md, thirty-ninth session).  Where the bf16
+# kernels take over: triton_moe_fp8.MIN_PAIRS_MX / MIN_PAIRS_MX_WIDE.
 PLAN_UP_SMALL = MxPlan(BM=64, stages=4)
 PLAN_DOWN_SMALL = MxPlan(BM=64, stages=4)
 SMALL_PAIRS = 56

@@ -2,7 +2,7 @@
 large prefill steps (dsv4 issue #5).  ``triton_moe.moe_experts`` routes a call here when
 :data:`FP8MMA_PREFILL` (``DSV4_FP8MMA``, default on) and :func:`fp8mma_applies` (from
 :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert; :data:`MIN_PAIRS_KEPT` /
-:data:`MIN_PAIRS_MX` where nothing is re-encoded).  On sm_90 with K-chunk-major stacks the GEMMs decode the MXFP4 words in the
+:data:`MIN_PAIRS_MX` / :data:`MIN_PAIRS_MX_WIDE` where nothing is re-encoded).  On sm_90 with K-chunk-major stacks the GEMMs decode the MXFP4 words in the
 wgmma's registers (``gluon_moe_mxfp4``, :func:`mx_applies`, ``DSV4_FP8MMA_MX``: the same bytes
 and bits as below, no re-encoding pass).  Else each chunk of experts is first re-encoded to
 e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so the GEMMs stream
@@ -106,7 +106,7 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 __all__ = ["FP8MMA_PREFILL", "Fp8Codes", "MoeFp8Config", "encode_ahead", "encode_fp8_codes",
            "fold_spread_ok", "fp8_codes_apply", "fp8mma_applies", "moe_experts_fp8mma",
-           "pick_fp8mma_config"]
+           "pick_fp8mma_config", "MIN_PAIRS_MX", "MIN_PAIRS_MX_WIDE"]
 
 # triton_moe.moe_experts routes calls here when fp8mma_applies (DSV4_FP8MMA=0: never).
 FP8MMA_PREFILL = os.environ.get("DSV4_FP8MMA", "1") == "1"
@@ -126,14 +126,19 @@ MIN_PAIRS_PER_EXPERT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS", "192"))
 # expert call alone against the bf16-MMA kernels 1.00x at 24 pairs an expert, 1.24x at 48,
 # 1.53x at 96, 1.79x at 192 (bench/moe_prefill_fp8.py --kept); the 4-layer prefill at 2K
 # tokens (48) 27.1 ms with them against 26.0 without, at 4K (96) 35.6 against 44.3
-# (bench/flash_bench.py --moe-fp8-codes): from 96.
-MIN_PAIRS_KEPT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_KEPT", "96"))
-# The same for calls that run the GEMMs on the MXFP4 stacks (mx_applies: nothing re-encoded,
-# 64-row blocks at few pairs an expert).  H100, V4-Flash, 256 experts (docs/PERFORMANCE.md,
-# thirty-ninth session): the call against the bf16-MMA kernels at 72 pairs (3K tokens) 3,420
-# against 4,315 µs with the 128-row plans, at 48 (2K tokens, the engine's default steps)
-# up 1,377 + down 704 µs of GEMMs with 64-row blocks against 2,500 µs for the bf16 call.
-MIN_PAIRS_MX = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_MX", "48"))
+# (bench/flash_bench.py --moe-fp8-codes).  H100, 256 experts (thirty-ninth session, µs):
+# 2,642 against 2,531 at 48, 2,869 against 3,047 at 60, 3,382 against 4,250 at 72: from 60.
+MIN_PAIRS_KEPT = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_KEPT", "60"))
+# The same for calls that run the GEMMs on the MXFP4 stacks (mx_applies: nothing re-encoded).
+# Their 64-row plans (gluon_moe_mxfp4.plans_for, to SMALL_PAIRS pairs an expert) take calls
+# from MIN_PAIRS_MX pairs, their 128-row plans from MIN_PAIRS_MX_WIDE: in between (one
+# 128-row block an expert, mostly padding) the bf16-MMA kernels are faster.  H100, V4-Flash,
+# 256 experts (docs/PERFORMANCE.md, thirty-ninth session), the call on the MXFP4 GEMMs
+# against the bf16-MMA kernels, µs: 24 pairs (1K tokens) 2,154 / 2,135, 36 (1.5K) 2,172 /
+# 2,460, 48 (2K, the engine's default steps) 2,243 / 2,531 (64-row plans); 60 (2.5K) 3,430 /
+# 3,047, 72 (3K) 3,468 / 4,250 (128-row plans).
+MIN_PAIRS_MX = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_MX", "32"))
+MIN_PAIRS_MX_WIDE = int(os.environ.get("DSV4_FP8MMA_MIN_PAIRS_MX_WIDE", "72"))
 # Re-encode the MXFP4 stacks to FP8 codes before the GEMMs (``_fp8_predecode_kernel``), or
 # decode in the GEMMs' K loop.  DSV4_FP8MMA_PREDECODE=0 picks the in-loop decode.
 FP8MMA_PREDECODE = os.environ.get("DSV4_FP8MMA_PREDECODE", "1") == "1"
@@ -605,22 +610,24 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     an act block that is a multiple of 128 (one dot per 128-wide K step; smaller act blocks
     work but are slower than the bf16-MMA kernels), bf16 x [T, D] with D and I multiples of the
     act block, at least :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert
-    (:data:`MIN_PAIRS_KEPT` with the stacks' FP8 codes kept on the device,
-    :data:`MIN_PAIRS_MX` where the GEMMs run on the MXFP4 stacks), and every
+    (:data:`MIN_PAIRS_KEPT` with the stacks' FP8 codes kept on the device; where the GEMMs
+    run on the MXFP4 stacks, :data:`MIN_PAIRS_MX` to ``SMALL_PAIRS`` or from
+    :data:`MIN_PAIRS_MX_WIDE`), and every
     scale spread within :data:`FOLD_SPREAD` (checked once per scale tensor; the first check
     syncs)."""
     ab = experts.act_block
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not ab or x.shape[1] % ab:
         return False
     # Kept codes, or the GEMMs on the MXFP4 stacks: no re-encoding to pay for.
-    P = topk_ids.numel()
+    P, E = topk_ids.numel(), experts.num_experts
     if experts.fp8_codes is not None:
-        least = MIN_PAIRS_KEPT
+        ok = P >= MIN_PAIRS_KEPT * E
     elif mx_applies(x, experts, P):
-        least = MIN_PAIRS_MX
+        from dsv4.ops import gluon_moe_mxfp4 as mx
+        ok = (MIN_PAIRS_MX * E <= P <= mx.SMALL_PAIRS * E) or P >= MIN_PAIRS_MX_WIDE * E
     else:
-        least = MIN_PAIRS_PER_EXPERT
-    if P < least * experts.num_experts:
+        ok = P >= MIN_PAIRS_PER_EXPERT * E
+    if not ok:
         return False
     return fp8_codes_apply(experts)     # the stacks' conditions, the spread check last (syncs)
 

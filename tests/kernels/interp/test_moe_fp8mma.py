@@ -338,7 +338,8 @@ def test_kept_fp8_codes_same_bits(kchunk: bool, monkeypatch: pytest.MonkeyPatch)
 def test_kept_fp8_codes_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """No codes for stacks the FP8-MMA path does not run (act block 32, no official numerics,
     fp32 scales, a spread beyond the exact range); codes of other stacks are refused; the
-    pair threshold of stacks with kept codes is MIN_PAIRS_KEPT."""
+    pair threshold of stacks with kept codes is MIN_PAIRS_KEPT, of calls on the MXFP4
+    stacks MIN_PAIRS_MX to SMALL_PAIRS and from MIN_PAIRS_MX_WIDE."""
     gen = torch.Generator().manual_seed(32)
     ex = _fp4_experts(gen, 128)
     assert f8.fp8_codes_apply(ex)
@@ -366,6 +367,14 @@ def test_kept_fp8_codes_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert f8.fp8mma_applies(x, ids, ex)
     monkeypatch.setattr(f8, "MIN_PAIRS_MX", 9)
     assert not f8.fp8mma_applies(x, ids, ex)
+    # Past the 64-row plans' SMALL_PAIRS, the 128-row plans take calls from MIN_PAIRS_MX_WIDE.
+    from dsv4.ops import gluon_moe_mxfp4 as mx
+    monkeypatch.setattr(f8, "MIN_PAIRS_MX", 1)
+    monkeypatch.setattr(mx, "SMALL_PAIRS", 4)
+    monkeypatch.setattr(f8, "MIN_PAIRS_MX_WIDE", 9)
+    assert not f8.fp8mma_applies(x, ids, ex)
+    monkeypatch.setattr(f8, "MIN_PAIRS_MX_WIDE", 8)
+    assert f8.fp8mma_applies(x, ids, ex)
 
 
 def test_encode_ahead_codes_and_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
