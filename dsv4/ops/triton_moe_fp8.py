@@ -2,9 +2,10 @@
 large prefill steps (dsv4 issue #5).  ``triton_moe.moe_experts`` routes a call here when
 :data:`FP8MMA_PREFILL` (``DSV4_FP8MMA``, default on) and :func:`fp8mma_applies` (from
 :data:`MIN_PAIRS_PER_EXPERT` pairs per local expert; :data:`MIN_PAIRS_KEPT` /
-:data:`MIN_PAIRS_MX` / :data:`MIN_PAIRS_MX_WIDE` where nothing is re-encoded).  On sm_90 with K-chunk-major stacks the GEMMs decode the MXFP4 words in the
-wgmma's registers (``gluon_moe_mxfp4``, :func:`mx_applies`, ``DSV4_FP8MMA_MX``: the same bytes
-and bits as below, no re-encoding pass).  Else each chunk of experts is first re-encoded to
+:data:`MIN_PAIRS_MX` / :data:`MIN_PAIRS_MX_WIDE` where nothing is re-encoded).  On sm_90
+with K-chunk-major stacks the GEMMs decode the MXFP4 words in the wgmma's registers
+(``gluon_moe_mxfp4``, :func:`mx_applies`, ``DSV4_FP8MMA_MX``: the same bytes and bits as
+below, no re-encoding pass).  Else each chunk of experts is first re-encoded to
 e4m3 codes and step factors (``_fp8_predecode_kernel``, "predecoded"), so the GEMMs stream
 plain FP8 tiles (Gluon GEMMs on sm_90: ``gluon_moe_prefill``); the first form decoded the
 codes inside the Triton GEMMs' K loop (``predecode=False``), between the MMAs.  Measured on
