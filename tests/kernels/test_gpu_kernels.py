@@ -443,8 +443,9 @@ def test_linear_fp32_gpu(T: int, N: int, K: int, w_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("T", [1, 2, 16, 64, 1024])
 def test_sparse_attn_gpu_rope_out(T: int) -> None:
     """The output's inverse RoPE in the attention op (the split-KV merge at decode sizes, in
-    place on the output by a separate launch where unsplit): the bits of ``triton_norm.apply_rope(o, inverse=True)`` of
-    the unrotated output, V4-Flash records and widths, fresh NaN-poisoned memory."""
+    place on the output by a separate launch where unsplit): the bits of
+    ``triton_norm.apply_rope(o, inverse=True)`` of the unrotated output, V4-Flash records and
+    widths, fresh NaN-poisoned memory."""
     from dsv4.cache import formats as cf
     from dsv4.ops import torch_attn as ref
     from dsv4.ops import triton_attn as tri
