@@ -144,6 +144,7 @@ class Experts(nn.Module):
         # slice of every expert's intermediate dim (dsv4.dist.sharding).
         par = parallel or SINGLE
         self.expert_offset = 0
+        self.routed_experts = e          # across expert-parallel ranks: the routing's spread
         if par.expert_parallel:
             self.expert_offset, hi = par.split(e, "n_routed_experts")
             e = hi - self.expert_offset
@@ -289,11 +290,12 @@ class Experts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         if self.fmt == "dense":
-            return ExpertWeights(self.w1, self.w3, self.w2, self.act_block)
+            return ExpertWeights(self.w1, self.w3, self.w2, self.act_block,
+                                 routed_experts=self.routed_experts)
         codes = self.fp8_codes if self.fp8_codes is not None else self.ahead
         return ExpertWeights(self.w1, self.w3, self.w2, self.act_block, self.fmt,
                              self.w1_scale, self.w3_scale, self.w2_scale, self.block,
-                             self.kchunk, codes)
+                             self.kchunk, codes, self.routed_experts)
 
 
 class SharedExpert(nn.Module):

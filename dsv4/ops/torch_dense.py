@@ -266,6 +266,10 @@ class ExpertWeights:
     ``fp8_codes`` (MXFP4 on a GPU, optional): the stacks' lossless FP8 re-encoding kept on the
     device (``dsv4.ops.triton_moe_fp8.Fp8Codes``), which the FP8-MMA prefill path then reads
     instead of re-encoding the experts at every call; the twin ignores it.
+
+    ``routed_experts`` (0: ``num_experts``): the model's routed experts across expert-parallel
+    ranks, over which a call's (token, pick) pairs spread, so that the kernels' size choices
+    estimate the pairs a local expert gets as pairs / routed_experts.
     """
 
     w1: torch.Tensor
@@ -279,6 +283,7 @@ class ExpertWeights:
     block: int = 128
     kchunk: int = 0
     fp8_codes: Any = None
+    routed_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.fmt not in EXPERT_FORMATS:
@@ -296,6 +301,11 @@ class ExpertWeights:
     @property
     def num_experts(self) -> int:
         return self.w1.shape[0]
+
+    @property
+    def spread(self) -> int:
+        """The experts a call's pairs spread over (``routed_experts``, else the local ones)."""
+        return max(self.routed_experts, self.num_experts)
 
     @property
     def inter_dim(self) -> int:

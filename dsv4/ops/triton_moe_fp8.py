@@ -620,7 +620,9 @@ def fp8mma_applies(x: torch.Tensor, topk_ids: torch.Tensor, experts: ExpertWeigh
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not ab or x.shape[1] % ab:
         return False
     # Kept codes, or the GEMMs on the MXFP4 stacks: no re-encoding to pay for.
-    P, E = topk_ids.numel(), experts.num_experts
+    # Pairs an expert: the call's pairs over the experts they spread across (expert-parallel
+    # ranks see every rank's ids; no host sync to count the local ones).
+    P, E = topk_ids.numel(), experts.spread
     if experts.fp8_codes is not None:
         ok = P >= MIN_PAIRS_KEPT * E
     elif mx_applies(x, experts, P):
@@ -642,7 +644,7 @@ def mx_applies(x: torch.Tensor, experts: ExpertWeights, pairs: int | None = None
     ab = experts.act_block
     if not (mx.MX_PREFILL and FP8MMA_PREDECODE and ab and x.dim() == 2):
         return False
-    up, down = (None, None) if pairs is None else mx.plans_for(pairs, experts.num_experts)
+    up, down = (None, None) if pairs is None else mx.plans_for(pairs, experts.spread)
     return mx.qualifies(x, experts.kchunk, k_step(ab), x.shape[1], experts.inter_dim,
                         up, down)
 
@@ -843,7 +845,7 @@ def encode_ahead(experts: ExpertWeights, tokens: int, topk: int,
     device = experts.w1.device
     if device.type != "cuda" and not _INTERPRET_HOST:
         return None
-    if dtype != torch.bfloat16 or tokens * topk < MIN_PAIRS_PER_EXPERT * experts.num_experts:
+    if dtype != torch.bfloat16 or tokens * topk < MIN_PAIRS_PER_EXPERT * experts.spread:
         return None
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
@@ -934,7 +936,7 @@ def moe_experts_fp8mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     # replace the re-encoding and the GEMMs on its codes, with their plans' row blocks; their
     # activation codes are in the MMA order of gluon_moe_mxfp4.mx_k_position (prep ORDER 1).
     from dsv4.ops import gluon_moe_mxfp4 as _mx
-    mx_up, mx_down = _mx.plans_for(P, E)
+    mx_up, mx_down = _mx.plans_for(P, experts.spread)
     use_mx = (predecode and resident is None and mx_applies(x, experts, P)
               and (cfg is None or cfg.BM == mx_up.BM) and mx_up.BM == mx_down.BM)
     if cfg is None:

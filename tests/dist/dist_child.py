@@ -104,6 +104,7 @@ def _shapes(llm: object) -> dict[str, int]:
     w1 = layer.ffn.experts.w1
     return {"heads": cfg.n_heads, "local_heads": int(layer.attn.attn_sink.shape[0]),
             "experts": cfg.n_routed_experts, "local_experts": int(w1.shape[0]),
+            "spread": int(layer.ffn.experts.weights().spread),
             "inter": cfg.moe_inter_dim, "local_inter": int(w1.shape[1])}
 
 

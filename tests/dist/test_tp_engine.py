@@ -93,6 +93,8 @@ def test_tp_and_ep_match_one_process(tiny_paths: dict[str, str], tmp_path) -> No
             meta = result["shapes"]
             # The ranks really held half of the heads and half of the MoE.
             assert meta["local_heads"] * 2 == meta["heads"], meta
+            # The expert kernels' size choices count pairs over every rank's experts.
+            assert meta["spread"] == meta["experts"], meta
             if mode == "ep":
                 assert meta["local_experts"] * 2 == meta["experts"], meta
                 assert meta["local_inter"] == meta["inter"], meta

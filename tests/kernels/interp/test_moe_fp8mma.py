@@ -365,6 +365,9 @@ def test_kept_fp8_codes_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(f8, "mx_applies", lambda x, experts, pairs=None: True)
     monkeypatch.setattr(f8, "MIN_PAIRS_MX", 8)
     assert f8.fp8mma_applies(x, ids, ex)
+    # Under expert parallelism the ids spread over every rank's experts (routed_experts):
+    # half as many pairs a local expert.
+    assert not f8.fp8mma_applies(x, ids, replace(ex, routed_experts=2 * ex.num_experts))
     monkeypatch.setattr(f8, "MIN_PAIRS_MX", 9)
     assert not f8.fp8mma_applies(x, ids, ex)
     # Past the 64-row plans' SMALL_PAIRS, the 128-row plans take calls from MIN_PAIRS_MX_WIDE.
