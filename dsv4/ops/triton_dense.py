@@ -60,6 +60,12 @@ def torch_twin_off_gpu(module: str) -> Callable[[_F], _F]:
 # The interpreter multiplies bf16 tiles as raw uint16 integers: kernels upcast them there.
 _INTERPRET_HOST = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INTERPRET = tl.constexpr(_INTERPRET_HOST)
+# round_to_bf16 by the GPU's own fp32 -> bf16 conversion (cvt.rn: nearest, ties to even; the
+# same bits for finite values, ~4 integer instructions an element fewer) instead of the integer
+# form the interpreter needs.  Opt-in (DSV4_HW_BF16_ROUND=1) until a GPU run checks every
+# kernel's bits with it (bench/sessions/gpu_session_s40a.sh).
+HW_BF16_ROUND = tl.constexpr(os.environ.get("DSV4_HW_BF16_ROUND", "0") == "1"
+                             and not _INTERPRET_HOST)
 
 
 @triton.jit
@@ -110,7 +116,9 @@ def round_to_bf16(v):
     """Round fp32 ``v`` to bf16 precision (nearest, ties to even), kept in fp32.
 
     The GPU's fp32→bf16 cast already rounds this way; the interpreter's truncates, so every bf16
-    store goes through here and both give the same bits."""
+    store goes through here and both give the same bits (:data:`HW_BF16_ROUND`: the cast)."""
+    if HW_BF16_ROUND:
+        return v.to(tl.bfloat16).to(tl.float32)
     b = v.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return b.to(tl.float32, bitcast=True)

@@ -469,3 +469,32 @@ def test_sparse_attn_gpu_rope_out(T: int) -> None:
     o_ref = ref.sparse_attn(q, kv, idx, None, None, sink, d ** -0.5, p_dtype=torch.bfloat16,
                             rope_out=(cos, sin))
     assert _rel(got, o_ref) < 5e-3
+
+
+def test_bf16_cast_rounds_like_round_to_bf16_gpu() -> None:
+    """The premise of ``triton_dense.HW_BF16_ROUND``: the GPU's fp32 -> bf16 cast gives the
+    integer round-to-nearest-even of ``round_to_bf16`` for every finite value (random
+    magnitudes over the whole exponent range, exact ties, subnormals, values that round up to
+    the next binade or to infinity)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _both(x_ptr, bits_ptr, cast_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        v = tl.load(x_ptr + offs, mask=m, other=0.0)
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        tl.store(bits_ptr + offs, b.to(tl.float32, bitcast=True), mask=m)
+        tl.store(cast_ptr + offs, v.to(tl.bfloat16).to(tl.float32), mask=m)
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 22,), generator=gen, device=DEV,
+                        dtype=torch.int64).to(torch.int32)
+    ties = (raw & ~0xFFFF) | 0x8000
+    x = torch.cat([raw, ties, raw & 0x807FFFFF]).view(torch.float32)   # + subnormals
+    x = x[torch.isfinite(x)].contiguous()
+    bits, cast = torch.empty_like(x), torch.empty_like(x)
+    _both[(triton.cdiv(x.numel(), 1024),)](x, bits, cast, x.numel(), BLOCK=1024)
+    assert torch.equal(bits.view(torch.int32), cast.view(torch.int32))

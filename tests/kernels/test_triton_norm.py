@@ -388,3 +388,22 @@ def test_gpu_v4_flash_shapes(T: int, dtype: torch.dtype) -> None:
         wx = torch.rand(D, generator=gen, device=dev) + 0.5
         assert_matches(tri.rms_norm(x, wx, 1e-6), torch_attn.rms_norm(x, wx, 1e-6),
                        min_exact=0.99)
+
+
+def test_hw_bf16_round_is_opt_in_and_never_in_the_interpreter() -> None:
+    """triton_dense.HW_BF16_ROUND (the GPU's cast for round_to_bf16): off by default, on with
+    DSV4_HW_BF16_ROUND=1, and off in the interpreter whatever the variable (its cast
+    truncates)."""
+    import subprocess
+    import sys
+
+    def flag(**env: str) -> str:
+        code = "from dsv4.ops import triton_dense as t; print(bool(t.HW_BF16_ROUND))"
+        full = {k: v for k, v in os.environ.items()
+                if k not in ("DSV4_HW_BF16_ROUND", "TRITON_INTERPRET")}
+        return subprocess.run([sys.executable, "-c", code], env={**full, **env},
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert flag() == "False"
+    assert flag(DSV4_HW_BF16_ROUND="1") == "True"
+    assert flag(DSV4_HW_BF16_ROUND="1", TRITON_INTERPRET="1") == "False"
