@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill {S} tokens, {args.layers} layers: {total:.2f} ms of kernels")
     ka = prof.key_averages()
     for prefix in ("op:", "mod:"):
-        # (On CUDA a range is listed twice, its CPU side and its span on the GPU timeline; the
-        # CPU side carries no device time and is left out.)
+        # (On CUDA a range can be listed twice, its CPU side and its span on the GPU timeline;
+        # rows without device time are left out.)
         rows = sorted((e for e in ka if e.key.startswith(prefix) and device_ms(e) > 0),
                       key=device_ms, reverse=True)
         print(f"\n| {prefix[:-1]} | device ms | calls | ms a call |\n|---|---|---|---|")
