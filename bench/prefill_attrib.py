@@ -14,8 +14,10 @@ includes the kernels launched inside it (nested ranges count in each).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -35,18 +37,32 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return inner
 
 
-def instrument(model: torch.nn.Module) -> None:
-    """Every callable of the model's op table and every module's forward in a named range."""
+@contextlib.contextmanager
+def instrument(model: torch.nn.Module) -> Iterator[None]:
+    """Every callable of the model's op table and every module's forward in a named range,
+    restored on exit (the op table is the process's shared one: dsv4.ops.get_ops)."""
     ops = model.ops
-    for name in list(vars(ops)):
-        fn = getattr(ops, name)
+    saved = dict(vars(ops))
+    for name, fn in saved.items():
         if callable(fn) and not isinstance(fn, type):
             setattr(ops, name, _wrap(f"op:{name}", fn))
+    wrapped = []
     for mname, module in model.named_modules():
         if not mname:
             continue
         label = "mod:" + re.sub(r"(^|\.)\d+(\.|$)", r"\1#\2", mname)
+        wrapped.append((module, module.__dict__.get("forward")))
         module.forward = _wrap(label, module.forward)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ops, name, fn)
+        for module, own in wrapped:
+            if own is None:
+                del module.forward      # back to the class's method
+            else:
+                module.forward = own
 
 
 def device_ms(evt: Any) -> float:
@@ -80,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         model.compute_logits(model.forward(ctx, cache))
 
     step()
-    instrument(model)
-    step()
-    fb._sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if fb.DEV == "cuda" else [])
-    with profile(activities=acts, record_shapes=True) as prof:
+    with instrument(model):
         step()
         fb._sync()
+        with profile(activities=acts, record_shapes=True) as prof:
+            step()
+            fb._sync()
     total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
     print(f"prefill {S} tokens, {args.layers} layers: {total:.2f} ms of kernels")
     ka = prof.key_averages()

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_attributes_a_tiny_prefill(capsys: pytest.CaptureFixture,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.ops import get_ops
     monkeypatch.setattr(pa.fb, "DEV", pa.fb.DEV)     # main sets it: restored afterwards
+    table = dict(vars(get_ops("triton")))
     assert pa.main(["--device", "cpu", "--tiny", "--layers", "3", "--tokens", "32",
                     "--rows", "50"]) == 0
     out = capsys.readouterr().out
@@ -22,3 +24,5 @@ def test_attributes_a_tiny_prefill(capsys: pytest.CaptureFixture,
     assert {"op:sparse_attn", "op:hc_post_pre"} <= ops
     assert any(op.startswith("op:moe_experts") for op in ops)
     assert "| mod:layers.#.attn |" in out and "| mod:layers.#.ffn |" in out
+    # The process's shared op table is left as it was.
+    assert dict(vars(get_ops("triton"))) == table
