@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("scenario", help="a scenario of tests/kernels/sm90_cases.py (--list there)")
     ap.add_argument("pattern", help="regex on the launch's description")
     ap.add_argument("--top", type=int, default=8, help="opcodes shown a launch")
+    ap.add_argument("--dump", help="append each matching launch's longest loop (SASS) here")
     args = ap.parse_args(argv)
     import sm90_cases as sc
 
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         loop, loop_ops = sass_opcodes("\n".join(f"        /*0000*/ {s};"
                                                  for s in loop_body(sass)))
         usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
+        if args.dump:
+            with open(args.dump, "a") as f:
+                f.write(f"# {desc}\n" + "\n".join(loop_body(sass)) + "\n")
         print(desc[:desc.index(" num_warps")])
         # (A one-instruction "loop" is the branch-to-self after the kernel's exit.)
         tail = ("no loop" if len(loop) <= 1 else f"loop {len(loop)}: " + ", ".join(
