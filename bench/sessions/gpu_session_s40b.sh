@@ -25,8 +25,8 @@ stage ncu 90 "$NCU" --clock-control none -k 'regex:_hc_post_mix|_norm_rope' --la
 grep -h "Duration\|Memory Throughput\|DRAM Throughput\|Registers\|Achieved Occupancy\|Stall\|stall" \
     "$LOGS/ncu.log" | head -n 40
 if [ $reps = 2 ]; then
-    stage sweep 60 python bench/sweep_glue.py --ops hc_post_pre --tokens 8192 --budget 50
-    grep -h "^|" "$LOGS/sweep.log" | head -n 14
+    stage sweep 100 python bench/sweep_glue.py --ops hc_post_pre --tokens 8192 --budget 90
+    grep -h "^|" "$LOGS/sweep.log" | head -n 24
 fi
 stage premise 60 python -m pytest -q tests/kernels/test_gpu_kernels.py -k bf16_cast
 for i in $(seq $reps); do

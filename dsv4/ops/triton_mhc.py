@@ -60,7 +60,8 @@ class HcPlan:
     num_stages of the launch; per_sm: the D (K) split aims at this many programs per SM;
     mix: "fp32" (tf32x3 on the GPU, ieee where rejected and in the interpreter) or "bf16x3"
     (bf16 streams only: three exact bf16 parts of fn against the bf16 activation; fp32 streams
-    take "fp32")."""
+    take "fp32"); gates_once (the fused post + mixes only): load the post / comb gates once
+    before the D loop instead of each chunk (fewer instructions a chunk, more registers)."""
 
     BT: int
     BD: int
@@ -68,6 +69,7 @@ class HcPlan:
     num_stages: int = 3
     per_sm: int = 2
     mix: str = "fp32"
+    gates_once: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BT", "BD", "num_warps"):
@@ -83,7 +85,7 @@ class HcPlan:
     def label(self) -> str:
         """Short text for tables: BTxBD/warps/stages/per_sm/mix."""
         return (f"BT{self.BT} BD{self.BD} w{self.num_warps} s{self.num_stages} "
-                f"sm{self.per_sm} {self.mix}")
+                f"sm{self.per_sm} {self.mix}" + (" g1" if self.gates_once else ""))
 
 
 # From this many tokens the prefill plans apply; below, the decode plans of before (unchanged).
@@ -665,16 +667,42 @@ def _load_stream(xr_ptr, rt, j: tl.constexpr, N: tl.constexpr, D, rd, m2):
 
 
 @triton.jit
-def _comb_col(comb_ptr, rt, t_mask, j: tl.constexpr, k, N: tl.constexpr):
-    """comb[t, j, k] of the BT tokens: [BT, 1]."""
-    return tl.load(comb_ptr + rt * (N * N) + j * N + k, mask=t_mask, other=0.0)[:, None]
+def _gates(post_ptr, comb_ptr, rt, t_mask, k: tl.constexpr, N: tl.constexpr):
+    """post[t, k] and comb[t, j, k] for j = 0..3 of the BT tokens, each [BT] (fp32; the j past
+    n_hc repeat j = 0 and are never used)."""
+    p = tl.load(post_ptr + rt * N + k, mask=t_mask, other=0.0)
+    c0 = tl.load(comb_ptr + rt * (N * N) + k, mask=t_mask, other=0.0)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    if N > 1:
+        c1 = tl.load(comb_ptr + rt * (N * N) + N + k, mask=t_mask, other=0.0)
+    if N > 2:
+        c2 = tl.load(comb_ptr + rt * (N * N) + 2 * N + k, mask=t_mask, other=0.0)
+        c3 = tl.load(comb_ptr + rt * (N * N) + 3 * N + k, mask=t_mask, other=0.0)
+    return p, c0, c1, c2, c3
+
+
+@triton.jit
+def _post_stream(o, x0, x1, x2, x3, p, c0, c1, c2, c3, N: tl.constexpr):
+    """Output stream k of hc_post: ``post_k·out`` then + comb[j, k]·x_j for j = 0..n-1, one
+    fused multiply-add each in this order (the same bits under every tile plan)."""
+    new = p[:, None] * o
+    new += c0[:, None] * x0
+    if N > 1:
+        new += c1[:, None] * x1
+    if N > 2:
+        new += c2[:, None] * x2
+        new += c3[:, None] * x3
+    return new
 
 
 @triton.jit
 def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, part_ptr, sq_ptr,
                         T, D, d_per_split, N: tl.constexpr, NJ: tl.constexpr,
                         NJP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                        PRECISION: tl.constexpr, BF16X3: tl.constexpr, PDL: tl.constexpr = False):
+                        PRECISION: tl.constexpr, BF16X3: tl.constexpr,
+                        GATES_ONCE: tl.constexpr = False, PDL: tl.constexpr = False):
     """hc_post for BT tokens and one D range of all n (1, 2 or 4) streams, stored once, plus
     the next pre's split-K partials (Σ x_new² and x_new @ fn^T over that range) from the
     stored values.
@@ -699,26 +727,44 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
     acc = tl.zeros((BT, NJP), dtype=tl.float32)
     sq = tl.zeros((BT,), dtype=tl.float32)
     d0 = split * d_per_split
+    # GATES_ONCE: the gates are the same for every chunk, so load them once here (loads in the
+    # loop are issued again each chunk, 20 of them for n = 4).  Stream k's are pK, cK0..cK3.
+    p0, c00, c01, c02, c03 = _gates(post_ptr, comb_ptr, rt, t_mask, 0, N)
+    p1, c10, c11, c12, c13 = p0, c00, c01, c02, c03
+    p2, c20, c21, c22, c23 = p0, c00, c01, c02, c03
+    p3, c30, c31, c32, c33 = p0, c00, c01, c02, c03
+    if GATES_ONCE:
+        if N > 1:
+            p1, c10, c11, c12, c13 = _gates(post_ptr, comb_ptr, rt, t_mask, 1, N)
+        if N > 2:
+            p2, c20, c21, c22, c23 = _gates(post_ptr, comb_ptr, rt, t_mask, 2, N)
+            p3, c30, c31, c32, c33 = _gates(post_ptr, comb_ptr, rt, t_mask, 3, N)
     for dd in range(0, d_per_split, BD):
         rd = d0 + dd + rb
         d_mask = (rd < D) & (dd + rb < d_per_split)
         m2 = t_mask[:, None] & d_mask[None, :]
         o = tl.load(out_ptr + rt[:, None] * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
         x0 = _load_stream(xr_ptr, rt, 0, N, D, rd, m2)
+        x1 = x0
+        x2 = x0
+        x3 = x0
         if N > 1:
             x1 = _load_stream(xr_ptr, rt, 1, N, D, rd, m2)
         if N > 2:
             x2 = _load_stream(xr_ptr, rt, 2, N, D, rd, m2)
             x3 = _load_stream(xr_ptr, rt, 3, N, D, rd, m2)
         for k in tl.static_range(N):
-            post_k = tl.load(post_ptr + rt * N + k, mask=t_mask, other=0.0)
-            new = post_k[:, None] * o
-            new += _comb_col(comb_ptr, rt, t_mask, 0, k, N) * x0
-            if N > 1:
-                new += _comb_col(comb_ptr, rt, t_mask, 1, k, N) * x1
-            if N > 2:
-                new += _comb_col(comb_ptr, rt, t_mask, 2, k, N) * x2
-                new += _comb_col(comb_ptr, rt, t_mask, 3, k, N) * x3
+            if not GATES_ONCE:
+                pk, ck0, ck1, ck2, ck3 = _gates(post_ptr, comb_ptr, rt, t_mask, k, N)
+                new = _post_stream(o, x0, x1, x2, x3, pk, ck0, ck1, ck2, ck3, N)
+            elif k == 0:
+                new = _post_stream(o, x0, x1, x2, x3, p0, c00, c01, c02, c03, N)
+            elif k == 1:
+                new = _post_stream(o, x0, x1, x2, x3, p1, c10, c11, c12, c13, N)
+            elif k == 2:
+                new = _post_stream(o, x0, x1, x2, x3, p2, c20, c21, c22, c23, N)
+            else:
+                new = _post_stream(o, x0, x1, x2, x3, p3, c30, c31, c32, c33, N)
             # The next pre reads the streams as stored: round first (RNE, as store_rne does),
             # so its statistics see the same values hc_pre(x_new) would.
             if xnew_ptr.dtype.element_ty == tl.bfloat16:
@@ -795,7 +841,7 @@ def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Te
             d_per_split)
     _launch_mixes(_hc_post_mix_kernel, (tiles, splits), args, dev, plan,
                   plan.mix == "bf16x3" and x_res.dtype == torch.bfloat16,
-                  N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD)
+                  N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD, GATES_ONCE=plan.gates_once)
     y = _collapse(x_new, part, sq, splits, njp, scale, base, post_n, comb_n, norm_eps, hc_eps,
                   iters, norm_weight, rms_eps, fuse_norm)
     return x_new, y, post_n, comb_n

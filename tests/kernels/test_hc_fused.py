@@ -133,3 +133,20 @@ def test_plans_agree_at_v4_flash_shapes(T: int) -> None:
     assert _rel(p0, p1) < 1e-5 and _rel(c0, c1) < 1e-5 and _rel(y0.float(), y1.float()) < 4e-3
     y_r, p_r, c_r = ref.hc_pre(x0, *args[4:], **EPS)
     assert _rel(p0, p_r) < 1e-5 and _rel(c0, c_r) < 1e-5 and _rel(y0.float(), y_r.float()) < 4e-3
+
+
+@needs_cuda
+def test_gates_once_gives_the_same_bits_at_v4_flash_shapes() -> None:
+    """The prefill plan with its gates loaded once before the D loop: x_new, y and the mixes bit
+    for bit against the same tiles loading them each chunk (8,192 tokens, n 4, D 4096)."""
+    from dataclasses import replace
+
+    from dsv4.ops import triton_mhc
+
+    args = _inputs(8192, 4, 4096, torch.bfloat16, device="cuda", seed=5)
+    plan = triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16)
+    a = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=replace(plan, gates_once=False))
+    b = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=replace(plan, gates_once=True))
+    torch.cuda.synchronize()
+    for u, v in zip(a, b):
+        assert torch.equal(u, v) and torch.isfinite(u.float()).all()

@@ -62,6 +62,20 @@ def test_hc_post_pre_matches_twin(T: int, n: int, D: int, dtype: torch.dtype) ->
     assert rel_err(post, post_c) < 1e-5 and rel_err(comb, comb_c) < 1e-5
 
 
+@pytest.mark.parametrize("T,n,D", [(19, 4, 80), (3, 2, 40), (2, 1, 24)])
+def test_gates_once_gives_the_same_bits(T: int, n: int, D: int) -> None:
+    """A plan loading the post / comb gates once before the D loop computes every value the
+    same way as the plan loading them each chunk: all four outputs bit for bit."""
+    args = _inputs(T, n, D, torch.bfloat16, seed=T + n)
+    plan = triton_mhc.HcPlan(16, 16, 4, 2, per_sm=1, mix="bf16x3")
+    once = triton_mhc.HcPlan(16, 16, 4, 2, per_sm=1, mix="bf16x3", gates_once=True)
+    a = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=plan)
+    b = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=once)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    assert rel_err(a[0].float(), ref.hc_post(*args[:4]).float()) < 4e-3
+
+
 def test_hc_post_pre_equals_unfused_kernels() -> None:
     """Same result as the two unfused kernels (hc_post then hc_pre) in the interpreter."""
     args = _inputs(5, 4, 64, torch.bfloat16, seed=3)
