@@ -15,7 +15,7 @@ the bits of the collapse followed by ``triton_norm.rms_norm``.  Other n take the
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.streams import comb_lane, comb_lane_active, join_comb_lane
 from dsv4.ops.triton_dense import (
     _dot_bf16x3,
+    mma,
     round_as,
     round_to_bf16,
     sm_count,
@@ -61,7 +62,10 @@ class HcPlan:
     mix: "fp32" (tf32x3 on the GPU, ieee where rejected and in the interpreter) or "bf16x3"
     (bf16 streams only: three exact bf16 parts of fn against the bf16 activation; fp32 streams
     take "fp32"); gates_once (the fused post + mixes only): load the post / comb gates once
-    before the D loop instead of each chunk (fewer instructions a chunk, more registers)."""
+    before the D loop instead of each chunk (fewer instructions a chunk, more registers);
+    fn_parts ("bf16x3" on bf16 streams): read fn as its three bf16 parts split once
+    (:func:`fn_bf16x3`) instead of splitting each fp32 tile in the kernel.  Every choice but
+    mix gives the same bits."""
 
     BT: int
     BD: int
@@ -70,6 +74,7 @@ class HcPlan:
     per_sm: int = 2
     mix: str = "fp32"
     gates_once: bool = False
+    fn_parts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BT", "BD", "num_warps"):
@@ -85,9 +90,12 @@ class HcPlan:
     def label(self) -> str:
         """Short text for tables: BTxBD/warps/stages/per_sm/mix."""
         return (f"BT{self.BT} BD{self.BD} w{self.num_warps} s{self.num_stages} "
-                f"sm{self.per_sm} {self.mix}" + (" g1" if self.gates_once else ""))
+                f"sm{self.per_sm} {self.mix}" + (" g1" if self.gates_once else "")
+                + (" parts" if self.fn_parts else ""))
 
 
+# The default plans' fn_parts (HcPlan): opt-in (DSV4_HC_FN_PARTS=1) until a GPU run measures it.
+HC_FN_PARTS = os.environ.get("DSV4_HC_FN_PARTS", "0") == "1"
 # From this many tokens the prefill plans apply; below, the decode plans of before (unchanged).
 HC_PREFILL_T = 1024
 # The fused post + mixes between decode and prefill sizes (a short prompt, a mixed step): from
@@ -116,6 +124,13 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
     fused post + mixes on 16-column chunks with 4 warps and ~4 programs per SM (8,192 tokens:
     577 µs against 795 for 32-column chunks at 8 warps, 1,255 before plans); the mixes alone on
     64-token tiles at 4 warps (259 µs, 187 registers, no spills)."""
+    plan = _pick_hc_plan(op, T, n, D, dtype)
+    if plan.mix == "bf16x3" and HC_FN_PARTS:
+        plan = replace(plan, fn_parts=True)
+    return plan
+
+
+def _pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
     mix = "bf16x3" if dtype == torch.bfloat16 else "fp32"
     chunk = max(triton.cdiv(16, n), min(128 // n, triton.next_power_of_2(D)))
     if op == "post":
@@ -136,13 +151,28 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
 
 
 @triton.jit
+def _dot_fn_parts(acc, a, parts_ptr, offs, mask, part_stride):
+    """acc += a @ f for a bf16 tile ``a`` and the fn tile at ``offs`` given as its three bf16
+    parts (:func:`fn_bf16x3`), in :func:`_dot_bf16x3`'s order: the same bits as splitting the
+    fp32 tile in the kernel, without the split's instructions and shared-memory round trips."""
+    f3 = tl.load(parts_ptr + 2 * part_stride + offs, mask=mask, other=0.0)
+    acc += mma(a, f3, "ieee")
+    f2 = tl.load(parts_ptr + part_stride + offs, mask=mask, other=0.0)
+    acc += mma(a, f2, "ieee")
+    f1 = tl.load(parts_ptr + offs, mask=mask, other=0.0)
+    acc += mma(a, f1, "ieee")
+    return acc
+
+
+@triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split,
                            NJ: tl.constexpr, NJP: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           FN_PARTS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Split-K partials of ``flatten(x) @ fn^T`` [T, NJ] and of Σ x² [T] (fp32).
 
-    BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts."""
+    BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts
+    (FN_PARTS: split ahead, fn_ptr is :func:`fn_bf16x3` [3, NJ, KTOT])."""
     grid_dependency_sync(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
@@ -159,12 +189,16 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split
         xl = tl.load(x_ptr + rt[:, None] * KTOT + rk[None, :],
                      mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         xv = xl.to(tl.float32)
-        fv = tl.load(fn_ptr + rj[None, :] * KTOT + rk[:, None],
-                     mask=k_mask[:, None] & j_mask[None, :], other=0.0)
-        if BF16X3:
-            acc = _dot_bf16x3(acc, xl, fv)
+        f_offs = rj[None, :] * KTOT + rk[:, None]
+        f_mask = k_mask[:, None] & j_mask[None, :]
+        if FN_PARTS:
+            acc = _dot_fn_parts(acc, xl, fn_ptr, f_offs, f_mask, NJ * KTOT)
         else:
-            acc += tl.dot(xv, fv, input_precision=PRECISION)
+            fv = tl.load(fn_ptr + f_offs, mask=f_mask, other=0.0)
+            if BF16X3:
+                acc = _dot_bf16x3(acc, xl, fv)
+            else:
+                acc += tl.dot(xv, fv, input_precision=PRECISION)
         sq += tl.sum(xv * xv, axis=1)
     base = split * T
     tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
@@ -427,6 +461,32 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
 # "ieee" (FMA) is the fallback if this Triton build rejects it, and the interpreter's choice.
 _HC_PRECISIONS = ["tf32x3", "ieee"]
 
+# fn's parts by (data_ptr, version, shape, device), each with a weak reference to its fn.
+_FN_PARTS: dict[tuple, tuple[Any, torch.Tensor]] = {}
+
+
+def fn_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+    """fp32 ``fn`` [rows, K] as three bf16 tensors [3, rows, K] whose sum is fn exactly (the
+    kernels' ``split_bf16x3``: round to nearest, then the exact remainders), cached per fn: the
+    mHC weights are split once, on first use (before any graph capture: the warm-up's)."""
+    import weakref
+
+    key = (fn.data_ptr(), fn._version, tuple(fn.shape), str(fn.device))
+    hit = _FN_PARTS.get(key)
+    if hit is not None and hit[0]() is fn:
+        return hit[1]
+    f = fn.float()
+    f1 = f.to(torch.bfloat16)
+    r = f - f1.float()
+    f2 = r.to(torch.bfloat16)
+    f3 = (r - f2.float()).to(torch.bfloat16)
+    parts = torch.stack((f1, f2, f3)).contiguous()
+    # (Entries of freed weights go when a new fn lands on their address.)
+    for k in [k for k, (ref, _) in _FN_PARTS.items() if ref() is None]:
+        del _FN_PARTS[k]
+    _FN_PARTS[key] = (weakref.ref(fn), parts)
+    return parts
+
 
 def _check_plan(name: str, plan: HcPlan, n: int, dot: bool) -> None:
     if dot and (plan.BT < 16 or n * plan.BD < 16):
@@ -435,12 +495,17 @@ def _check_plan(name: str, plan: HcPlan, n: int, dot: bool) -> None:
 
 
 def _launch_mixes(kernel: Any, grid: tuple[int, int], args: tuple, device: torch.device,
-                  plan: HcPlan, bf16x3: bool, **constexprs: Any) -> None:
-    """Launch a mixes kernel with the first fp32 dot precision this Triton build accepts."""
+                  plan: HcPlan, bf16x3: bool, fn: torch.Tensor, **constexprs: Any) -> None:
+    """Launch a mixes kernel with the first fp32 dot precision this Triton build accepts; fn
+    goes after ``args[:fn_at]`` as the fp32 tensor or (bf16x3, ``plan.fn_parts``) its
+    parts."""
+    parts = bf16x3 and plan.fn_parts
+    fn_at = constexprs.pop("fn_at")
+    args = (*args[:fn_at], fn_bf16x3(fn) if parts else fn, *args[fn_at:])
     precisions = _HC_PRECISIONS if device.type == "cuda" else ["ieee"]
     for i, prec in enumerate(precisions):
         try:
-            kernel[grid](*args, **constexprs, PRECISION=prec, BF16X3=bf16x3,
+            kernel[grid](*args, **constexprs, PRECISION=prec, BF16X3=bf16x3, FN_PARTS=parts,
                          num_warps=plan.num_warps, num_stages=plan.num_stages,
                          **pdl_args(args[0]))
             return
@@ -482,8 +547,8 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str, plan: HcPla
     sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
     if T:
         _launch_mixes(_hc_mix_partial_kernel, (tiles, splits),
-                      (x, fn, part, sq, T, ktot, k_per_split), x.device, plan,
-                      plan.mix == "bf16x3" and x.dtype == torch.bfloat16,
+                      (x, part, sq, T, ktot, k_per_split), x.device, plan,
+                      plan.mix == "bf16x3" and x.dtype == torch.bfloat16, fn, fn_at=1,
                       NJ=rows, NJP=njp, BT=BT, BK=BK)
     return x, part, sq, splits, njp
 
@@ -702,7 +767,8 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
                         T, D, d_per_split, N: tl.constexpr, NJ: tl.constexpr,
                         NJP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                         PRECISION: tl.constexpr, BF16X3: tl.constexpr,
-                        GATES_ONCE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        GATES_ONCE: tl.constexpr = False, FN_PARTS: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """hc_post for BT tokens and one D range of all n (1, 2 or 4) streams, stored once, plus
     the next pre's split-K partials (Σ x_new² and x_new @ fn^T over that range) from the
     stored values.
@@ -773,12 +839,16 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
             new = stored.to(tl.float32)
             tl.store(xnew_ptr + rt[:, None] * (N * D) + k * D + rd[None, :], stored, mask=m2)
             sq += tl.sum(new * new, axis=1)
-            fv = tl.load(fn_ptr + rj[None, :] * (N * D) + (k * D + rd)[:, None],
-                         mask=d_mask[:, None] & j_mask[None, :], other=0.0)
-            if BF16X3:
-                acc = _dot_bf16x3(acc, stored, fv)
+            f_offs = rj[None, :] * (N * D) + (k * D + rd)[:, None]
+            f_mask = d_mask[:, None] & j_mask[None, :]
+            if FN_PARTS:
+                acc = _dot_fn_parts(acc, stored, fn_ptr, f_offs, f_mask, NJ * N * D)
             else:
-                acc += tl.dot(new, fv, input_precision=PRECISION)
+                fv = tl.load(fn_ptr + f_offs, mask=f_mask, other=0.0)
+                if BF16X3:
+                    acc = _dot_bf16x3(acc, stored, fv)
+                else:
+                    acc += tl.dot(new, fv, input_precision=PRECISION)
     base = split * T
     tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
              mask=t_mask[:, None] & j_mask[None, :])
@@ -837,11 +907,10 @@ def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Te
     part = torch.empty(splits, T, njp, dtype=torch.float32, device=dev)
     sq = torch.empty(splits, T, dtype=torch.float32, device=dev)
     args = (out.contiguous(), x_res.contiguous(), post.float().contiguous(),
-            comb.float().contiguous(), fn.float().contiguous(), x_new, part, sq, T, D,
-            d_per_split)
+            comb.float().contiguous(), x_new, part, sq, T, D, d_per_split)
     _launch_mixes(_hc_post_mix_kernel, (tiles, splits), args, dev, plan,
                   plan.mix == "bf16x3" and x_res.dtype == torch.bfloat16,
-                  N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD, GATES_ONCE=plan.gates_once)
+                  fn.float().contiguous(), fn_at=4, N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD, GATES_ONCE=plan.gates_once)
     y = _collapse(x_new, part, sq, splits, njp, scale, base, post_n, comb_n, norm_eps, hc_eps,
                   iters, norm_weight, rms_eps, fuse_norm)
     return x_new, y, post_n, comb_n
