@@ -402,6 +402,8 @@ def _glue_plans() -> None:
     """The mHC prefill default plans by name (bf16x3 mixes; fp32 ones on fp32 streams) and the
     sweep's other plan families (bench/sweep_glue.py), and the expert prep at its default and
     a wide plan (issue #5)."""
+    from dataclasses import replace
+
     import torch
 
     from dsv4.ops import triton_mhc
@@ -412,13 +414,18 @@ def _glue_plans() -> None:
     P = triton_mhc.HcPlan
     with RECORDER.override(triton_mhc._hc_post_mix_kernel, PRECISION="tf32x3"), \
             RECORDER.override(triton_mhc._hc_mix_partial_kernel, PRECISION="tf32x3"):
-        for plan in (triton_mhc.pick_hc_plan("post_pre", T, n, D, bf16), P(128, 32, 8, 2, 2, "bf16x3"),
+        wide = triton_mhc.pick_hc_plan("post_pre", T, n, D, bf16)
+        for plan in (wide, P(128, 32, 8, 2, 2, "bf16x3"),
                      P(32, 32, 4, 2, 4, "bf16x3"), P(64, 32, 4, 3, 2),
-                     triton_mhc.pick_hc_plan("post_pre", 128, n, D, bf16)):   # 2 warps
+                     triton_mhc.pick_hc_plan("post_pre", 128, n, D, bf16),   # 2 warps
+                     # the gates loaded once, fn split ahead, both (same bits)
+                     replace(wide, gates_once=True), replace(wide, fn_parts=True),
+                     replace(wide, gates_once=True, fn_parts=True)):
             triton_mhc.hc_post_pre_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
                                      _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32), fn,
                                      scale, base, 1e-6, 1e-6, 20, plan=plan)
-        for plan in (triton_mhc.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3")):
+        for plan in (triton_mhc.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3"),
+                     replace(triton_mhc.pick_hc_plan("pre", T, n, D, bf16), fn_parts=True)):
             triton_mhc.hc_pre_with_plan(_empty(T, n, D, dtype=bf16), fn, scale, base, 1e-6, 1e-6, 20,
                                 plan=plan)
     triton_mhc.hc_post_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
