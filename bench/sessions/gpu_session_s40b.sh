@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fortieth session (~560 s): on an H200 first the 43-layer targets (8K prefill, B=1, B=64 at an
+# Fortieth session (~580 s): on an H200 first the 43-layer targets (8K prefill, B=1, B=64 at an
 # 8K context; not re-measured there since the thirty-first session).  Then: the mHC plans' GPU
-# bit tests (gates once, fn split ahead), Nsight Compute on the 8K prefill's post + mixes and
+# bit tests (gates once, fn split ahead) and the chunked routing plan's, bench/prefill_glue.py, Nsight Compute on the 8K prefill's post + mixes and
 # q norm + RoPE launches (bench/ncu_glue.py), the post + mixes / mixes plans at 1 and 8K tokens,
 # the DSV4_HW_BF16_ROUND premise, and the 4-layer prefill / decode A/B of DSV4_HC_FN_PARTS and
 # DSV4_HW_BF16_ROUND.
@@ -19,9 +19,11 @@ case "$gpu" in
             --decode-batches 1,64 --ctx 8192 --steps 2 --reps 2 --budget 210 --out "$LOGS/full43.json"
         grep -h "prefill S\|decode B\|model built" "$LOGS/full43.log" | tail -n 12 ;;
 esac
-stage tests 60 python -m pytest -q tests/kernels/test_hc_fused.py tests/kernels/test_gpu_kernels.py \
-    -k "parts or gates or bf16_cast"
+stage tests 80 python -m pytest -q tests/kernels/test_hc_fused.py tests/kernels/test_gpu_kernels.py \
+    tests/kernels/test_moe_fast.py -k "parts or gates or bf16_cast or plan"
 tail -n 3 "$LOGS/tests.log"
+stage glue 40 python bench/prefill_glue.py --tokens 2048,8192,32768
+grep -h "^|" "$LOGS/glue.log"
 stage sweep 100 python bench/sweep_glue.py --ops hc_post_pre,hc_pre --tokens 1,8192 --budget 90
 grep -h "^|" "$LOGS/sweep.log" | head -n 40
 for v in "0 0" "1 0" "0 1"; do

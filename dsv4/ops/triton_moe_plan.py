@@ -1,10 +1,11 @@
 """The routing plan of the routed-expert kernels (dsv4.ops.triton_moe): the (token, pick) pairs
 sorted by expert into row blocks of BM rows, each block owned by one expert.
 
-:func:`moe_plan` is one Triton launch (no host sync, so a decode step with it can be captured in
-a CUDA graph; up to :data:`SMALL_PLAN_MAX_PAIRS` pairs a one-program kernel, beyond one program
-per expert); :func:`moe_plan_torch` is its torch twin (about ten torch ops with a stable sort),
-identical bit for bit.
+:func:`moe_plan` runs on the GPU without a host sync, so a step with it can be captured in a
+CUDA graph: up to :data:`SMALL_PLAN_MAX_PAIRS` pairs one one-program launch (decode), beyond
+three launches over chunks of :data:`PLAN_CHUNK` pairs (count, prefix, scatter: each chunk
+sorted in registers); :func:`moe_plan_torch` is its torch twin (about ten torch ops with a
+stable sort), identical bit for bit.
 """
 
 from __future__ import annotations
@@ -21,55 +22,83 @@ __all__ = ["SMALL_PLAN_MAX_PAIRS", "flat_ids", "moe_plan", "moe_plan_torch", "sm
 
 
 @triton.jit
-def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
-                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    """The routing plan of :func:`moe_plan_torch`, one program per expert e (program E fills
-    the unused tail): every program histograms all P ids (cheap: P ≤ a few 10^4 int loads from
-    L2) to find its first block, then writes its own pairs in pair order (a running cumsum:
-    stable, so the layout equals the twin's bit for bit), the padding of its last block and
-    the expert of its blocks.  Each output element is written by exactly one program."""
+def _plan_count_kernel(ids_ptr, hist_ptr, below_ptr, pairs_ptr, P, E, ROWS, rows_per_chunk,
+                       NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """Chunk c of BP pairs: its histogram of ids ``hist[c, e]`` (ids of other shards and the
+    tail past P in bin E, ignored) and ``below[c, e]`` = Σ_{e' < e} hist[c, e'] (where id e's
+    pairs start in the chunk sorted by id); and the padding value P in its share of the plan's
+    rows (the scatter writes the real pairs over it later in the stream)."""
     grid_dependency_sync(PDL)
-    e = tl.program_id(0)
+    c = tl.program_id(0)
+    rp = c * BP + tl.arange(0, BP)
+    ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
+    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+    h = tl.histogram(key, NBINS)
     bins = tl.arange(0, NBINS)
-    counts = tl.zeros((NBINS,), dtype=tl.int32)
-    for p0 in range(0, P, BP):
-        rp = p0 + tl.arange(0, BP)
-        ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
-        # Ids of other shards (and the masked tail) count in bin E, which is ignored.
-        key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-        counts += tl.histogram(key, NBINS)
+    tl.store(hist_ptr + c * NBINS + bins, h)
+    tl.store(below_ptr + c * NBINS + bins, tl.cumsum(h, 0) - h)
+    r0 = c * rows_per_chunk
+    for r in range(r0, r0 + rows_per_chunk, BF):
+        rr = r + tl.arange(0, BF)
+        tl.store(pairs_ptr + rr, tl.zeros((BF,), dtype=tl.int32) + P,
+                 mask=(rr < ROWS) & (rr < r0 + rows_per_chunk))
+
+
+@triton.jit
+def _plan_prefix_kernel(hist_ptr, before_ptr, counts_ptr, C, NBINS: tl.constexpr,
+                        BB: tl.constexpr, CB: tl.constexpr, PDL: tl.constexpr = False):
+    """Bins [g·BB, (g+1)·BB) of every chunk: ``before[c, e]`` = Σ_{c' < c} hist[c', e] (id e's
+    pairs in the chunks before c) and ``counts[e]`` = Σ_c hist[c, e]."""
+    grid_dependency_sync(PDL)
+    bins = tl.program_id(0) * BB + tl.arange(0, BB)
+    run = tl.zeros((BB,), dtype=tl.int32)
+    for c0 in range(0, C, CB):
+        rc = c0 + tl.arange(0, CB)
+        offs = rc[:, None] * NBINS + bins[None, :]
+        h = tl.load(hist_ptr + offs, mask=(rc < C)[:, None], other=0)
+        tl.store(before_ptr + offs, run[None, :] + tl.cumsum(h, 0) - h, mask=(rc < C)[:, None])
+        run += tl.sum(h, 0)
+    tl.store(counts_ptr + bins, run)
+
+
+@triton.jit
+def _plan_scatter_kernel(ids_ptr, below_ptr, before_ptr, counts_ptr, first_ptr,
+                         pairs_ptr, bexp_ptr, P, E, NB, blocks_per_chunk, BM: tl.constexpr,
+                         NBINS: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Chunk c: its pairs sorted by (id, pair index) in registers; the i-th of them (id e) goes
+    to row first_row(e) + before[c, e] + (i - below[c, e]), first_row(e) = BM · Σ_{e' < e}
+    ceil(count(e') / BM): ascending pair index within an expert, as the twin's stable sort.
+    Then the expert of the chunk's share of the blocks (E past the used ones)."""
+    grid_dependency_sync(PDL)
+    c = tl.program_id(0)
+    bins = tl.arange(0, NBINS)
+    counts = tl.load(counts_ptr + bins)
     blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
-    first_blk = tl.sum(tl.where(bins < e, blocks, 0))
-    if e < E:
-        my_count = tl.sum(tl.where(bins == e, counts, 0))
-        if my_count > 0:
-            my_blocks = (my_count + BM - 1) // BM
-            first_row = first_blk * BM
-            run = my_count * 0
-            for p0 in range(0, P, BP):
-                rp = p0 + tl.arange(0, BP)
-                ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
-                hit = (ids == e) & (rp < P)
-                hit_i = hit.to(tl.int32)
-                dest = first_row + run + tl.cumsum(hit_i, 0) - 1
-                tl.store(pairs_ptr + dest, rp, mask=hit)
-                run += tl.sum(hit_i)
-            pad = first_row + my_count + tl.arange(0, BM)
-            tl.store(pairs_ptr + pad, tl.zeros((BM,), dtype=tl.int32) + P,
-                     mask=pad < (first_blk + my_blocks) * BM)
-            for b0 in range(0, my_blocks, BF):
-                rb = first_blk + b0 + tl.arange(0, BF)
-                tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + e,
-                         mask=rb < first_blk + my_blocks)
-    else:
-        # first_blk is the number of used blocks here: everything after it is unused.
-        for r0 in range(first_blk * BM, NB * BM, BF):
-            rr = r0 + tl.arange(0, BF)
-            tl.store(pairs_ptr + rr, tl.zeros((BF,), dtype=tl.int32) + P, mask=rr < NB * BM)
-        for b0 in range(first_blk, NB, BF):
-            rb = b0 + tl.arange(0, BF)
-            tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + E, mask=rb < NB)
+    blk_end = tl.cumsum(blocks, 0)
+    # first_row by id, through this program's own scratch row (a gather by the sorted ids).
+    tl.store(first_ptr + c * NBINS + bins, (blk_end - blocks) * BM)
+    tl.debug_barrier()
+    lane = tl.arange(0, BP)
+    rp = c * BP + lane
+    ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
+    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+    key = tl.where(rp < P, key, E + 1)
+    s = tl.sort(key * BP + lane)
+    e_s = s // BP
+    valid = e_s < E
+    e_i = tl.where(valid, e_s, 0)
+    row = c * NBINS + e_i
+    dest = (tl.load(first_ptr + row, mask=valid, other=0)
+            + tl.load(before_ptr + row, mask=valid, other=0)
+            + lane - tl.load(below_ptr + row, mask=valid, other=0))
+    tl.store(pairs_ptr + dest, c * BP + (s - e_s * BP), mask=valid)
+    # Block b belongs to the first expert whose blocks end after b (E: none, unused).
+    for b0 in range(c * blocks_per_chunk, (c + 1) * blocks_per_chunk, BS):
+        rb = b0 + tl.arange(0, BS)
+        owner = tl.sum(((blk_end[None, :] <= rb[:, None]) & (bins[None, :] < E)).to(tl.int32), 1)
+        tl.store(bexp_ptr + rb, owner, mask=(rb < NB) & (rb < (c + 1) * blocks_per_chunk))
 
 
 @triton.jit
@@ -120,9 +149,9 @@ def small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first,
 def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
                            PP: tl.constexpr, NBP: tl.constexpr, RB: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """:func:`_moe_plan_kernel` for P <= PP pairs (decode) in one program
-    (:func:`small_plan_rows`, :func:`small_plan_store`), instead of E + 1 programs each
-    histogramming the ids (the decode plan took ~6 µs on the H200 critical path)."""
+    """The plan of P <= PP pairs (decode) in one program (:func:`small_plan_rows`,
+    :func:`small_plan_store`): one launch instead of the chunked kernels' three on the critical
+    path of a decode step."""
     grid_dependency_sync(PDL)
     rp, key, valid, dest, first, nblk, first_blk = small_plan_rows(ids_ptr, P, E, BM, PP)
     small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first, nblk,
@@ -132,6 +161,8 @@ def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.conste
 # Up to this many (token, pick) pairs moe_plan takes the one-program kernel (at most 10 tokens
 # of top-6 routing; [64, 64] comparisons and a [NB ≤ 128, 64] block map in registers).
 SMALL_PLAN_MAX_PAIRS = 64
+# Beyond, pairs in chunks of this many (sorted in registers, one program each).
+PLAN_CHUNK = 1024
 
 
 def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -144,8 +175,9 @@ def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
 
 def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the (token, pick) pairs by expert into row blocks of BM: one Triton launch on CUDA
-    (and in the interpreter), no host sync, CUDA-graph capturable; the torch twin
+    """Sort the (token, pick) pairs by expert into row blocks of BM: Triton launches on CUDA
+    (and in the interpreter; one for decode sizes, three beyond), no host sync, CUDA-graph
+    capturable; the torch twin
     :func:`moe_plan_torch` elsewhere.  Same outputs, bit for bit:
 
     ``pairs`` [nb·BM] int32 (pair index t·k + j, ascending within an expert, or P = T·k for
@@ -172,11 +204,28 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
                                      NBP=max(16, triton.next_power_of_2(nb)), RB=256,
                                      num_warps=4, **pdl_args(flat))
         return pairs, block_expert
-    # Histogram bins: E real ones + bin E for skipped ids; >= 32 for the GPU lowering.
+    # Chunks of BP pairs: count (histogram, padding rows), prefix over chunks (BB bins a
+    # program), scatter (sort each chunk in registers; the block map).  Bins: E real ones + bin
+    # E for skipped ids; >= 32 for the GPU lowering.
     nbins = max(32, triton.next_power_of_2(E + 1))
-    bp = min(1024, max(64, triton.next_power_of_2(P)))
-    _moe_plan_kernel[(E + 1,)](flat, pairs, block_expert, P, E, nb, BM=BM, NBINS=nbins, BP=bp,
-                               BF=256, num_warps=4, **pdl_args(flat))
+    bp = min(PLAN_CHUNK, max(64, triton.next_power_of_2(P)))
+    chunks = triton.cdiv(P, bp)
+    dev = flat.device
+    hist = torch.empty(chunks, nbins, dtype=torch.int32, device=dev)
+    below = torch.empty_like(hist)
+    before = torch.empty_like(hist)
+    first = torch.empty_like(hist)
+    counts = torch.empty(nbins, dtype=torch.int32, device=dev)
+    rows = nb * BM
+    _plan_count_kernel[(chunks,)](flat, hist, below, pairs, P, E, rows, triton.cdiv(rows, chunks),
+                                  NBINS=nbins, BP=bp, BF=1024, num_warps=4, **pdl_args(flat))
+    bb = min(nbins, 64)
+    _plan_prefix_kernel[(nbins // bb,)](hist, before, counts, chunks, NBINS=nbins, BB=bb, CB=64,
+                                        num_warps=4, **pdl_args(flat))
+    _plan_scatter_kernel[(chunks,)](flat, below, before, counts, first, pairs, block_expert,
+                                    P, E, nb, triton.cdiv(nb, chunks), BM=BM, NBINS=nbins,
+                                    BP=bp, BS=16, num_warps=8 if bp >= 1024 else 4,
+                                    **pdl_args(flat))
     return pairs, block_expert
 
 
