@@ -189,12 +189,12 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split
         xl = tl.load(x_ptr + rt[:, None] * KTOT + rk[None, :],
                      mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         xv = xl.to(tl.float32)
-        f_offs = rj[None, :] * KTOT + rk[:, None]
-        f_mask = k_mask[:, None] & j_mask[None, :]
         if FN_PARTS:
-            acc = _dot_fn_parts(acc, xl, fn_ptr, f_offs, f_mask, NJ * KTOT)
+            acc = _dot_fn_parts(acc, xl, fn_ptr, rj[None, :] * KTOT + rk[:, None],
+                                k_mask[:, None] & j_mask[None, :], NJ * KTOT)
         else:
-            fv = tl.load(fn_ptr + f_offs, mask=f_mask, other=0.0)
+            fv = tl.load(fn_ptr + rj[None, :] * KTOT + rk[:, None],
+                         mask=k_mask[:, None] & j_mask[None, :], other=0.0)
             if BF16X3:
                 acc = _dot_bf16x3(acc, xl, fv)
             else:
@@ -732,6 +732,12 @@ def _load_stream(xr_ptr, rt, j: tl.constexpr, N: tl.constexpr, D, rd, m2):
 
 
 @triton.jit
+def _comb_col(comb_ptr, rt, t_mask, j: tl.constexpr, k, N: tl.constexpr):
+    """comb[t, j, k] of the BT tokens: [BT, 1]."""
+    return tl.load(comb_ptr + rt * (N * N) + j * N + k, mask=t_mask, other=0.0)[:, None]
+
+
+@triton.jit
 def _gates(post_ptr, comb_ptr, rt, t_mask, k: tl.constexpr, N: tl.constexpr):
     """post[t, k] and comb[t, j, k] for j = 0..3 of the BT tokens, each [BT] (fp32; the j past
     n_hc repeat j = 0 and are never used)."""
@@ -795,11 +801,11 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
     d0 = split * d_per_split
     # GATES_ONCE: the gates are the same for every chunk, so load them once here (loads in the
     # loop are issued again each chunk, 20 of them for n = 4).  Stream k's are pK, cK0..cK3.
-    p0, c00, c01, c02, c03 = _gates(post_ptr, comb_ptr, rt, t_mask, 0, N)
-    p1, c10, c11, c12, c13 = p0, c00, c01, c02, c03
-    p2, c20, c21, c22, c23 = p0, c00, c01, c02, c03
-    p3, c30, c31, c32, c33 = p0, c00, c01, c02, c03
     if GATES_ONCE:
+        p0, c00, c01, c02, c03 = _gates(post_ptr, comb_ptr, rt, t_mask, 0, N)
+        p1, c10, c11, c12, c13 = p0, c00, c01, c02, c03
+        p2, c20, c21, c22, c23 = p0, c00, c01, c02, c03
+        p3, c30, c31, c32, c33 = p0, c00, c01, c02, c03
         if N > 1:
             p1, c10, c11, c12, c13 = _gates(post_ptr, comb_ptr, rt, t_mask, 1, N)
         if N > 2:
@@ -811,7 +817,7 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
         m2 = t_mask[:, None] & d_mask[None, :]
         o = tl.load(out_ptr + rt[:, None] * D + rd[None, :], mask=m2, other=0.0).to(tl.float32)
         x0 = _load_stream(xr_ptr, rt, 0, N, D, rd, m2)
-        x1 = x0
+        x1 = x0     # (stand-ins past n_hc, never used)
         x2 = x0
         x3 = x0
         if N > 1:
@@ -821,8 +827,13 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
             x3 = _load_stream(xr_ptr, rt, 3, N, D, rd, m2)
         for k in tl.static_range(N):
             if not GATES_ONCE:
-                pk, ck0, ck1, ck2, ck3 = _gates(post_ptr, comb_ptr, rt, t_mask, k, N)
-                new = _post_stream(o, x0, x1, x2, x3, pk, ck0, ck1, ck2, ck3, N)
+                new = tl.load(post_ptr + rt * N + k, mask=t_mask, other=0.0)[:, None] * o
+                new += _comb_col(comb_ptr, rt, t_mask, 0, k, N) * x0
+                if N > 1:
+                    new += _comb_col(comb_ptr, rt, t_mask, 1, k, N) * x1
+                if N > 2:
+                    new += _comb_col(comb_ptr, rt, t_mask, 2, k, N) * x2
+                    new += _comb_col(comb_ptr, rt, t_mask, 3, k, N) * x3
             elif k == 0:
                 new = _post_stream(o, x0, x1, x2, x3, p0, c00, c01, c02, c03, N)
             elif k == 1:
@@ -839,12 +850,13 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
             new = stored.to(tl.float32)
             tl.store(xnew_ptr + rt[:, None] * (N * D) + k * D + rd[None, :], stored, mask=m2)
             sq += tl.sum(new * new, axis=1)
-            f_offs = rj[None, :] * (N * D) + (k * D + rd)[:, None]
-            f_mask = d_mask[:, None] & j_mask[None, :]
             if FN_PARTS:
-                acc = _dot_fn_parts(acc, stored, fn_ptr, f_offs, f_mask, NJ * N * D)
+                acc = _dot_fn_parts(acc, stored, fn_ptr, rj[None, :] * (N * D)
+                                    + (k * D + rd)[:, None], d_mask[:, None] & j_mask[None, :],
+                                    NJ * N * D)
             else:
-                fv = tl.load(fn_ptr + f_offs, mask=f_mask, other=0.0)
+                fv = tl.load(fn_ptr + rj[None, :] * (N * D) + (k * D + rd)[:, None],
+                             mask=d_mask[:, None] & j_mask[None, :], other=0.0)
                 if BF16X3:
                     acc = _dot_bf16x3(acc, stored, fv)
                 else:
