@@ -40,30 +40,21 @@ P = triton_mhc.HcPlan
 # Candidates besides the default: decode token counts (< triton_mhc.HC_PREFILL_T) and prefill.
 # (Decode, T = 1: 16-, 32-, 64-column chunks give 256 / 128 / 64 D splits of ~1 program per
 # SM; fewer splits also shorten the collapse's split-K sum.)
-POST_PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3", False, True),
-                       P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2), P(16, 32, 4, 2, 4),
+POST_PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2), P(16, 32, 4, 2, 4),
                        P(16, 16, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 2, "bf16x3"),
                        P(16, 32, 2, 3, 2, "bf16x3")],
             "prefill": [P(64, 32, 4, 3, 2), P(64, 32, 4, 2, 2, "bf16x3"),
                         P(64, 32, 8, 3, 2, "bf16x3"), P(128, 32, 8, 2, 2, "bf16x3"),
                         P(64, 64, 8, 2, 2, "bf16x3"), P(32, 32, 4, 2, 4, "bf16x3"),
                         P(64, 32, 8, 2, 4, "bf16x3"), P(64, 16, 4, 3, 4, "bf16x3"),
-                        # (fortieth session: fn split ahead, the gates loaded once, fewer
-                        # stages, other splits)
-                        P(64, 16, 4, 3, 4, "bf16x3", False, True),
-                        P(64, 16, 4, 3, 4, "bf16x3", True, True),
-                        P(64, 16, 4, 3, 4, "bf16x3", True), P(64, 16, 4, 2, 4, "bf16x3", True),
-                        P(64, 16, 4, 2, 4, "bf16x3", False, True),
-                        P(64, 32, 4, 3, 4, "bf16x3", False, True),
-                        P(128, 16, 8, 3, 4, "bf16x3", False, True),
-                        P(64, 16, 4, 3, 6, "bf16x3", False, True),
-                        P(64, 8, 4, 3, 4, "bf16x3", False, True)]}
-PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 4),
-                  P(16, 32, 4, 3, 2, "bf16x3", False, True)],
+                        # (fortieth session: the gates loaded once; ~1 wave of blocks)
+                        P(64, 16, 4, 3, 2, "bf16x3"), P(64, 16, 4, 3, 4, "bf16x3", True),
+                        P(64, 16, 4, 3, 1, "bf16x3", True), P(64, 16, 4, 3, 2, "bf16x3", True),
+                        P(64, 16, 4, 2, 2, "bf16x3"), P(64, 16, 4, 2, 1, "bf16x3", True),
+                        P(64, 16, 4, 3, 3, "bf16x3", True)]}
+PRE = {"decode": [P(16, 32, 4, 3, 2, "bf16x3"), P(16, 64, 4, 3, 4)],
        "prefill": [P(64, 32, 4, 3, 2), P(128, 32, 8, 3, 2, "bf16x3"), P(64, 32, 8, 3, 2, "bf16x3"),
-                   P(64, 64, 8, 2, 2, "bf16x3"), P(32, 32, 4, 3, 4, "bf16x3"),
-                   P(64, 32, 4, 3, 2, "bf16x3", False, True),
-                   P(64, 32, 4, 3, 4, "bf16x3", False, True)]}
+                   P(64, 64, 8, 2, 2, "bf16x3"), P(32, 32, 4, 3, 4, "bf16x3")]}
 # From this many tokens up to HC_PREFILL_T the sweep tries the decode and the prefill candidates.
 MID_T_MIN = 64
 POST = [P(1, 256, 4, 3), P(1, 1024, 4, 3), P(1, 1024, 8, 3), P(1, 2048, 8, 3)]

@@ -15,7 +15,7 @@ the bits of the collapse followed by ``triton_norm.rms_norm``.  Other n take the
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +26,6 @@ from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.streams import comb_lane, comb_lane_active, join_comb_lane
 from dsv4.ops.triton_dense import (
     _dot_bf16x3,
-    mma,
     round_as,
     round_to_bf16,
     sm_count,
@@ -62,10 +61,8 @@ class HcPlan:
     mix: "fp32" (tf32x3 on the GPU, ieee where rejected and in the interpreter) or "bf16x3"
     (bf16 streams only: three exact bf16 parts of fn against the bf16 activation; fp32 streams
     take "fp32"); gates_once (the fused post + mixes only): load the post / comb gates once
-    before the D loop instead of each chunk (fewer instructions a chunk, more registers);
-    fn_parts ("bf16x3" on bf16 streams): read fn as its three bf16 parts split once
-    (:func:`fn_bf16x3`) instead of splitting each fp32 tile in the kernel.  Every choice but
-    mix gives the same bits."""
+    before the D loop instead of each chunk (fewer instructions a chunk, more registers; the
+    same bits)."""
 
     BT: int
     BD: int
@@ -74,7 +71,6 @@ class HcPlan:
     per_sm: int = 2
     mix: str = "fp32"
     gates_once: bool = False
-    fn_parts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BT", "BD", "num_warps"):
@@ -90,12 +86,9 @@ class HcPlan:
     def label(self) -> str:
         """Short text for tables: BTxBD/warps/stages/per_sm/mix."""
         return (f"BT{self.BT} BD{self.BD} w{self.num_warps} s{self.num_stages} "
-                f"sm{self.per_sm} {self.mix}" + (" g1" if self.gates_once else "")
-                + (" parts" if self.fn_parts else ""))
+                f"sm{self.per_sm} {self.mix}" + (" g1" if self.gates_once else ""))
 
 
-# The default plans' fn_parts (HcPlan): opt-in (DSV4_HC_FN_PARTS=1) until a GPU run measures it.
-HC_FN_PARTS = os.environ.get("DSV4_HC_FN_PARTS", "0") == "1"
 # From this many tokens the prefill plans apply; below, the decode plans of before (unchanged).
 HC_PREFILL_T = 1024
 # The fused post + mixes between decode and prefill sizes (a short prompt, a mixed step): from
@@ -111,6 +104,9 @@ HC_POST_PRE_WIDE_T = 256
 # ``rms_norm``.  Whether the fused form also holds the floor at prefill is not measured yet
 # (bench/sweep_glue.py times both at T = 8192); the threshold stays at the decode side until it is.
 HC_NORM_FUSED_T = HC_PREFILL_T
+# For A/B runs: "per_sm[,g1]" replaces the wide fused post + mixes plan's per_sm and gates_once
+# (e.g. DSV4_HC_WIDE_PLAN=1,g1).
+_WIDE_PLAN_ENV = os.environ.get("DSV4_HC_WIDE_PLAN", "")
 
 
 def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
@@ -124,21 +120,17 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
     fused post + mixes on 16-column chunks with 4 warps and ~4 programs per SM (8,192 tokens:
     577 µs against 795 for 32-column chunks at 8 warps, 1,255 before plans); the mixes alone on
     64-token tiles at 4 warps (259 µs, 187 registers, no spills)."""
-    plan = _pick_hc_plan(op, T, n, D, dtype)
-    if plan.mix == "bf16x3" and HC_FN_PARTS:
-        plan = replace(plan, fn_parts=True)
-    return plan
-
-
-def _pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
     mix = "bf16x3" if dtype == torch.bfloat16 else "fp32"
     chunk = max(triton.cdiv(16, n), min(128 // n, triton.next_power_of_2(D)))
     if op == "post":
         return HcPlan(BT=1, BD=min(512, triton.next_power_of_2(D)), num_warps=4, num_stages=3)
     if op not in ("pre", "post_pre"):
         raise ValueError(f"pick_hc_plan: op must be 'pre', 'post_pre' or 'post'; found {op!r}")
+    per_sm, gates_once = 4, False
+    if _WIDE_PLAN_ENV:
+        per_sm, gates_once = int(_WIDE_PLAN_ENV.split(",")[0]), _WIDE_PLAN_ENV.endswith(",g1")
     wide_post_pre = HcPlan(BT=64, BD=max(triton.cdiv(16, n), chunk // 2), num_warps=4,
-                           num_stages=3, per_sm=4, mix=mix)
+                           num_stages=3, per_sm=per_sm, mix=mix, gates_once=gates_once)
     if op == "post_pre" and HC_POST_PRE_MID_T <= T < HC_PREFILL_T:
         if T >= HC_POST_PRE_WIDE_T:
             return wide_post_pre
@@ -151,28 +143,13 @@ def _pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan
 
 
 @triton.jit
-def _dot_fn_parts(acc, a, parts_ptr, offs, mask, part_stride):
-    """acc += a @ f for a bf16 tile ``a`` and the fn tile at ``offs`` given as its three bf16
-    parts (:func:`fn_bf16x3`), in :func:`_dot_bf16x3`'s order: the same bits as splitting the
-    fp32 tile in the kernel, without the split's instructions and shared-memory round trips."""
-    f3 = tl.load(parts_ptr + 2 * part_stride + offs, mask=mask, other=0.0)
-    acc += mma(a, f3, "ieee")
-    f2 = tl.load(parts_ptr + part_stride + offs, mask=mask, other=0.0)
-    acc += mma(a, f2, "ieee")
-    f1 = tl.load(parts_ptr + offs, mask=mask, other=0.0)
-    acc += mma(a, f1, "ieee")
-    return acc
-
-
-@triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split,
                            NJ: tl.constexpr, NJP: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr, PRECISION: tl.constexpr, BF16X3: tl.constexpr,
-                           FN_PARTS: tl.constexpr = False, PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False):
     """Split-K partials of ``flatten(x) @ fn^T`` [T, NJ] and of Σ x² [T] (fp32).
 
-    BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts
-    (FN_PARTS: split ahead, fn_ptr is :func:`fn_bf16x3` [3, NJ, KTOT])."""
+    BF16X3 (bf16 x): the x tile is the MMA operand as loaded, fn in three exact bf16 parts."""
     grid_dependency_sync(PDL)
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
@@ -189,16 +166,12 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, KTOT, k_per_split
         xl = tl.load(x_ptr + rt[:, None] * KTOT + rk[None, :],
                      mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         xv = xl.to(tl.float32)
-        if FN_PARTS:
-            acc = _dot_fn_parts(acc, xl, fn_ptr, rj[None, :] * KTOT + rk[:, None],
-                                k_mask[:, None] & j_mask[None, :], NJ * KTOT)
+        fv = tl.load(fn_ptr + rj[None, :] * KTOT + rk[:, None],
+                     mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+        if BF16X3:
+            acc = _dot_bf16x3(acc, xl, fv)
         else:
-            fv = tl.load(fn_ptr + rj[None, :] * KTOT + rk[:, None],
-                         mask=k_mask[:, None] & j_mask[None, :], other=0.0)
-            if BF16X3:
-                acc = _dot_bf16x3(acc, xl, fv)
-            else:
-                acc += tl.dot(xv, fv, input_precision=PRECISION)
+            acc += tl.dot(xv, fv, input_precision=PRECISION)
         sq += tl.sum(xv * xv, axis=1)
     base = split * T
     tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
@@ -461,33 +434,6 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
 # "ieee" (FMA) is the fallback if this Triton build rejects it, and the interpreter's choice.
 _HC_PRECISIONS = ["tf32x3", "ieee"]
 
-# fn's parts by (data_ptr, version, shape, device), each with a weak reference to its fn.
-_FN_PARTS: dict[tuple, tuple[Any, torch.Tensor]] = {}
-
-
-def fn_bf16x3(fn: torch.Tensor) -> torch.Tensor:
-    """fp32 ``fn`` [rows, K] as three bf16 tensors [3, rows, K] whose sum is fn exactly (the
-    kernels' ``split_bf16x3``: round to nearest, then the exact remainders), cached per fn: the
-    mHC weights are split once, on first use (before any graph capture: the warm-up's)."""
-    import weakref
-
-    key = (fn.data_ptr(), fn._version, tuple(fn.shape), str(fn.device))
-    hit = _FN_PARTS.get(key)
-    if hit is not None and hit[0]() is fn:
-        return hit[1]
-    f = fn.float()
-    f1 = f.to(torch.bfloat16)
-    r = f - f1.float()
-    f2 = r.to(torch.bfloat16)
-    f3 = (r - f2.float()).to(torch.bfloat16)
-    parts = torch.stack((f1, f2, f3)).contiguous()
-    # (Entries of freed weights go when a new fn lands on their address.)
-    for k in [k for k, (ref, _) in _FN_PARTS.items() if ref() is None]:
-        del _FN_PARTS[k]
-    _FN_PARTS[key] = (weakref.ref(fn), parts)
-    return parts
-
-
 def _check_plan(name: str, plan: HcPlan, n: int, dot: bool) -> None:
     if dot and (plan.BT < 16 or n * plan.BD < 16):
         raise ValueError(f"{name}: the mixes dot needs BT >= 16 and n·BD >= 16; found BT "
@@ -495,17 +441,12 @@ def _check_plan(name: str, plan: HcPlan, n: int, dot: bool) -> None:
 
 
 def _launch_mixes(kernel: Any, grid: tuple[int, int], args: tuple, device: torch.device,
-                  plan: HcPlan, bf16x3: bool, fn: torch.Tensor, **constexprs: Any) -> None:
-    """Launch a mixes kernel with the first fp32 dot precision this Triton build accepts; fn
-    goes after ``args[:fn_at]`` as the fp32 tensor or (bf16x3, ``plan.fn_parts``) its
-    parts."""
-    parts = bf16x3 and plan.fn_parts
-    fn_at = constexprs.pop("fn_at")
-    args = (*args[:fn_at], fn_bf16x3(fn) if parts else fn, *args[fn_at:])
+                  plan: HcPlan, bf16x3: bool, **constexprs: Any) -> None:
+    """Launch a mixes kernel with the first fp32 dot precision this Triton build accepts."""
     precisions = _HC_PRECISIONS if device.type == "cuda" else ["ieee"]
     for i, prec in enumerate(precisions):
         try:
-            kernel[grid](*args, **constexprs, PRECISION=prec, BF16X3=bf16x3, FN_PARTS=parts,
+            kernel[grid](*args, **constexprs, PRECISION=prec, BF16X3=bf16x3,
                          num_warps=plan.num_warps, num_stages=plan.num_stages,
                          **pdl_args(args[0]))
             return
@@ -547,8 +488,8 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor, rows: int, name: str, plan: HcPla
     sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
     if T:
         _launch_mixes(_hc_mix_partial_kernel, (tiles, splits),
-                      (x, part, sq, T, ktot, k_per_split), x.device, plan,
-                      plan.mix == "bf16x3" and x.dtype == torch.bfloat16, fn, fn_at=1,
+                      (x, fn, part, sq, T, ktot, k_per_split), x.device, plan,
+                      plan.mix == "bf16x3" and x.dtype == torch.bfloat16,
                       NJ=rows, NJP=njp, BT=BT, BK=BK)
     return x, part, sq, splits, njp
 
@@ -757,14 +698,15 @@ def _gates(post_ptr, comb_ptr, rt, t_mask, k: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _post_stream(o, x0, x1, x2, x3, p, c0, c1, c2, c3, N: tl.constexpr):
     """Output stream k of hc_post: ``post_k·out`` then + comb[j, k]·x_j for j = 0..n-1, one
-    fused multiply-add each in this order (the same bits under every tile plan)."""
+    explicit fused multiply-add each in this order: the same bits under every tile plan (left
+    to the compiler, the contraction of ``a·b + c·d`` may take either product)."""
     new = p[:, None] * o
-    new += c0[:, None] * x0
+    new = tl.fma(c0[:, None], x0, new)
     if N > 1:
-        new += c1[:, None] * x1
+        new = tl.fma(c1[:, None], x1, new)
     if N > 2:
-        new += c2[:, None] * x2
-        new += c3[:, None] * x3
+        new = tl.fma(c2[:, None], x2, new)
+        new = tl.fma(c3[:, None], x3, new)
     return new
 
 
@@ -773,8 +715,7 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
                         T, D, d_per_split, N: tl.constexpr, NJ: tl.constexpr,
                         NJP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                         PRECISION: tl.constexpr, BF16X3: tl.constexpr,
-                        GATES_ONCE: tl.constexpr = False, FN_PARTS: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        GATES_ONCE: tl.constexpr = False, PDL: tl.constexpr = False):
     """hc_post for BT tokens and one D range of all n (1, 2 or 4) streams, stored once, plus
     the next pre's split-K partials (Σ x_new² and x_new @ fn^T over that range) from the
     stored values.
@@ -784,8 +725,8 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
     Each output stream k is its own 2-D [BT, BD] tile (the n input streams are loaded once per
     chunk) and its own dot against fn's columns k·D + d: no 3-D tile to reshape into an MMA
     operand.  Every x_new element is ``post_k·out`` then + comb[j, k]·x_res_j for j = 0..n-1
-    (one fused multiply-add each), whatever the plan: the stored streams are the same bits
-    under every tile plan.  BF16X3 (bf16 streams): the stored bf16 tile is the MMA operand, fn
+    (one explicit fused multiply-add each), whatever the plan: the stored streams are the same
+    bits under every tile plan.  BF16X3 (bf16 streams): the stored bf16 tile is the MMA operand, fn
     in three exact bf16 parts.
     """
     grid_dependency_sync(PDL)
@@ -828,12 +769,12 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
         for k in tl.static_range(N):
             if not GATES_ONCE:
                 new = tl.load(post_ptr + rt * N + k, mask=t_mask, other=0.0)[:, None] * o
-                new += _comb_col(comb_ptr, rt, t_mask, 0, k, N) * x0
+                new = tl.fma(_comb_col(comb_ptr, rt, t_mask, 0, k, N), x0, new)
                 if N > 1:
-                    new += _comb_col(comb_ptr, rt, t_mask, 1, k, N) * x1
+                    new = tl.fma(_comb_col(comb_ptr, rt, t_mask, 1, k, N), x1, new)
                 if N > 2:
-                    new += _comb_col(comb_ptr, rt, t_mask, 2, k, N) * x2
-                    new += _comb_col(comb_ptr, rt, t_mask, 3, k, N) * x3
+                    new = tl.fma(_comb_col(comb_ptr, rt, t_mask, 2, k, N), x2, new)
+                    new = tl.fma(_comb_col(comb_ptr, rt, t_mask, 3, k, N), x3, new)
             elif k == 0:
                 new = _post_stream(o, x0, x1, x2, x3, p0, c00, c01, c02, c03, N)
             elif k == 1:
@@ -850,17 +791,12 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
             new = stored.to(tl.float32)
             tl.store(xnew_ptr + rt[:, None] * (N * D) + k * D + rd[None, :], stored, mask=m2)
             sq += tl.sum(new * new, axis=1)
-            if FN_PARTS:
-                acc = _dot_fn_parts(acc, stored, fn_ptr, rj[None, :] * (N * D)
-                                    + (k * D + rd)[:, None], d_mask[:, None] & j_mask[None, :],
-                                    NJ * N * D)
+            fv = tl.load(fn_ptr + rj[None, :] * (N * D) + (k * D + rd)[:, None],
+                         mask=d_mask[:, None] & j_mask[None, :], other=0.0)
+            if BF16X3:
+                acc = _dot_bf16x3(acc, stored, fv)
             else:
-                fv = tl.load(fn_ptr + rj[None, :] * (N * D) + (k * D + rd)[:, None],
-                             mask=d_mask[:, None] & j_mask[None, :], other=0.0)
-                if BF16X3:
-                    acc = _dot_bf16x3(acc, stored, fv)
-                else:
-                    acc += tl.dot(new, fv, input_precision=PRECISION)
+                acc += tl.dot(new, fv, input_precision=PRECISION)
     base = split * T
     tl.store(part_ptr + (base + rt[:, None]) * NJP + rj[None, :], acc,
              mask=t_mask[:, None] & j_mask[None, :])
@@ -919,10 +855,11 @@ def hc_post_pre_with_plan(out: torch.Tensor, x_res: torch.Tensor, post: torch.Te
     part = torch.empty(splits, T, njp, dtype=torch.float32, device=dev)
     sq = torch.empty(splits, T, dtype=torch.float32, device=dev)
     args = (out.contiguous(), x_res.contiguous(), post.float().contiguous(),
-            comb.float().contiguous(), x_new, part, sq, T, D, d_per_split)
+            comb.float().contiguous(), fn.float().contiguous(), x_new, part, sq, T, D,
+            d_per_split)
     _launch_mixes(_hc_post_mix_kernel, (tiles, splits), args, dev, plan,
                   plan.mix == "bf16x3" and x_res.dtype == torch.bfloat16,
-                  fn.float().contiguous(), fn_at=4, N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD, GATES_ONCE=plan.gates_once)
+                  N=n, NJ=rows, NJP=njp, BT=plan.BT, BD=plan.BD, GATES_ONCE=plan.gates_once)
     y = _collapse(x_new, part, sq, splits, njp, scale, base, post_n, comb_n, norm_eps, hc_eps,
                   iters, norm_weight, rms_eps, fuse_norm)
     return x_new, y, post_n, comb_n

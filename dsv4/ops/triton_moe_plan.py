@@ -3,8 +3,8 @@ sorted by expert into row blocks of BM rows, each block owned by one expert.
 
 :func:`moe_plan` runs on the GPU without a host sync, so a step with it can be captured in a
 CUDA graph: up to :data:`SMALL_PLAN_MAX_PAIRS` pairs one one-program launch (decode), beyond
-three launches over chunks of :data:`PLAN_CHUNK` pairs (count, prefix, scatter: each chunk
-sorted in registers); :func:`moe_plan_torch` is its torch twin (about ten torch ops with a
+three launches over chunks of :data:`PLAN_CHUNK` pairs (count, prefix over the chunks,
+scatter); :func:`moe_plan_torch` is its torch twin (about ten torch ops with a
 stable sort), identical bit for bit.
 """
 
@@ -22,22 +22,18 @@ __all__ = ["SMALL_PLAN_MAX_PAIRS", "flat_ids", "moe_plan", "moe_plan_torch", "sm
 
 
 @triton.jit
-def _plan_count_kernel(ids_ptr, hist_ptr, below_ptr, pairs_ptr, P, E, ROWS, rows_per_chunk,
+def _plan_count_kernel(ids_ptr, hist_ptr, pairs_ptr, P, E, ROWS, rows_per_chunk,
                        NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
                        PDL: tl.constexpr = False):
     """Chunk c of BP pairs: its histogram of ids ``hist[c, e]`` (ids of other shards and the
-    tail past P in bin E, ignored) and ``below[c, e]`` = Σ_{e' < e} hist[c, e'] (where id e's
-    pairs start in the chunk sorted by id); and the padding value P in its share of the plan's
-    rows (the scatter writes the real pairs over it later in the stream)."""
+    tail past P in bin E, ignored); and the padding value P in its share of the plan's rows
+    (the scatter writes the real pairs over it later in the stream)."""
     grid_dependency_sync(PDL)
     c = tl.program_id(0)
     rp = c * BP + tl.arange(0, BP)
     ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-    h = tl.histogram(key, NBINS)
-    bins = tl.arange(0, NBINS)
-    tl.store(hist_ptr + c * NBINS + bins, h)
-    tl.store(below_ptr + c * NBINS + bins, tl.cumsum(h, 0) - h)
+    tl.store(hist_ptr + c * NBINS + tl.arange(0, NBINS), tl.histogram(key, NBINS))
     r0 = c * rows_per_chunk
     for r in range(r0, r0 + rows_per_chunk, BF):
         rr = r + tl.arange(0, BF)
@@ -63,37 +59,33 @@ def _plan_prefix_kernel(hist_ptr, before_ptr, counts_ptr, C, NBINS: tl.constexpr
 
 
 @triton.jit
-def _plan_scatter_kernel(ids_ptr, below_ptr, before_ptr, counts_ptr, first_ptr,
-                         pairs_ptr, bexp_ptr, P, E, NB, blocks_per_chunk, BM: tl.constexpr,
-                         NBINS: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """Chunk c: its pairs sorted by (id, pair index) in registers; the i-th of them (id e) goes
-    to row first_row(e) + before[c, e] + (i - below[c, e]), first_row(e) = BM · Σ_{e' < e}
-    ceil(count(e') / BM): ascending pair index within an expert, as the twin's stable sort.
-    Then the expert of the chunk's share of the blocks (E past the used ones)."""
+def _plan_scatter_kernel(ids_ptr, before_ptr, counts_ptr, first_ptr, pairs_ptr, bexp_ptr, P, E,
+                         NB, blocks_per_chunk, BM: tl.constexpr, NBINS: tl.constexpr,
+                         BP: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
+    """Chunk c: pair p (id e) goes to row first_row(e) + before[c, e] + #{q < p in the chunk
+    with id e} ([BP, BP] comparisons), first_row(e) = BM · Σ_{e' < e} ceil(count(e') / BM):
+    ascending pair index within an expert, as the twin's stable sort.  Then the expert of the
+    chunk's share of the blocks (E past the used ones)."""
     grid_dependency_sync(PDL)
     c = tl.program_id(0)
     bins = tl.arange(0, NBINS)
     counts = tl.load(counts_ptr + bins)
     blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
     blk_end = tl.cumsum(blocks, 0)
-    # first_row by id, through this program's own scratch row (a gather by the sorted ids).
+    # first_row by id through this program's own scratch row (a gather by the pairs' ids).
     tl.store(first_ptr + c * NBINS + bins, (blk_end - blocks) * BM)
     tl.debug_barrier()
     lane = tl.arange(0, BP)
     rp = c * BP + lane
     ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-    key = tl.where(rp < P, key, E + 1)
-    s = tl.sort(key * BP + lane)
-    e_s = s // BP
-    valid = e_s < E
-    e_i = tl.where(valid, e_s, 0)
-    row = c * NBINS + e_i
+    valid = (key < E) & (rp < P)
+    same = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    row = c * NBINS + tl.where(valid, key, 0)
     dest = (tl.load(first_ptr + row, mask=valid, other=0)
-            + tl.load(before_ptr + row, mask=valid, other=0)
-            + lane - tl.load(below_ptr + row, mask=valid, other=0))
-    tl.store(pairs_ptr + dest, c * BP + (s - e_s * BP), mask=valid)
+            + tl.load(before_ptr + row, mask=valid, other=0) + rank)
+    tl.store(pairs_ptr + dest, rp, mask=valid)
     # Block b belongs to the first expert whose blocks end after b (E: none, unused).
     for b0 in range(c * blocks_per_chunk, (c + 1) * blocks_per_chunk, BS):
         rb = b0 + tl.arange(0, BS)
@@ -161,8 +153,9 @@ def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.conste
 # Up to this many (token, pick) pairs moe_plan takes the one-program kernel (at most 10 tokens
 # of top-6 routing; [64, 64] comparisons and a [NB ≤ 128, 64] block map in registers).
 SMALL_PLAN_MAX_PAIRS = 64
-# Beyond, pairs in chunks of this many (sorted in registers, one program each).
-PLAN_CHUNK = 1024
+# Beyond, pairs in chunks of this many, one program each (ranks from [PLAN_CHUNK, PLAN_CHUNK]
+# comparisons).
+PLAN_CHUNK = 128
 
 
 def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -204,28 +197,26 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
                                      NBP=max(16, triton.next_power_of_2(nb)), RB=256,
                                      num_warps=4, **pdl_args(flat))
         return pairs, block_expert
-    # Chunks of BP pairs: count (histogram, padding rows), prefix over chunks (BB bins a
-    # program), scatter (sort each chunk in registers; the block map).  Bins: E real ones + bin
-    # E for skipped ids; >= 32 for the GPU lowering.
+    # Chunks of PLAN_CHUNK pairs: count (histogram, padding rows), prefix over chunks (BB bins
+    # a program), scatter (ranks within the chunk, the block map).  Bins: E real ones + bin E for
+    # skipped ids; >= 32 for the GPU lowering.
     nbins = max(32, triton.next_power_of_2(E + 1))
-    bp = min(PLAN_CHUNK, max(64, triton.next_power_of_2(P)))
+    bp = PLAN_CHUNK
     chunks = triton.cdiv(P, bp)
     dev = flat.device
     hist = torch.empty(chunks, nbins, dtype=torch.int32, device=dev)
-    below = torch.empty_like(hist)
     before = torch.empty_like(hist)
     first = torch.empty_like(hist)
     counts = torch.empty(nbins, dtype=torch.int32, device=dev)
     rows = nb * BM
-    _plan_count_kernel[(chunks,)](flat, hist, below, pairs, P, E, rows, triton.cdiv(rows, chunks),
-                                  NBINS=nbins, BP=bp, BF=1024, num_warps=4, **pdl_args(flat))
-    bb = min(nbins, 64)
+    _plan_count_kernel[(chunks,)](flat, hist, pairs, P, E, rows, triton.cdiv(rows, chunks),
+                                  NBINS=nbins, BP=bp, BF=256, num_warps=4, **pdl_args(flat))
+    bb = 32
     _plan_prefix_kernel[(nbins // bb,)](hist, before, counts, chunks, NBINS=nbins, BB=bb, CB=64,
                                         num_warps=4, **pdl_args(flat))
-    _plan_scatter_kernel[(chunks,)](flat, below, before, counts, first, pairs, block_expert,
-                                    P, E, nb, triton.cdiv(nb, chunks), BM=BM, NBINS=nbins,
-                                    BP=bp, BS=16, num_warps=8 if bp >= 1024 else 4,
-                                    **pdl_args(flat))
+    _plan_scatter_kernel[(chunks,)](flat, before, counts, first, pairs, block_expert, P, E, nb,
+                                    triton.cdiv(nb, chunks), BM=BM, NBINS=nbins, BP=bp, BS=16,
+                                    num_warps=4, **pdl_args(flat))
     return pairs, block_expert
 
 

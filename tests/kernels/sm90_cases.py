@@ -418,14 +418,11 @@ def _glue_plans() -> None:
         for plan in (wide, P(128, 32, 8, 2, 2, "bf16x3"),
                      P(32, 32, 4, 2, 4, "bf16x3"), P(64, 32, 4, 3, 2),
                      triton_mhc.pick_hc_plan("post_pre", 128, n, D, bf16),   # 2 warps
-                     # the gates loaded once, fn split ahead, both (same bits)
-                     replace(wide, gates_once=True), replace(wide, fn_parts=True),
-                     replace(wide, gates_once=True, fn_parts=True)):
+                     replace(wide, gates_once=not wide.gates_once)):   # (same bits)
             triton_mhc.hc_post_pre_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),
                                      _empty(T, n, dtype=f32), _empty(T, n, n, dtype=f32), fn,
                                      scale, base, 1e-6, 1e-6, 20, plan=plan)
-        for plan in (triton_mhc.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3"),
-                     replace(triton_mhc.pick_hc_plan("pre", T, n, D, bf16), fn_parts=True)):
+        for plan in (triton_mhc.pick_hc_plan("pre", T, n, D, bf16), P(128, 32, 8, 3, 2, "bf16x3")):
             triton_mhc.hc_pre_with_plan(_empty(T, n, D, dtype=bf16), fn, scale, base, 1e-6, 1e-6, 20,
                                 plan=plan)
     triton_mhc.hc_post_with_plan(_empty(T, D, dtype=bf16), _empty(T, n, D, dtype=bf16),

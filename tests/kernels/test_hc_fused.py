@@ -151,24 +151,3 @@ def test_gates_once_gives_the_same_bits_at_v4_flash_shapes() -> None:
     for u, v in zip(a, b):
         assert torch.equal(u, v) and torch.isfinite(u.float()).all()
 
-
-@needs_cuda
-@pytest.mark.parametrize("T", [1, 8192])
-def test_fn_parts_give_the_same_bits_at_v4_flash_shapes(T: int) -> None:
-    """fn split ahead into its bf16 parts (``fn_bf16x3``, round to nearest as the GPU's
-    conversion in the kernel): the fused post + mixes and the mixes alone (hc_pre) give every
-    output bit for bit against splitting fn's tiles in the kernel, at decode and prefill."""
-    from dataclasses import replace
-
-    from dsv4.ops import triton_mhc
-
-    args = _inputs(T, 4, 4096, torch.bfloat16, device="cuda", seed=T + 7)
-    plan = triton_mhc.pick_hc_plan("post_pre", T, 4, 4096, torch.bfloat16)
-    a = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=replace(plan, fn_parts=False))
-    b = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=replace(plan, fn_parts=True))
-    pre = triton_mhc.pick_hc_plan("pre", T, 4, 4096, torch.bfloat16)
-    c = triton_mhc.hc_pre_with_plan(args[1], *args[4:], **EPS, plan=replace(pre, fn_parts=False))
-    d = triton_mhc.hc_pre_with_plan(args[1], *args[4:], **EPS, plan=replace(pre, fn_parts=True))
-    torch.cuda.synchronize()
-    for u, v in zip((*a, *c), (*b, *d)):
-        assert torch.equal(u, v) and torch.isfinite(u.float()).all()

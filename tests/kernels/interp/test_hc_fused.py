@@ -76,36 +76,6 @@ def test_gates_once_gives_the_same_bits(T: int, n: int, D: int) -> None:
     assert rel_err(a[0].float(), ref.hc_post(*args[:4]).float()) < 4e-3
 
 
-@pytest.mark.parametrize("T,n,D", [(19, 4, 80), (3, 2, 40)])
-def test_fn_parts_match_the_twin(T: int, n: int, D: int) -> None:
-    """fn split ahead (``fn_bf16x3``): x_new bit for bit against the plan splitting in the kernel
-    (the post does not read fn), the mixes against the twin's pre of x_new (the interpreter's
-    in-kernel split truncates where fn_bf16x3 rounds: other exact parts, fp32 rounding apart)."""
-    args = _inputs(T, n, D, torch.bfloat16, seed=T * 3 + n)
-    plan = triton_mhc.HcPlan(16, 16, 4, 2, per_sm=1, mix="bf16x3")
-    parts = triton_mhc.HcPlan(16, 16, 4, 2, per_sm=1, mix="bf16x3", fn_parts=True)
-    x0 = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=plan)[0]
-    x_new, y, post, comb = triton_mhc.hc_post_pre_with_plan(*args, **EPS, plan=parts)
-    assert torch.equal(x0, x_new)
-    y_r, post_r, comb_r = ref.hc_pre(x_new, *args[4:], **EPS)
-    assert rel_err(post, post_r) < 1e-5 and rel_err(comb, comb_r) < 1e-5
-    assert rel_err(y.float(), y_r.float()) < 4e-3
-    y2, post2, comb2 = triton_mhc.hc_pre_with_plan(args[1], *args[4:], **EPS, plan=parts)
-    y2_r, post2_r, comb2_r = ref.hc_pre(args[1], *args[4:], **EPS)
-    assert rel_err(post2, post2_r) < 1e-5 and rel_err(comb2, comb2_r) < 1e-5
-
-
-def test_fn_bf16x3_parts_sum_to_fn_and_are_cached() -> None:
-    fn = torch.randn(24, 64, dtype=torch.float64).float() * 3.7
-    parts = triton_mhc.fn_bf16x3(fn)
-    assert parts.shape == (3, 24, 64) and parts.dtype == torch.bfloat16
-    assert torch.equal((parts[0].float() + parts[1].float()) + parts[2].float(), fn)
-    assert triton_mhc.fn_bf16x3(fn) is parts
-    fn.mul_(2)                                  # an in-place change: split again
-    again = triton_mhc.fn_bf16x3(fn)
-    assert again is not parts and torch.equal(again.float().sum(0), fn)
-
-
 def test_hc_post_pre_equals_unfused_kernels() -> None:
     """Same result as the two unfused kernels (hc_post then hc_pre) in the interpreter."""
     args = _inputs(5, 4, 64, torch.bfloat16, seed=3)
