@@ -5,8 +5,9 @@ the outputs agree):
   channel copied) against in place (the tail only);
 * wo_a (8 groups of 4,096 -> 1,024, bf16): einsum then wo_b's reshape (a copy of the
   batch-major result) against one batched GEMM written into [T, G, o_lora];
-* the routing plan (256 experts, top-6, 128-row blocks): the Triton kernel against its torch
-  twin (a stable sort and ~10 small ops).
+* the routing plan (256 experts, top-6, 128-row blocks): the Triton kernel (one program per
+  expert) against its torch twin (a stable sort and ~10 small ops) and the chunked kernels
+  (``moe_plan(..., chunked=True)``: three launches over chunks of 128 pairs).
 
     PYTHONPATH=. python bench/prefill_glue.py [--tokens 2048,8192,32768]
 
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             pbytes, "reference")
         row(T, "routing plan", "torch twin", us(lambda: triton_moe_plan.moe_plan_torch(
             ids, E, 128)), pbytes, same)
+        p3, b3 = triton_moe_plan.moe_plan(ids, E, 128, chunked=True)
+        same = "bits" if torch.equal(p1, p3) and torch.equal(b1, b3) else "DIFFERENT"
+        row(T, "routing plan", "Triton, chunks of 128 pairs", us(
+            lambda: triton_moe_plan.moe_plan(ids, E, 128, chunked=True)), pbytes, same)
     return 0
 
 

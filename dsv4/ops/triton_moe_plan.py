@@ -3,12 +3,14 @@ sorted by expert into row blocks of BM rows, each block owned by one expert.
 
 :func:`moe_plan` runs on the GPU without a host sync, so a step with it can be captured in a
 CUDA graph: up to :data:`SMALL_PLAN_MAX_PAIRS` pairs one one-program launch (decode), beyond
-three launches over chunks of :data:`PLAN_CHUNK` pairs (count, prefix over the chunks,
-scatter); :func:`moe_plan_torch` is its torch twin (about ten torch ops with a
-stable sort), identical bit for bit.
+one program per expert, or (:data:`MOE_PLAN_CHUNKED`) three launches over chunks of
+:data:`PLAN_CHUNK` pairs (count, prefix over the chunks, scatter).  :func:`moe_plan_torch` is
+its torch twin (about ten torch ops with a stable sort), identical bit for bit.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -19,6 +21,58 @@ from dsv4.ops.triton_dense import _INTERPRET_HOST
 
 __all__ = ["SMALL_PLAN_MAX_PAIRS", "flat_ids", "moe_plan", "moe_plan_torch", "small_plan_rows",
            "small_plan_store"]
+
+
+@triton.jit
+def _moe_plan_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
+                     NBINS: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """The routing plan of :func:`moe_plan_torch`, one program per expert e (program E fills
+    the unused tail): every program histograms all P ids (cheap: P ≤ a few 10^4 int loads from
+    L2) to find its first block, then writes its own pairs in pair order (a running cumsum:
+    stable, so the layout equals the twin's bit for bit), the padding of its last block and
+    the expert of its blocks.  Each output element is written by exactly one program."""
+    grid_dependency_sync(PDL)
+    e = tl.program_id(0)
+    bins = tl.arange(0, NBINS)
+    counts = tl.zeros((NBINS,), dtype=tl.int32)
+    for p0 in range(0, P, BP):
+        rp = p0 + tl.arange(0, BP)
+        ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
+        # Ids of other shards (and the masked tail) count in bin E, which is ignored.
+        key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        counts += tl.histogram(key, NBINS)
+    blocks = tl.where(bins < E, (counts + BM - 1) // BM, 0)
+    first_blk = tl.sum(tl.where(bins < e, blocks, 0))
+    if e < E:
+        my_count = tl.sum(tl.where(bins == e, counts, 0))
+        if my_count > 0:
+            my_blocks = (my_count + BM - 1) // BM
+            first_row = first_blk * BM
+            run = my_count * 0
+            for p0 in range(0, P, BP):
+                rp = p0 + tl.arange(0, BP)
+                ids = tl.load(ids_ptr + rp, mask=rp < P, other=-1)
+                hit = (ids == e) & (rp < P)
+                hit_i = hit.to(tl.int32)
+                dest = first_row + run + tl.cumsum(hit_i, 0) - 1
+                tl.store(pairs_ptr + dest, rp, mask=hit)
+                run += tl.sum(hit_i)
+            pad = first_row + my_count + tl.arange(0, BM)
+            tl.store(pairs_ptr + pad, tl.zeros((BM,), dtype=tl.int32) + P,
+                     mask=pad < (first_blk + my_blocks) * BM)
+            for b0 in range(0, my_blocks, BF):
+                rb = first_blk + b0 + tl.arange(0, BF)
+                tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + e,
+                         mask=rb < first_blk + my_blocks)
+    else:
+        # first_blk is the number of used blocks here: everything after it is unused.
+        for r0 in range(first_blk * BM, NB * BM, BF):
+            rr = r0 + tl.arange(0, BF)
+            tl.store(pairs_ptr + rr, tl.zeros((BF,), dtype=tl.int32) + P, mask=rr < NB * BM)
+        for b0 in range(first_blk, NB, BF):
+            rb = b0 + tl.arange(0, BF)
+            tl.store(bexp_ptr + rb, tl.zeros((BF,), dtype=tl.int32) + E, mask=rb < NB)
 
 
 @triton.jit
@@ -141,9 +195,9 @@ def small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first,
 def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.constexpr,
                            PP: tl.constexpr, NBP: tl.constexpr, RB: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """The plan of P <= PP pairs (decode) in one program (:func:`small_plan_rows`,
-    :func:`small_plan_store`): one launch instead of the chunked kernels' three on the critical
-    path of a decode step."""
+    """:func:`_moe_plan_kernel` for P <= PP pairs (decode) in one program
+    (:func:`small_plan_rows`, :func:`small_plan_store`), instead of E + 1 programs each
+    histogramming the ids (the decode plan took ~6 µs on the H200 critical path)."""
     grid_dependency_sync(PDL)
     rp, key, valid, dest, first, nblk, first_blk = small_plan_rows(ids_ptr, P, E, BM, PP)
     small_plan_store(pairs_ptr, bexp_ptr, P, E, NB, rp, key, valid, dest, first, nblk,
@@ -153,8 +207,12 @@ def _moe_plan_small_kernel(ids_ptr, pairs_ptr, bexp_ptr, P, E, NB, BM: tl.conste
 # Up to this many (token, pick) pairs moe_plan takes the one-program kernel (at most 10 tokens
 # of top-6 routing; [64, 64] comparisons and a [NB ≤ 128, 64] block map in registers).
 SMALL_PLAN_MAX_PAIRS = 64
-# Beyond, pairs in chunks of this many, one program each (ranks from [PLAN_CHUNK, PLAN_CHUNK]
-# comparisons).
+# Beyond, one program per expert (each histograms and scans every pair: ~43 / 197 / 803 µs at
+# 2K / 8K / 32K tokens of V4-Flash on an H100), or with DSV4_MOE_PLAN_CHUNKED=1 the chunked
+# kernels: pairs in chunks of PLAN_CHUNK, one program each (ranks from [PLAN_CHUNK, PLAN_CHUNK]
+# comparisons).  Opt-in until a GPU run times it (written in the fortieth session; a first form
+# sorting chunks of 1,024 pairs took 82 / 156 / 151 µs).
+MOE_PLAN_CHUNKED = os.environ.get("DSV4_MOE_PLAN_CHUNKED", "0") == "1"
 PLAN_CHUNK = 128
 
 
@@ -166,17 +224,17 @@ def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     return flat.contiguous()
 
 
-def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
+def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int, chunked: bool | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, pick) pairs by expert into row blocks of BM: Triton launches on CUDA
-    (and in the interpreter; one for decode sizes, three beyond), no host sync, CUDA-graph
-    capturable; the torch twin
+    (and in the interpreter), no host sync, CUDA-graph capturable; the torch twin
     :func:`moe_plan_torch` elsewhere.  Same outputs, bit for bit:
 
     ``pairs`` [nb·BM] int32 (pair index t·k + j, ascending within an expert, or P = T·k for
     padding) and ``block_expert`` [nb] int32 (the block's expert, or E past the used blocks),
     with nb = ceil(P / BM) + min(E, P), an upper bound of Σ_e ceil(count_e / BM).
     Pairs whose id is outside 0..E-1 (other expert-parallel shards) are left out.
+    ``chunked`` (None: :data:`MOE_PLAN_CHUNKED`) picks the chunked kernels past decode sizes.
     """
     if topk_ids.device.type != "cuda" and not _INTERPRET_HOST:
         return moe_plan_torch(topk_ids, num_experts, BM)
@@ -197,13 +255,27 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
                                      NBP=max(16, triton.next_power_of_2(nb)), RB=256,
                                      num_warps=4, **pdl_args(flat))
         return pairs, block_expert
+    if MOE_PLAN_CHUNKED if chunked is None else chunked:
+        _plan_chunked(flat, pairs, block_expert, E, BM, nb)
+        return pairs, block_expert
+    # Histogram bins: E real ones + bin E for skipped ids; >= 32 for the GPU lowering.
+    nbins = max(32, triton.next_power_of_2(E + 1))
+    bp = min(1024, max(64, triton.next_power_of_2(P)))
+    _moe_plan_kernel[(E + 1,)](flat, pairs, block_expert, P, E, nb, BM=BM, NBINS=nbins, BP=bp,
+                               BF=256, num_warps=4, **pdl_args(flat))
+    return pairs, block_expert
+
+
+def _plan_chunked(flat: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, E: int,
+                  BM: int, nb: int) -> None:
+    """:func:`moe_plan` past decode sizes in three launches over chunks of pairs."""
     # Chunks of PLAN_CHUNK pairs: count (histogram, padding rows), prefix over chunks (BB bins
     # a program), scatter (ranks within the chunk, the block map).  Bins: E real ones + bin E for
     # skipped ids; >= 32 for the GPU lowering.
+    P, dev = flat.numel(), flat.device
     nbins = max(32, triton.next_power_of_2(E + 1))
     bp = PLAN_CHUNK
     chunks = triton.cdiv(P, bp)
-    dev = flat.device
     hist = torch.empty(chunks, nbins, dtype=torch.int32, device=dev)
     before = torch.empty_like(hist)
     first = torch.empty_like(hist)
@@ -217,7 +289,6 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, BM: int
     _plan_scatter_kernel[(chunks,)](flat, before, counts, first, pairs, block_expert, P, E, nb,
                                     triton.cdiv(nb, chunks), BM=BM, NBINS=nbins, BP=bp, BS=16,
                                     num_warps=4, **pdl_args(flat))
-    return pairs, block_expert
 
 
 def moe_plan_torch(topk_ids: torch.Tensor, num_experts: int, BM: int

@@ -572,8 +572,9 @@ def _moe(m: ModelDims, fmt: str, phase: str, scale_fp32: bool = False) -> None:
             tm.moe_experts_with_config(_empty(T, m.dim, dtype=torch.bfloat16), ids,
                                        torch.rand(T, m.topk), ex, 10.0, cfg)
             # The routing plan's constexprs follow the real expert and pair counts.
-            tm.moe_plan(torch.randint(0, m.experts, (T_real, m.topk), generator=gen),
-                        m.experts, cfg.BM)
+            plan_ids = torch.randint(0, m.experts, (T_real, m.topk), generator=gen)
+            tm.moe_plan(plan_ids, m.experts, cfg.BM)
+            tm.moe_plan(plan_ids, m.experts, cfg.BM, chunked=True)
         if phase == "decode":
             # The split-K path (fp32 partials, arrival atomics) whatever the default rule picks.
             cfg = tm.pick_moe_config(m.topk, m.experts, m.dim, m.inter, bk)

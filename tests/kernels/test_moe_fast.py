@@ -50,8 +50,11 @@ def _routing(T: int, gen: torch.Generator):
     return ids, w / w.sum(-1, keepdim=True) * 1.5
 
 
-@pytest.mark.parametrize("T,BM", [(1, 16), (16, 16), (64, 16), (256, 16), (8192, 64), (777, 32)])
-def test_plan_kernel_equals_twin_gpu(T: int, BM: int) -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("T,BM", [(1, 16), (16, 16), (64, 16), (256, 16), (8192, 64), (777, 32),
+                                  (32768, 128)])
+def test_plan_kernel_equals_twin_gpu(T: int, BM: int, chunked: bool) -> None:
+    """Both forms past decode sizes (one program per expert; the chunked kernels)."""
     from dsv4.ops import triton_moe as tri
     gen = torch.Generator(device=DEV).manual_seed(T)
     ids, _ = _routing(T, gen)
@@ -59,10 +62,10 @@ def test_plan_kernel_equals_twin_gpu(T: int, BM: int) -> None:
         ids[1, 2] = -1
         ids[2, 0] = E + 5
     _poison()
-    pairs, bexp = tri.moe_plan(ids, E, BM)
+    pairs, bexp = tri.moe_plan(ids, E, BM, chunked=chunked)
     pairs_ref, bexp_ref = tri.moe_plan_torch(ids, E, BM)
     assert torch.equal(pairs, pairs_ref) and torch.equal(bexp, bexp_ref)
-    p32, b32 = tri.moe_plan(ids.to(torch.int32), E, BM)
+    p32, b32 = tri.moe_plan(ids.to(torch.int32), E, BM, chunked=chunked)
     assert torch.equal(p32, pairs_ref) and torch.equal(b32, bexp_ref)
 
 

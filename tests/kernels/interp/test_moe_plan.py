@@ -29,8 +29,9 @@ def _ids(T: int, k: int, E: int, gen: torch.Generator, p_other: float,
     return torch.where(swap, other, ids).to(dtype)
 
 
-def _check_same(ids: torch.Tensor, E: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs, bexp = tri.moe_plan(ids, E, BM)
+def _check_same(ids: torch.Tensor, E: int, BM: int, chunked: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs, bexp = tri.moe_plan(ids, E, BM, chunked=chunked)
     pairs_ref, bexp_ref = tri.moe_plan_torch(ids, E, BM)
     assert pairs.dtype == torch.int32 and bexp.dtype == torch.int32
     assert pairs.shape == pairs_ref.shape and bexp.shape == bexp_ref.shape
@@ -45,11 +46,14 @@ CASES = [(1, 1, 8, 16, 0.0), (1, 6, 256, 16, 0.0), (3, 2, 8, 32, 0.3), (16, 6, 2
          (500, 6, 48, 64, 0.0)]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("T,k,E,BM,p_other", CASES)
-def test_plan_kernel_equals_twin(T: int, k: int, E: int, BM: int, p_other: float) -> None:
+def test_plan_kernel_equals_twin(T: int, k: int, E: int, BM: int, p_other: float,
+                                 chunked: bool) -> None:
+    """Both forms past decode sizes: one program per expert, and the chunked kernels."""
     gen = torch.Generator().manual_seed(T * 31 + E + BM)
     ids = _ids(T, k, E, gen, p_other)
-    pairs, bexp = _check_same(ids, E, BM)
+    pairs, bexp = _check_same(ids, E, BM, chunked)
     # Independent checks of the contract (not only agreement with the twin).
     P = T * k
     assert bexp.shape[0] == -(-P // BM) + min(E, P)
@@ -63,20 +67,21 @@ def test_plan_kernel_equals_twin(T: int, k: int, E: int, BM: int, p_other: float
 @pytest.mark.parametrize("T,k,E,BM,p_other", [(110, 6, 64, 16, 0.1), (37, 6, 384, 32, 0.0)])
 def test_plan_kernel_many_chunks(monkeypatch: pytest.MonkeyPatch, T: int, k: int, E: int,
                                  BM: int, p_other: float) -> None:
-    """Chunks of 32 pairs instead of PLAN_CHUNK: ~20 and ~7 chunks, the last partial, every
-    expert's pairs spread over several chunks; 384 experts."""
+    """The chunked kernels on chunks of 32 pairs instead of PLAN_CHUNK: ~20 and ~7 chunks, the
+    last partial, every expert's pairs spread over several chunks; 384 experts."""
     from dsv4.ops import triton_moe_plan
     monkeypatch.setattr(triton_moe_plan, "PLAN_CHUNK", 32)
     gen = torch.Generator().manual_seed(T + E)
-    _check_same(_ids(T, k, E, gen, p_other), E, BM)
+    _check_same(_ids(T, k, E, gen, p_other), E, BM, chunked=True)
 
 
-def test_plan_kernel_int32_ids_and_skewed_routing() -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_plan_kernel_int32_ids_and_skewed_routing(chunked: bool) -> None:
     """int32 ids; every pair on two experts (blocks of one expert span many BM rows)."""
     gen = torch.Generator().manual_seed(7)
     ids = torch.where(torch.rand(300, 4, generator=gen) < 0.5, 3, 60).to(torch.int32)
     ids[5, 1] = -1
-    _, bexp = _check_same(ids, 64, 16)
+    _, bexp = _check_same(ids, 64, 16, chunked)
     used = bexp[bexp < 64]
     assert set(used.tolist()) == {3, 60}
     assert int((used == 3).sum()) == -(-int((ids == 3).sum()) // 16)
