@@ -6,7 +6,7 @@ top opcodes of its longest loop (the longest backward branch, ``bench/moe_sass_c
     PYTHONPATH=. python bench/sass_launch.py SCENARIO PATTERN [--top 8]
 
 e.g. ``glue_plans/v4_flash "_hc_post_mix_kernel.*BT=64, BD=16, PRECISION='tf32x3'"`` (the
-mHC post + mixes of an 8K prefill) or ``norm_rope/v4_flash _norm_rope_kernel``; run it again
+mHC post + mixes of an 8K prefill, with and without the gates once) or ``norm_rope/v4_flash _norm_rope_kernel``; run it again
 with ``DSV4_HW_BF16_ROUND=1`` to see that flag's code.  TRITON_INTERPRET must be unset.
 """
 
