@@ -434,6 +434,7 @@ def _hc_collapse4_kernel(x_ptr, part_ptr, sq_ptr, scale_ptr, base_ptr, y_ptr, po
 # "ieee" (FMA) is the fallback if this Triton build rejects it, and the interpreter's choice.
 _HC_PRECISIONS = ["tf32x3", "ieee"]
 
+
 def _check_plan(name: str, plan: HcPlan, n: int, dot: bool) -> None:
     if dot and (plan.BT < 16 or n * plan.BD < 16):
         raise ValueError(f"{name}: the mixes dot needs BT >= 16 and n·BD >= 16; found BT "
@@ -726,8 +727,8 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
     chunk) and its own dot against fn's columns k·D + d: no 3-D tile to reshape into an MMA
     operand.  Every x_new element is ``post_k·out`` then + comb[j, k]·x_res_j for j = 0..n-1
     (one explicit fused multiply-add each), whatever the plan: the stored streams are the same
-    bits under every tile plan.  BF16X3 (bf16 streams): the stored bf16 tile is the MMA operand, fn
-    in three exact bf16 parts.
+    bits under every tile plan.  BF16X3 (bf16 streams): the stored bf16 tile is the MMA
+    operand, fn in three exact bf16 parts.
     """
     grid_dependency_sync(PDL)
     pid_t = tl.program_id(0)
@@ -768,6 +769,8 @@ def _hc_post_mix_kernel(out_ptr, xr_ptr, post_ptr, comb_ptr, fn_ptr, xnew_ptr, p
             x3 = _load_stream(xr_ptr, rt, 3, N, D, rd, m2)
         for k in tl.static_range(N):
             if not GATES_ONCE:
+                # (_post_stream's chain, its loads beside their uses: as one helper call with
+                # the five loads first, the 8K plan needs 171 registers, past 3 blocks an SM.)
                 new = tl.load(post_ptr + rt * N + k, mask=t_mask, other=0.0)[:, None] * o
                 new = tl.fma(_comb_col(comb_ptr, rt, t_mask, 0, k, N), x0, new)
                 if N > 1:
