@@ -128,7 +128,11 @@ def pick_hc_plan(op: str, T: int, n: int, D: int, dtype: torch.dtype) -> HcPlan:
         raise ValueError(f"pick_hc_plan: op must be 'pre', 'post_pre' or 'post'; found {op!r}")
     per_sm, gates_once = 4, False
     if _WIDE_PLAN_ENV:
-        per_sm, gates_once = int(_WIDE_PLAN_ENV.split(",")[0]), _WIDE_PLAN_ENV.endswith(",g1")
+        head, _, tail = _WIDE_PLAN_ENV.partition(",")
+        if not head.isdigit() or int(head) < 1 or tail not in ("", "g1"):
+            raise ValueError(f"DSV4_HC_WIDE_PLAN must be 'per_sm' or 'per_sm,g1' (per_sm >= 1); "
+                             f"found {_WIDE_PLAN_ENV!r}")
+        per_sm, gates_once = int(head), tail == "g1"
     wide_post_pre = HcPlan(BT=64, BD=max(triton.cdiv(16, n), chunk // 2), num_warps=4,
                            num_stages=3, per_sm=per_sm, mix=mix, gates_once=gates_once)
     if op == "post_pre" and HC_POST_PRE_MID_T <= T < HC_PREFILL_T:

@@ -187,6 +187,22 @@ def test_plans_reject_bad_values() -> None:
     assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.float32).mix == "fp32"
 
 
+def test_wide_plan_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4_HC_WIDE_PLAN (A/B runs) sets the wide post + mixes plan's per_sm and gates_once,
+    nothing else; a malformed value is a clear error."""
+    import torch
+
+    from dsv4.ops import triton_mhc
+    monkeypatch.setattr(triton_mhc, "_WIDE_PLAN_ENV", "1,g1")
+    assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16) == triton_mhc.HcPlan(
+        64, 16, 4, 3, per_sm=1, mix="bf16x3", gates_once=True)
+    assert not triton_mhc.pick_hc_plan("post_pre", 1, 4, 4096, torch.bfloat16).gates_once
+    for bad in ("0", "x", "2,g2"):
+        monkeypatch.setattr(triton_mhc, "_WIDE_PLAN_ENV", bad)
+        with pytest.raises(ValueError, match="DSV4_HC_WIDE_PLAN"):
+            triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16)
+
+
 def test_sweep_tiny_smoke(tmp_path: Path) -> None:
     """bench/sweep_glue.py --tiny: the CPU interpreter run produces a table and JSON rows whose
     candidates agree with the default."""
