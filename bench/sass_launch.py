@@ -6,8 +6,9 @@ top opcodes of its longest loop (the longest backward branch, ``bench/moe_sass_c
     PYTHONPATH=. python bench/sass_launch.py SCENARIO PATTERN [--top 8]
 
 e.g. ``glue_plans/v4_flash "_hc_post_mix_kernel.*BT=64, BD=16, PRECISION='tf32x3'"`` (the
-mHC post + mixes of an 8K prefill, with and without the gates once) or ``norm_rope/v4_flash _norm_rope_kernel``; run it again
-with ``DSV4_HW_BF16_ROUND=1`` to see that flag's code.  TRITON_INTERPRET must be unset.
+mHC post + mixes of an 8K prefill, with and without the gates once) or
+``norm_rope/v4_flash _norm_rope_kernel``; run it again with ``DSV4_HW_BF16_ROUND=1`` to see
+that flag's code.  TRITON_INTERPRET must be unset.
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         seen.add(desc)
         sass, res = _sass(sc.compile_launch(launch).asm["cubin"])
         body, _ops = sass_opcodes(sass)
+        lines = loop_body(sass)
         # (The loop's instructions back in listing form, for the same opcode count.)
-        loop, loop_ops = sass_opcodes("\n".join(f"        /*0000*/ {s};"
-                                                 for s in loop_body(sass)))
+        loop, loop_ops = sass_opcodes("\n".join(f"        /*0000*/ {s};" for s in lines))
         usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
         if args.dump:
             with open(args.dump, "a") as f:
-                f.write(f"# {desc}\n" + "\n".join(loop_body(sass)) + "\n")
+                f.write(f"# {desc}\n" + "\n".join(lines) + "\n")
         print(desc[:desc.index(" num_warps")])
         # (A one-instruction "loop" is the branch-to-self after the kernel's exit.)
         tail = ("no loop" if len(loop) <= 1 else f"loop {len(loop)}: " + ", ".join(
