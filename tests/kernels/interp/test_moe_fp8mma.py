@@ -557,7 +557,7 @@ def _spread_experts(gen: torch.Generator, spread: int, wide_at: str | None = Non
     return ref.ExpertWeights(w1, w3, w2, 128, "fp4", s1, s3, s2)
 
 
-@pytest.mark.parametrize("T,k,spread", [(33, 6, 0), (64, 4, 7), (120, 2, 11), (200, 3, 11)])
+@pytest.mark.parametrize("T,k,spread", [(33, 6, 0), (64, 4, 7), (200, 3, 11)])
 def test_scale_spreads_up_to_the_limit(T: int, k: int, spread: int) -> None:
     """Scale spreads 0..FOLD_SPREAD inside the 128-wide steps (exactly the limit in half the
     rows): the scale-folded path runs (no fallback) and agrees with the twin and the bf16-MMA
