@@ -7,7 +7,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
-source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
+source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS, fastest_wide_plan
 nvidia-smi --query-gpu=name --format=csv,noheader
 stage tests 100 python -m pytest -q -rf tests/kernels/test_hc_fused.py tests/kernels/test_moe_fast.py \
     -k "gates or plans_agree or plan"
@@ -17,16 +17,7 @@ grep -h "routing plan" "$LOGS/glue.log"
 stage sweep 75 python bench/sweep_glue.py --ops hc_post_pre --tokens 8192 --budget 65 \
     --out "$LOGS/sweep.json"
 grep -h "^|" "$LOGS/sweep.log"
-best=$(python - "$LOGS/sweep.json" <<'PY'
-import json, re, sys
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r.get("T") == 8192 and "us" in r
-        and r.get("same") and "BT64 BD16 w4 s3" in r["plan"] and not r["plan"].startswith("default")]
-best = min(rows, key=lambda r: r["us"]) if rows else None
-if best:
-    sm = re.search(r"sm(\d+)", best["plan"]).group(1)
-    print(sm + (",g1" if best["plan"].endswith("g1") else ""))
-PY
-)
+best=$(fastest_wide_plan "$LOGS/sweep.json")
 echo "fastest same-bits wide plan: ${best:-none}"
 for v in base wide chunked base2; do
     case $v in

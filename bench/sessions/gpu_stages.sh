@@ -61,3 +61,16 @@ tp_stage() {  # tp_stage NAME SECS EXTRA...: the engine on one GPU (bench/tp_ben
         bench/tp_bench.py --layers 43 --experts $EXPERTS --graphs --no-warmup \
         --max-num-batched-tokens 2048 --budget $((secs - 15)) --out "$LOGS/$name.json" "$@"
 }
+fastest_wide_plan() {  # fastest_wide_plan SWEEP_JSON: "per_sm[,g1]" of the fastest 8K post +
+    # mixes candidate of bench/sweep_glue.py with the default's bits and tiles (BT64 BD16 w4
+    # s3), the DSV4_HC_WIDE_PLAN value for an A/B run; nothing when none qualifies
+    python - "$1" <<'PY'
+import json, re, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r.get("T") == 8192 and "us" in r
+        and r.get("same") and "BT64 BD16 w4 s3" in r["plan"] and not r["plan"].startswith("default")]
+best = min(rows, key=lambda r: r["us"]) if rows else None
+if best:
+    sm = re.search(r"sm(\d+)", best["plan"]).group(1)
+    print(sm + (",g1" if best["plan"].endswith("g1") else ""))
+PY
+}

@@ -193,8 +193,6 @@ def test_plans_reject_bad_values() -> None:
 def test_wide_plan_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """DSV4_HC_WIDE_PLAN (A/B runs) sets the wide post + mixes plan's per_sm and gates_once,
     nothing else; a malformed value is a clear error."""
-    import torch
-
     from dsv4.ops import triton_mhc
     monkeypatch.setattr(triton_mhc, "_WIDE_PLAN_ENV", "1,g1")
     assert triton_mhc.pick_hc_plan("post_pre", 8192, 4, 4096, torch.bfloat16) == triton_mhc.HcPlan(
