@@ -772,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-fp8-codes", action="store_true",
                     help="keep the MXFP4 experts' FP8 re-encoding on the GPU (the engine "
                          "option moe_fp8_codes): prefill's FP8-MMA experts skip re-encoding")
-    ap.add_argument("--prefill", default="1024,4096,8192", help="prompt lengths")
+    ap.add_argument("--prefill", default="1024,8192,32768",
+                    help="prompt lengths (the issue's 1K, 8K and 32K)")
     ap.add_argument("--decode-batches", default="1,16,64,256")
     ap.add_argument("--ctx", type=int, default=8192, help="context length of decode requests")
     ap.add_argument("--steps", type=int, default=5, help="timed eager decode steps")

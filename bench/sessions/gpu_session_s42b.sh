@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Forty-second session, second call (~380 s, any GPU; after gpu_session_s42a.sh): the rest of
-# what the fortieth session wrote.  The chunked routing plan (DSV4_MOE_PLAN_CHUNKED=1): its
-# forms' times (bench/prefill_glue.py) and the 4-layer 8K prefill against the default,
-# alternating; then every Triton kernel's GPU tests with DSV4_HW_BF16_ROUND=1.
+# Forty-second session, second call (~530 s, any GPU; after gpu_session_s42a.sh): the rest of
+# what the fortieth session wrote, and the issue's 4-layer table.  The chunked routing plan
+# (DSV4_MOE_PLAN_CHUNKED=1): its forms' times (bench/prefill_glue.py) and the 4-layer 8K
+# prefill against the default, alternating; then every Triton kernel's GPU tests with
+# DSV4_HW_BF16_ROUND=1.
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
@@ -12,6 +13,11 @@ stage plan_tests 60 python -m pytest -q -rf tests/kernels/test_moe_fast.py -k pl
 tail -n 3 "$LOGS/plan_tests.log"
 stage glue 40 python bench/prefill_glue.py --tokens 2048,8192,32768
 grep -h "routing plan" "$LOGS/glue.log"
+# The issue's whole 4-layer table at the current code (last taken on an H200 in the sixteenth
+# session): prefill 1K / 8K / 32K, decode B = 1 / 16 / 64 / 256 at 8K contexts.
+stage table4 150 python bench/flash_bench.py --layers 4 --prefill 1024,8192,32768 \
+    --decode-batches 1,16,64,256 --ctx 8192 --budget 135
+grep -h "prefill S=\|decode B=" "$LOGS/table4.log"
 for i in 1 2; do
     for v in base chunked; do
         env=""; [ $v = chunked ] && env="DSV4_MOE_PLAN_CHUNKED=1"
