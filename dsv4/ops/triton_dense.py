@@ -112,12 +112,14 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def round_to_bf16(v):
+def round_to_bf16(v, HW: tl.constexpr = HW_BF16_ROUND):
     """Round fp32 ``v`` to bf16 precision (nearest, ties to even), kept in fp32.
 
     The GPU's fp32→bf16 cast already rounds this way; the interpreter's truncates, so every bf16
-    store goes through here and both give the same bits (:data:`HW_BF16_ROUND`: the cast)."""
-    if HW_BF16_ROUND:
+    store goes through here and both give the same bits (``HW``, default
+    :data:`HW_BF16_ROUND`: the cast; a kernel form whose code the cast makes worse passes
+    False)."""
+    if HW:
         return v.to(tl.bfloat16).to(tl.float32)
     b = v.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
@@ -125,18 +127,20 @@ def round_to_bf16(v):
 
 
 @triton.jit
-def store_rne(ptrs, v, mask):
-    """Store fp32 ``v`` into ``ptrs`` (any float dtype), bf16 rounded to nearest-even."""
+def store_rne(ptrs, v, mask, HW: tl.constexpr = HW_BF16_ROUND):
+    """Store fp32 ``v`` into ``ptrs`` (any float dtype), bf16 rounded to nearest-even (``HW``:
+    as :func:`round_to_bf16`)."""
     if ptrs.dtype.element_ty == tl.bfloat16:
-        v = round_to_bf16(v)
+        v = round_to_bf16(v, HW)
     tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def round_as(v, ptr):
-    """fp32 ``v`` rounded as a store through ``ptr`` would round it (bf16 RNE), kept in fp32."""
+def round_as(v, ptr, HW: tl.constexpr = HW_BF16_ROUND):
+    """fp32 ``v`` rounded as a store through ``ptr`` would round it (bf16 RNE), kept in fp32
+    (``HW``: as :func:`round_to_bf16`)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        v = round_to_bf16(v)
+        v = round_to_bf16(v, HW)
     return v
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from dsv4.ops.pdl import grid_dependency_sync, pdl_args
 from dsv4.ops.torch_norm import check_norm_rope_args, check_rope_args
-from dsv4.ops.triton_dense import (pow2_from_exp, round_as, round_to_e4m3,
+from dsv4.ops.triton_dense import (HW_BF16_ROUND, pow2_from_exp, round_as, round_to_e4m3,
                                    store_rne, torch_twin_off_gpu, ue8m0_exponent)
 
 __all__ = ["rms_norm", "apply_rope", "head_norm_rope", "norm_rope", "MAX_DIM",
@@ -72,6 +72,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
     rotation of its last 2·half channels (pair j = channels nope+2j, nope+2j+1) by cos/sin of
     the row's token, optional FP8 fake quant of the first ``nope`` channels."""
     grid_dependency_sync(PDL)
+    # The cast rounding (HW_BF16_ROUND) doubles the registers of the multi-row rms_norm + RoPE
+    # forms (sm_90 SASS, forty-second session: 80 -> 162 / 167, more instructions): those keep
+    # the integer rounding; every other form's code shrinks with the cast.
+    HW: tl.constexpr = HW_BF16_ROUND and not (NORM == 1 and ROPE and BLOCK_R > 1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     r64 = rows.to(tl.int64)
@@ -113,30 +117,30 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
                 y = w[None, :] * y
                 a = wa * a
                 b = wb * b
-            y = round_as(y, y_ptr)
+            y = round_as(y, y_ptr, HW)
         else:
             # The reference's q renorm in q's dtype: each torch op rounds (bf16) in turn.
-            sq = round_as(x * x, y_ptr)
-            mean_sq = round_as(tl.div_rn(tl.sum(sq, axis=1), d_f), y_ptr)
-            mean_sq = round_as(mean_sq + eps, y_ptr)
-            r = round_as(tl.div_rn(1.0, tl.sqrt_rn(mean_sq)), y_ptr)
-            y = round_as(x * r[:, None], y_ptr)
+            sq = round_as(x * x, y_ptr, HW)
+            mean_sq = round_as(tl.div_rn(tl.sum(sq, axis=1), d_f), y_ptr, HW)
+            mean_sq = round_as(mean_sq + eps, y_ptr, HW)
+            r = round_as(tl.div_rn(1.0, tl.sqrt_rn(mean_sq)), y_ptr, HW)
+            y = round_as(x * r[:, None], y_ptr, HW)
             a = a * r[:, None]
             b = b * r[:, None]
         # The rotation starts from the norm's rounded output, as in apply_rope(norm(x)).
-        a = round_as(a, y_ptr)
-        b = round_as(b, y_ptr)
+        a = round_as(a, y_ptr, HW)
+        b = round_as(b, y_ptr, HW)
         if FP8_BLOCK > 0:
             y = _fake_quant_fp8(tl.where(head_mask, y, 0.0), BLOCK_R, BLOCK_D, FP8_BLOCK)
-        store_rne(y_row[:, None] + cols[None, :], y, head_mask)
+        store_rne(y_row[:, None] + cols[None, :], y, head_mask, HW)
 
     if ROPE:
         c = tl.load(cos_ptr + t[:, None] * stride_c + j[None, :], mask=pmask, other=0.0)
         s = tl.load(sin_ptr + t[:, None] * stride_c + j[None, :], mask=pmask, other=0.0)
         if INVERSE:
             s = -s
-        store_rne(y_row[:, None] + even, a * c - b * s, pmask)
-        store_rne(y_row[:, None] + even + 1, a * s + b * c, pmask)
+        store_rne(y_row[:, None] + even, a * c - b * s, pmask, HW)
+        store_rne(y_row[:, None] + even + 1, a * s + b * c, pmask, HW)
 
 
 def _twin(module: str, name: str, *args: Any, **kwargs: Any) -> Any:
