@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# Forty-second session, second call (~530 s, any GPU; after gpu_session_s42a.sh): the rest of
-# what the fortieth session wrote, and the issue's 4-layer table.  The chunked routing plan
-# (DSV4_MOE_PLAN_CHUNKED=1): its forms' times (bench/prefill_glue.py) and the 4-layer 8K
-# prefill against the default, alternating; then every Triton kernel's GPU tests with
-# DSV4_HW_BF16_ROUND=1.
+# Forty-second session, second call (~470 s, any GPU; after gpu_session_s42a.sh, whose tests
+# stage checks the routing plan's bits): the rest of what the fortieth session wrote, and the
+# issue's 4-layer table.  The chunked routing plan (DSV4_MOE_PLAN_CHUNKED=1): its forms' times
+# (bench/prefill_glue.py) and the 4-layer 8K prefill against the default, alternating; then
+# every Triton kernel's GPU tests with DSV4_HW_BF16_ROUND=1.
 set -u
 cd "$(dirname "$0")/../.."
 export TCACHE_MAX_MB=0
 source bench/sessions/gpu_stages.sh   # OUT, LOGS, stage, EXPERTS
 nvidia-smi --query-gpu=name --format=csv,noheader
-stage plan_tests 60 python -m pytest -q -rf tests/kernels/test_moe_fast.py -k plan
-tail -n 3 "$LOGS/plan_tests.log"
 stage glue 40 python bench/prefill_glue.py --tokens 2048,8192,32768
 grep -h "routing plan" "$LOGS/glue.log"
 # The issue's whole 4-layer table at the current code (last taken on an H200 in the sixteenth
